@@ -1,0 +1,359 @@
+#include "io/config.h"
+
+#include <fmt/format.h>
+
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <map>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <toml++/toml.h>
+
+namespace trainer {
+namespace {
+
+// Where a value came from, for error messages: "file:line:col" or "--set a.b=c".
+using Origins = std::map<std::string, std::string>;
+
+std::string where(const toml::node& node, const std::string& file) {
+  const auto& s = node.source();
+  return fmt::format("{}:{}:{}", file, s.begin.line, s.begin.column);
+}
+
+const char* type_name(const toml::node& n) {
+  switch (n.type()) {
+    case toml::node_type::string: return "a string";
+    case toml::node_type::integer: return "an integer";
+    case toml::node_type::floating_point: return "a float";
+    case toml::node_type::boolean: return "a boolean";
+    case toml::node_type::array: return "an array";
+    case toml::node_type::table: return "a table";
+    default: return "a date/time";
+  }
+}
+
+// Reads the keys of one section into typed fields; every key must be consumed.
+class SectionReader {
+ public:
+  SectionReader(toml::table& root, std::string section, const std::string& file,
+                const Origins& overrides)
+      : section_(std::move(section)), file_(file), overrides_(overrides) {
+    if (toml::node* n = root.get(section_)) {
+      table_ = n->as_table();
+      if (!table_) fail(*n, fmt::format("expected a table [{}], found {}", section_, type_name(*n)));
+    }
+  }
+
+  template <class T, class Check = std::nullptr_t>
+  void field(const std::string& key, T& out, Check check = nullptr) {
+    if (!table_) return;
+    toml::node* node = table_->get(key);
+    if (!node) return;
+    seen_.insert(key);
+    key_ = key;
+    read(*node, out);
+    if constexpr (!std::is_same_v<Check, std::nullptr_t>) {
+      if (std::optional<std::string> problem = check(out)) fail(*node, *problem);
+    }
+  }
+
+  // Where `key` was set (for cross-field errors), or the section if it was not.
+  std::string origin(const std::string& key) const {
+    std::string full = section_ + "." + key;
+    if (auto it = overrides_.find(full); it != overrides_.end()) return it->second;
+    if (table_)
+      if (const toml::node* n = table_->get(key)) return where(*n, file_);
+    return file_;
+  }
+
+  void finish() {
+    if (!table_) return;
+    for (auto& [k, v] : *table_)
+      if (!seen_.count(std::string(k.str()))) {
+        key_ = std::string(k.str());
+        fail(v, "unknown key");
+      }
+  }
+
+  [[noreturn]] void fail(const toml::node& node, const std::string& what) const {
+    std::string full = section_ + "." + key_;
+    auto it = overrides_.find(full);
+    std::string at = it != overrides_.end() ? it->second : where(node, file_);
+    if (key_.empty()) throw ConfigError(fmt::format("{}: [{}]: {}", at, section_, what));
+    throw ConfigError(fmt::format("{}: [{}] {}: {}", at, section_, key_, what));
+  }
+
+ private:
+  [[noreturn]] void wrong_type(const toml::node& n, const char* expected) const {
+    fail(n, fmt::format("expected {}, found {}", expected, type_name(n)));
+  }
+  void read(const toml::node& n, int& out) const {
+    auto v = n.value_exact<int64_t>();
+    if (!v) wrong_type(n, "an integer");
+    if (*v < std::numeric_limits<int>::min() || *v > std::numeric_limits<int>::max())
+      fail(n, fmt::format("{} does not fit in 32 bits", *v));
+    out = int(*v);
+  }
+  void read(const toml::node& n, uint64_t& out) const {
+    auto v = n.value_exact<int64_t>();
+    if (!v) wrong_type(n, "an integer");
+    if (*v < 0) fail(n, fmt::format("must be >= 0, found {}", *v));
+    out = uint64_t(*v);
+  }
+  void read(const toml::node& n, double& out) const {
+    if (auto v = n.value_exact<double>()) out = *v;
+    else if (auto i = n.value_exact<int64_t>()) out = double(*i);
+    else wrong_type(n, "a number");
+  }
+  void read(const toml::node& n, bool& out) const {
+    auto v = n.value_exact<bool>();
+    if (!v) wrong_type(n, "a boolean");
+    out = *v;
+  }
+  void read(const toml::node& n, std::string& out) const {
+    auto v = n.value_exact<std::string>();
+    if (!v) wrong_type(n, "a string");
+    out = *v;
+  }
+  void read(const toml::node& n, std::vector<std::string>& out) const {
+    if (auto s = n.value_exact<std::string>()) {
+      out = {*s};
+      return;
+    }
+    const toml::array* a = n.as_array();
+    if (!a || a->empty()) wrong_type(n, "a string or a non-empty array of strings");
+    out.clear();
+    for (const auto& e : *a) {
+      auto s = e.value_exact<std::string>();
+      if (!s) wrong_type(e, "a string");
+      out.push_back(*s);
+    }
+  }
+  void read(const toml::node& n, std::array<double, 2>& out) const {
+    const toml::array* a = n.as_array();
+    if (!a || a->size() != 2) wrong_type(n, "an array of two numbers");
+    for (size_t i = 0; i < 2; i++) read(*a->get(i), out[i]);
+  }
+
+  toml::table* table_ = nullptr;
+  std::string section_, key_;
+  const std::string& file_;
+  const Origins& overrides_;
+  std::set<std::string> seen_;
+};
+
+// Range checks: return a message when the value is out of range.
+auto at_least(double lo) {
+  return [lo](auto v) -> std::optional<std::string> {
+    if (double(v) >= lo) return std::nullopt;
+    return fmt::format("must be >= {}, found {}", lo, v);
+  };
+}
+auto in_range(double lo, double hi) {
+  return [lo, hi](auto v) -> std::optional<std::string> {
+    if (double(v) >= lo && double(v) <= hi) return std::nullopt;
+    return fmt::format("must be in [{}, {}], found {}", lo, hi, v);
+  };
+}
+auto one_of(std::vector<std::string> allowed) {
+  return [allowed](const std::string& v) -> std::optional<std::string> {
+    for (const auto& a : allowed)
+      if (v == a) return std::nullopt;
+    std::string list;
+    for (const auto& a : allowed) list += (list.empty() ? "\"" : ", \"") + a + "\"";
+    return fmt::format("must be one of {}, found \"{}\"", list, v);
+  };
+}
+
+void apply_override(toml::table& root, const std::string& item, Origins& origins) {
+  const std::string origin = "--set " + item;
+  const size_t eq = item.find('=');
+  const size_t dot = item.find('.');
+  if (eq == std::string::npos || dot == std::string::npos || dot > eq || dot == 0 ||
+      dot + 1 == eq)
+    throw ConfigError(fmt::format("{}: expected section.key=value", origin));
+  const std::string section = item.substr(0, dot), key = item.substr(dot + 1, eq - dot - 1);
+  const std::string value = item.substr(eq + 1);
+  toml::table parsed;
+  try {
+    parsed = toml::parse("v = " + value);
+  } catch (const toml::parse_error&) {
+    parsed.insert_or_assign("v", value);  // a bare word: take it as a string
+  }
+  toml::node* section_node = root.get(section);
+  if (!section_node) {
+    root.insert_or_assign(section, toml::table{});
+    section_node = root.get(section);
+  }
+  toml::table* table = section_node->as_table();
+  if (!table) throw ConfigError(fmt::format("{}: [{}] is not a table", origin, section));
+  table->insert_or_assign(key, std::move(*parsed.get("v")));
+  origins[section + "." + key] = origin;
+}
+
+void check_model(const Config& c, SectionReader& r) {
+  const GPTConfig& m = c.model;
+  if (m.d_model % m.n_head != 0)
+    throw ConfigError(fmt::format("{}: [model] n_head: n_head = {} must divide d_model = {}",
+                                  r.origin("n_head"), m.n_head, m.d_model));
+}
+
+}  // namespace
+
+Config parse_config(const std::string& text, const std::string& origin,
+                    const std::vector<std::string>& overrides) {
+  toml::table root;
+  try {
+    root = toml::parse(text, origin);
+  } catch (const toml::parse_error& e) {
+    const auto& s = e.source();
+    throw ConfigError(fmt::format("{}:{}:{}: invalid TOML: {}", origin, s.begin.line,
+                                  s.begin.column, e.description()));
+  }
+  Origins origins;
+  for (const auto& item : overrides) apply_override(root, item, origins);
+
+  static const std::set<std::string> sections = {"run", "model", "data", "train", "optim"};
+  for (auto& [k, v] : root)
+    if (!sections.count(std::string(k.str()))) {
+      std::string at = where(v, origin);
+      for (const auto& [key, o] : origins)
+        if (key.starts_with(std::string(k.str()) + ".")) at = o;
+      throw ConfigError(fmt::format(
+          "{}: unknown section [{}] (expected run, model, data, train or optim)", at, k.str()));
+    }
+
+  Config c;
+  {
+    SectionReader r(root, "run", origin, origins);
+    r.field("name", c.run.name);
+    r.field("out_dir", c.run.out_dir);
+    r.field("seed", c.run.seed);
+    r.field("device", c.run.device, one_of({"cpu"}));
+    r.field("threads", c.run.threads, in_range(0, 1024));
+    r.field("peak_tflops", c.run.peak_tflops, at_least(0));
+    r.finish();
+  }
+  {
+    SectionReader r(root, "model", origin, origins);
+    r.field("vocab_size", c.model.vocab_size, in_range(2, 1 << 24));
+    r.field("vocab_multiple", c.model.vocab_multiple, in_range(1, 4096));
+    r.field("seq_len", c.model.seq_len, in_range(1, 1 << 20));
+    r.field("n_layer", c.model.n_layer, in_range(1, 1024));
+    r.field("n_head", c.model.n_head, in_range(1, 1024));
+    r.field("d_model", c.model.d_model, in_range(1, 1 << 16));
+    r.finish();
+    check_model(c, r);
+  }
+  {
+    SectionReader r(root, "data", origin, origins);
+    r.field("train", c.data.train);
+    r.field("val", c.data.val);
+    r.field("prefetch", c.data.prefetch, in_range(1, 1024));
+    r.finish();
+  }
+  {
+    SectionReader r(root, "train", origin, origins);
+    TrainConfig& t = c.train;
+    r.field("micro_batch", t.micro_batch, in_range(1, 1 << 16));
+    r.field("grad_accum", t.grad_accum, in_range(1, 1 << 16));
+    r.field("steps", t.steps, at_least(0));
+    r.field("log_every", t.log_every, at_least(1));
+    r.field("val_every", t.val_every, at_least(0));
+    r.field("val_batches", t.val_batches, at_least(1));
+    r.field("sample_every", t.sample_every, at_least(0));
+    r.field("sample_tokens", t.sample_tokens, at_least(1));
+    r.field("sample_prompt", t.sample_prompt);
+    r.field("sample_temperature", t.sample_temperature, in_range(1e-3, 100));
+    r.field("sample_top_k", t.sample_top_k, at_least(0));
+    r.field("checkpoint_every", t.checkpoint_every, at_least(0));
+    r.finish();
+  }
+  {
+    SectionReader r(root, "optim", origin, origins);
+    OptimConfig& o = c.optim;
+    r.field("name", o.name, one_of({"adamw"}));
+    r.field("lr", o.lr, in_range(0, 10));
+    r.field("min_lr", o.min_lr, in_range(0, 10));
+    r.field("betas", o.betas, [](const std::array<double, 2>& b) -> std::optional<std::string> {
+      if (b[0] >= 0 && b[0] < 1 && b[1] >= 0 && b[1] < 1) return std::nullopt;
+      return fmt::format("each beta must be in [0, 1), found [{}, {}]", b[0], b[1]);
+    });
+    r.field("eps", o.eps, in_range(0, 1));
+    r.field("weight_decay", o.weight_decay, in_range(0, 10));
+    r.field("max_grad_norm", o.max_grad_norm, at_least(0));
+    r.field("warmup_steps", o.warmup_steps, at_least(0));
+    r.field("schedule", o.schedule, one_of({"cosine", "linear", "constant"}));
+    r.field("decay_embeddings", o.decay_embeddings);
+    r.field("decay_norms_and_biases", o.decay_norms_and_biases);
+    r.finish();
+    if (o.min_lr > o.lr)
+      throw ConfigError(fmt::format("{}: [optim] min_lr: min_lr = {} must not exceed lr = {}",
+                                    r.origin("min_lr"), o.min_lr, o.lr));
+  }
+  return c;
+}
+
+Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
+  if (path.empty()) return parse_config("", "<defaults>", overrides);
+  std::ifstream in(path);
+  if (!in) throw ConfigError(fmt::format("{}: cannot open config file", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return parse_config(ss.str(), path, overrides);
+}
+
+std::string config_to_toml(const Config& c) {
+  auto strings = [](const std::vector<std::string>& v) {
+    toml::array a;
+    for (const auto& s : v) a.push_back(s);
+    return a;
+  };
+  toml::table root{
+      {"run", toml::table{{"name", c.run.name},
+                          {"out_dir", c.run.out_dir},
+                          {"seed", int64_t(c.run.seed)},
+                          {"device", c.run.device},
+                          {"threads", c.run.threads},
+                          {"peak_tflops", c.run.peak_tflops}}},
+      {"model", toml::table{{"vocab_size", c.model.vocab_size},
+                            {"vocab_multiple", c.model.vocab_multiple},
+                            {"seq_len", c.model.seq_len},
+                            {"n_layer", c.model.n_layer},
+                            {"n_head", c.model.n_head},
+                            {"d_model", c.model.d_model}}},
+      {"data", toml::table{{"train", strings(c.data.train)},
+                           {"val", strings(c.data.val)},
+                           {"prefetch", c.data.prefetch}}},
+      {"train", toml::table{{"micro_batch", c.train.micro_batch},
+                            {"grad_accum", c.train.grad_accum},
+                            {"steps", c.train.steps},
+                            {"log_every", c.train.log_every},
+                            {"val_every", c.train.val_every},
+                            {"val_batches", c.train.val_batches},
+                            {"sample_every", c.train.sample_every},
+                            {"sample_tokens", c.train.sample_tokens},
+                            {"sample_prompt", c.train.sample_prompt},
+                            {"sample_temperature", c.train.sample_temperature},
+                            {"sample_top_k", c.train.sample_top_k},
+                            {"checkpoint_every", c.train.checkpoint_every}}},
+      {"optim", toml::table{{"name", c.optim.name},
+                            {"lr", c.optim.lr},
+                            {"min_lr", c.optim.min_lr},
+                            {"betas", toml::array{c.optim.betas[0], c.optim.betas[1]}},
+                            {"eps", c.optim.eps},
+                            {"weight_decay", c.optim.weight_decay},
+                            {"max_grad_norm", c.optim.max_grad_norm},
+                            {"warmup_steps", c.optim.warmup_steps},
+                            {"schedule", c.optim.schedule},
+                            {"decay_embeddings", c.optim.decay_embeddings},
+                            {"decay_norms_and_biases", c.optim.decay_norms_and_biases}}},
+  };
+  std::stringstream ss;
+  ss << "# resolved trainer config: every key, defaults included\n" << root << "\n";
+  return ss.str();
+}
+
+}  // namespace trainer

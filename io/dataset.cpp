@@ -1,0 +1,124 @@
+#include "io/dataset.h"
+
+#include <fmt/format.h>
+
+#include <chrono>
+#include <random>
+
+#include "model/init.h"
+
+namespace trainer {
+
+Dataset::Dataset(const std::vector<std::string>& paths, int vocab_size, int T) : T_(T) {
+  for (const auto& p : paths) {
+    shards_.emplace_back(p, vocab_size);
+    const TokenShard& s = shards_.back();
+    const int64_t n = (s.size() - 1) / T;
+    if (n < 1)
+      throw DataError(fmt::format("{}: {} tokens are fewer than one window of seq_len + 1 = {}",
+                                  p, s.size(), T + 1));
+    for (int64_t k = 0; k < n; k++) starts_.emplace_back(int32_t(shards_.size() - 1), k * T);
+    tokens_ += s.size();
+  }
+}
+
+void Dataset::window(int64_t w, int32_t* inputs, int32_t* targets) const {
+  const auto [shard, start] = starts_[w];
+  shards_[shard].read(start, T_, inputs);
+  shards_[shard].read(start + 1, T_, targets);
+}
+
+int64_t SampleOrder::window(int64_t sample) {
+  const int64_t epoch = sample / windows_;
+  if (epoch != epoch_) {
+    perm_.resize(windows_);
+    for (int64_t i = 0; i < windows_; i++) perm_[i] = i;
+    std::mt19937_64 rng(mix64(seed_ ^ mix64(uint64_t(epoch) + 0x5eed)));
+    // Fisher-Yates with our own index draw: std::shuffle's use of the engine is unspecified,
+    // and the order must be identical across standard libraries.
+    for (int64_t i = windows_ - 1; i > 0; i--) std::swap(perm_[i], perm_[rng() % uint64_t(i + 1)]);
+    epoch_ = epoch;
+  }
+  return perm_[sample % windows_];
+}
+
+DataLoader::DataLoader(const Dataset& data, int B, int T, int grad_accum, uint64_t seed,
+                       int prefetch, int64_t first_step)
+    : data_(data), B_(B), T_(T), accum_(grad_accum), order_(data.windows(), seed),
+      next_step_(first_step) {
+  for (int i = 0; i < prefetch; i++) {
+    Batch b;
+    b.inputs.resize(size_t(B) * T);
+    b.targets.resize(size_t(B) * T);
+    free_.push_back(std::move(b));
+  }
+  thread_ = std::thread([this] { produce(); });
+}
+
+DataLoader::~DataLoader() {
+  {
+    std::lock_guard lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void DataLoader::produce() {
+  for (;;) {
+    Batch b;
+    {
+      std::unique_lock lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || !free_.empty(); });
+      if (stop_) return;
+      b = std::move(free_.front());
+      free_.pop_front();
+    }
+    b.step = next_step_;
+    b.micro = next_micro_;
+    for (int r = 0; r < B_; r++) {
+      const int64_t sample = (b.step * accum_ + b.micro) * B_ + r;
+      data_.window(order_.window(sample), b.inputs.data() + int64_t(r) * T_,
+                   b.targets.data() + int64_t(r) * T_);
+    }
+    if (++next_micro_ == accum_) {
+      next_micro_ = 0;
+      next_step_++;
+    }
+    {
+      std::lock_guard lock(mu_);
+      ready_.push_back(std::move(b));
+    }
+    cv_.notify_all();
+  }
+}
+
+const Batch& DataLoader::next() {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::unique_lock lock(mu_);
+  if (!current_.inputs.empty()) free_.push_back(std::move(current_));
+  cv_.notify_all();
+  cv_.wait(lock, [&] { return !ready_.empty(); });
+  current_ = std::move(ready_.front());
+  ready_.pop_front();
+  wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return current_;
+}
+
+double DataLoader::take_wait_seconds() {
+  std::lock_guard lock(mu_);
+  double w = wait_s_;
+  wait_s_ = 0;
+  return w;
+}
+
+void validation_batch(const Dataset& data, int index, int B, int T, Batch& out) {
+  out.inputs.resize(size_t(B) * T);
+  out.targets.resize(size_t(B) * T);
+  for (int r = 0; r < B; r++) {
+    const int64_t w = (int64_t(index) * B + r) % data.windows();
+    data.window(w, out.inputs.data() + int64_t(r) * T, out.targets.data() + int64_t(r) * T);
+  }
+}
+
+}  // namespace trainer

@@ -1,0 +1,88 @@
+#pragma once
+// Training batches: windows of T+1 tokens from one or more shards, in an order that is a pure
+// function of (seed, global sample index). Step s, micro-step m and row b of data-parallel rank
+// r read global sample ((s * accum + m) * dp + r) * B + b, so dp = k with accumulation 1 sees
+// the same global batch as dp = 1 with accumulation k, and a resumed run continues exactly.
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "io/token_shard.h"
+
+namespace trainer {
+
+class Dataset {
+ public:
+  Dataset(const std::vector<std::string>& paths, int vocab_size, int T);
+
+  int64_t windows() const { return int64_t(starts_.size()); }
+  int64_t tokens() const { return tokens_; }
+  // Window w: T+1 tokens split into inputs (T) and targets (T).
+  void window(int64_t w, int32_t* inputs, int32_t* targets) const;
+
+ private:
+  std::vector<TokenShard> shards_;
+  std::vector<std::pair<int32_t, int64_t>> starts_;  // (shard, first token) of each window
+  int T_;
+  int64_t tokens_ = 0;
+};
+
+// Maps a global sample index to a window: a fresh permutation of all windows per epoch.
+class SampleOrder {
+ public:
+  SampleOrder(int64_t windows, uint64_t seed) : windows_(windows), seed_(seed) {}
+  int64_t window(int64_t sample);
+
+ private:
+  int64_t windows_;
+  uint64_t seed_;
+  int64_t epoch_ = -1;
+  std::vector<int64_t> perm_;
+};
+
+struct Batch {
+  int64_t step = 0;
+  int micro = 0;
+  std::vector<int32_t> inputs, targets;  // (B, T)
+};
+
+// Fills batches in a background thread into a bounded queue; next() only pops.
+class DataLoader {
+ public:
+  DataLoader(const Dataset& data, int B, int T, int grad_accum, uint64_t seed, int prefetch,
+             int64_t first_step);
+  ~DataLoader();
+  DataLoader(const DataLoader&) = delete;
+  DataLoader& operator=(const DataLoader&) = delete;
+
+  // The next micro-batch in (step, micro) order. Valid until the following call.
+  const Batch& next();
+  // Time next() spent waiting for the producer, in seconds, since the last call.
+  double take_wait_seconds();
+
+ private:
+  void produce();
+
+  const Dataset& data_;
+  int B_, T_, accum_;
+  SampleOrder order_;
+  int64_t next_step_;
+  int next_micro_ = 0;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Batch> ready_, free_;
+  Batch current_;
+  bool stop_ = false;
+  double wait_s_ = 0;
+  std::thread thread_;
+};
+
+// Fixed validation batches: windows in file order, the same every evaluation.
+void validation_batch(const Dataset& data, int index, int B, int T, Batch& out);
+
+}  // namespace trainer

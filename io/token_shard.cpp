@@ -1,0 +1,156 @@
+#include "io/token_shard.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+namespace trainer {
+namespace {
+
+constexpr char kMagic[8] = {'T', 'R', 'T', 'O', 'K', 'E', 'N', 'S'};
+constexpr size_t kHeaderBytes = 64;
+constexpr int32_t kLlmcMagic = 20240520;
+constexpr size_t kLlmcHeaderBytes = 256 * sizeof(int32_t);
+
+struct Header {
+  char magic[8];
+  uint32_t version;
+  uint32_t token_bytes;
+  uint64_t count;
+  uint32_t vocab_size;
+  uint8_t reserved[36];
+};
+static_assert(sizeof(Header) == kHeaderBytes);
+
+}  // namespace
+
+TokenShard::TokenShard(const std::string& path, int vocab_size) : path_(path) {
+  int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0) throw DataError(fmt::format("{}: cannot open data file: {}", path, strerror(errno)));
+  struct stat st {};
+  fstat(fd, &st);
+  map_bytes_ = size_t(st.st_size);
+  if (map_bytes_ == 0) {
+    ::close(fd);
+    throw DataError(fmt::format("{}: data file is empty", path));
+  }
+  map_ = mmap(nullptr, map_bytes_, PROT_READ, MAP_PRIVATE, fd, 0);
+  ::close(fd);
+  if (map_ == MAP_FAILED) {
+    map_ = nullptr;
+    throw DataError(fmt::format("{}: cannot map data file: {}", path, strerror(errno)));
+  }
+  const auto* bytes = static_cast<const uint8_t*>(map_);
+  auto fail = [&](const std::string& what) {
+    munmap(map_, map_bytes_);
+    map_ = nullptr;
+    throw DataError(fmt::format("{}: {}", path, what));
+  };
+
+  size_t header = 0;
+  uint64_t declared = 0;
+  if (map_bytes_ >= 8 && std::memcmp(bytes, kMagic, 8) == 0) {
+    if (map_bytes_ < kHeaderBytes)
+      fail(fmt::format("header truncated: expected {} bytes, file has {}", kHeaderBytes,
+                       map_bytes_));
+    Header h;
+    std::memcpy(&h, bytes, sizeof h);
+    if (h.version != 1) fail(fmt::format("offset 8: expected version 1, found {}", h.version));
+    if (h.token_bytes != 2 && h.token_bytes != 4)
+      fail(fmt::format("offset 12: expected 2 or 4 bytes per token, found {}", h.token_bytes));
+    format_ = "trainer";
+    header = kHeaderBytes;
+    width_ = int(h.token_bytes);
+    declared = h.count;
+  } else if (map_bytes_ >= 4 && reinterpret_cast<const int32_t*>(bytes)[0] == kLlmcMagic) {
+    if (map_bytes_ < kLlmcHeaderBytes)
+      fail(fmt::format("llm.c header truncated: expected {} bytes, file has {}", kLlmcHeaderBytes,
+                       map_bytes_));
+    const auto* h = reinterpret_cast<const int32_t*>(bytes);
+    if (h[1] != 1) fail(fmt::format("offset 4: expected llm.c version 1, found {}", h[1]));
+    format_ = "llm.c";
+    header = kLlmcHeaderBytes;
+    declared = uint64_t(uint32_t(h[2]));
+  } else if (path.ends_with(".bin") && map_bytes_ % 2 == 0) {
+    format_ = "nanoGPT uint16";
+    declared = map_bytes_ / 2;
+  } else {
+    fail(fmt::format(
+        "offset 0: unrecognised data file: expected magic \"TRTOKENS\", the llm.c magic {} or a "
+        "headerless .bin of uint16 tokens (even size), found {} bytes starting {:02x} {:02x} "
+        "{:02x} {:02x}",
+        kLlmcMagic, map_bytes_, bytes[0], map_bytes_ > 1 ? bytes[1] : 0,
+        map_bytes_ > 2 ? bytes[2] : 0, map_bytes_ > 3 ? bytes[3] : 0));
+  }
+  const uint64_t expected = header + declared * width_;
+  if (map_bytes_ != expected)
+    fail(fmt::format("{} file of {} tokens should be {} bytes, found {} ({})", format_, declared,
+                     expected, map_bytes_, map_bytes_ < expected ? "truncated" : "trailing bytes"));
+  if (declared < 2) fail(fmt::format("needs at least 2 tokens, found {}", declared));
+  tokens_ = bytes + header;
+  count_ = int64_t(declared);
+
+  // One pass over the tokens: training on ids outside the vocabulary would read past the
+  // embedding table.
+  for (int64_t i = 0; i < count_; i++) {
+    uint32_t t = width_ == 2 ? reinterpret_cast<const uint16_t*>(tokens_)[i]
+                             : reinterpret_cast<const uint32_t*>(tokens_)[i];
+    if (t >= uint32_t(vocab_size))
+      fail(fmt::format("offset {}: token {} at index {} is outside the vocabulary (vocab_size = {})",
+                       header + i * width_, t, i, vocab_size));
+  }
+}
+
+TokenShard::TokenShard(TokenShard&& o) noexcept
+    : path_(std::move(o.path_)), format_(o.format_), map_(o.map_), map_bytes_(o.map_bytes_),
+      tokens_(o.tokens_), width_(o.width_), count_(o.count_) {
+  o.map_ = nullptr;
+}
+
+TokenShard::~TokenShard() {
+  if (map_) munmap(map_, map_bytes_);
+}
+
+void TokenShard::read(int64_t start, int64_t n, int32_t* out) const {
+  if (width_ == 2) {
+    const auto* t = reinterpret_cast<const uint16_t*>(tokens_) + start;
+    for (int64_t i = 0; i < n; i++) out[i] = t[i];
+  } else {
+    const auto* t = reinterpret_cast<const uint32_t*>(tokens_) + start;
+    for (int64_t i = 0; i < n; i++) out[i] = int32_t(t[i]);
+  }
+}
+
+void write_token_shard(const std::string& path, const std::vector<int32_t>& tokens,
+                       int vocab_size) {
+  Header h{};
+  std::memcpy(h.magic, kMagic, 8);
+  h.version = 1;
+  h.token_bytes = vocab_size <= 65536 ? 2 : 4;
+  h.count = tokens.size();
+  h.vocab_size = uint32_t(vocab_size);
+  const std::string tmp = path + ".tmp";
+  FILE* f = std::fopen(tmp.c_str(), "wb");
+  if (!f) throw DataError(fmt::format("{}: cannot write: {}", tmp, strerror(errno)));
+  bool ok = std::fwrite(&h, sizeof h, 1, f) == 1;
+  if (h.token_bytes == 2) {
+    std::vector<uint16_t> narrow(tokens.begin(), tokens.end());
+    ok = ok && std::fwrite(narrow.data(), 2, narrow.size(), f) == narrow.size();
+  } else {
+    ok = ok && std::fwrite(tokens.data(), 4, tokens.size(), f) == tokens.size();
+  }
+  ok = (std::fflush(f) == 0) && ok && fsync(fileno(f)) == 0;
+  ok = (std::fclose(f) == 0) && ok;
+  if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
+    std::remove(tmp.c_str());
+    throw DataError(fmt::format("{}: write failed: {}", path, strerror(errno)));
+  }
+}
+
+}  // namespace trainer

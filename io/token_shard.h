@@ -1,0 +1,48 @@
+#pragma once
+// Token shards, memory-mapped. Three layouts are read:
+//  - ours: a 64-byte header {magic "TRTOKENS", u32 version = 1, u32 bytes per token (2 | 4),
+//    u64 token count, u32 vocab size, zero padding}, then the tokens, little-endian;
+//  - llm.c: 256 x int32 header {20240520, 1, token count, ...}, then uint16 tokens;
+//  - nanoGPT: a headerless .bin of uint16 tokens.
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace trainer {
+
+class DataError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+class TokenShard {
+ public:
+  // Maps `path` and validates its header, size and that every token is < vocab_size.
+  TokenShard(const std::string& path, int vocab_size);
+  ~TokenShard();
+  TokenShard(TokenShard&& o) noexcept;
+  TokenShard(const TokenShard&) = delete;
+  TokenShard& operator=(const TokenShard&) = delete;
+  TokenShard& operator=(TokenShard&&) = delete;
+
+  const std::string& path() const { return path_; }
+  const char* format() const { return format_; }
+  int64_t size() const { return count_; }
+  // tokens [start, start + n) as int32
+  void read(int64_t start, int64_t n, int32_t* out) const;
+
+ private:
+  std::string path_;
+  const char* format_ = "";
+  void* map_ = nullptr;
+  size_t map_bytes_ = 0;
+  const uint8_t* tokens_ = nullptr;
+  int width_ = 2;
+  int64_t count_ = 0;
+};
+
+// Writes our shard layout atomically (temporary file, then rename).
+void write_token_shard(const std::string& path, const std::vector<int32_t>& tokens, int vocab_size);
+
+}  // namespace trainer

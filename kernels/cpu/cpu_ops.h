@@ -1,0 +1,61 @@
+#pragma once
+// The CPU implementations of the kernel interface, templated on the element type (float for
+// training, double for finite-difference reference checks). Semantics as in kernels/kernels.h.
+#include <cstdint>
+#include <vector>
+
+#include "kernels/kernels.h"
+
+namespace trainer::cpu {
+
+// Row-major GEMM through OpenBLAS: C(M,N) = alpha * op(A)(M,K) @ op(B)(K,N) + beta * C.
+template <class T>
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, const T* A,
+          int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc);
+
+template <class T>
+void encoder_forward(T* out, const int32_t* tokens, const T* wte, const T* wpe, int B, int T_,
+                     int C);
+template <class T>
+void encoder_backward(T* dwte, T* dwpe, const T* dout, const int32_t* tokens, int B, int T_, int C);
+
+// `scratch` holds per-thread partial sums for the parameter gradients.
+template <class T>
+void layernorm_forward(T* out, T* mean, T* rstd, const T* inp, const T* w, const T* b, int64_t N,
+                       int C);
+template <class T>
+void layernorm_backward(T* dinp, T* dw, T* db, const T* dout, const T* inp, const T* w,
+                        const T* mean, const T* rstd, int64_t N, int C, std::vector<double>& scratch);
+
+template <class T>
+void matmul_forward(T* out, const T* inp, const T* w, const T* bias, int64_t N, int IC, int OC);
+template <class T>
+void matmul_backward(T* dinp, T* dw, T* dbias, const T* dout, const T* inp, const T* w, int64_t N,
+                     int IC, int OC);
+
+template <class T>
+void attention_forward(T* out, T* att, const T* qkv, int B, int T_, int C, int NH);
+template <class T>
+void attention_backward(T* dqkv, T* datt, const T* dout, const T* qkv, const T* att, int B, int T_,
+                        int C, int NH);
+
+template <class T>
+void gelu_forward(T* out, const T* inp, int64_t n);
+template <class T>
+void gelu_backward(T* dinp, const T* inp, const T* dout, int64_t n);
+template <class T>
+void residual_forward(T* out, const T* a, const T* b, int64_t n);
+
+template <class T>
+double softmax_crossentropy_forward(T* losses, T* logits, const int32_t* targets, int64_t N, int V,
+                                    int Vp);
+template <class T>
+void softmax_crossentropy_backward(T* probs, const int32_t* targets, float dloss, int64_t N, int V,
+                                   int Vp);
+
+template <class T>
+double sum_squares(const T* x, int64_t n);
+template <class T>
+void adamw_update(T* param, const T* grad, T* m, T* v, int64_t n, const AdamWArgs& args);
+
+}  // namespace trainer::cpu

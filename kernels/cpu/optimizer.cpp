@@ -1,0 +1,50 @@
+#include <algorithm>
+#include <cmath>
+
+#include "kernels/cpu/cpu_ops.h"
+
+namespace trainer::cpu {
+
+template <class T>
+double sum_squares(const T* x, int64_t n) {
+  // A fixed number of chunks summed in a fixed order: the result does not depend on the
+  // number of threads, which keeps the gradient norm (and so clipping) reproducible.
+  constexpr int kChunks = 64;
+  double partial[kChunks];
+  const int64_t chunk = (n + kChunks - 1) / kChunks;
+#pragma omp parallel for schedule(static)
+  for (int k = 0; k < kChunks; k++) {
+    double s = 0;
+    const int64_t end = std::min(n, (k + 1) * chunk);
+    for (int64_t i = k * chunk; i < end; i++) s += double(x[i]) * double(x[i]);
+    partial[k] = s;
+  }
+  double total = 0;
+  for (double p : partial) total += p;
+  return total;
+}
+
+template <class T>
+void adamw_update(T* param, const T* grad, T* m, T* v, int64_t n, const AdamWArgs& a) {
+  const T b1 = a.beta1, b2 = a.beta2;
+  const T c1 = T(1) / (T(1) - std::pow(b1, T(a.step)));
+  const T c2 = T(1) / (T(1) - std::pow(b2, T(a.step)));
+  const T lr = a.lr, eps = a.eps, wd = a.weight_decay, gs = a.grad_scale;
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; i++) {
+    const T g = grad[i] * gs;
+    const T mi = b1 * m[i] + (T(1) - b1) * g;
+    const T vi = b2 * v[i] + (T(1) - b2) * g * g;
+    m[i] = mi;
+    v[i] = vi;
+    param[i] -= lr * ((mi * c1) / (std::sqrt(vi * c2) + eps) + wd * param[i]);
+  }
+}
+
+template double sum_squares<float>(const float*, int64_t);
+template double sum_squares<double>(const double*, int64_t);
+template void adamw_update<float>(float*, const float*, float*, float*, int64_t, const AdamWArgs&);
+template void adamw_update<double>(double*, const double*, double*, double*, int64_t,
+                                   const AdamWArgs&);
+
+}  // namespace trainer::cpu

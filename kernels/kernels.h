@@ -1,0 +1,89 @@
+#pragma once
+// The backend-neutral kernel interface. The model is written once against it; kernels/cpu/
+// implements it with OpenBLAS + OpenMP, and the CUDA backend will implement the same calls.
+//
+// Conventions (as in llm.c): outputs first, then inputs, then dimensions. Shapes are row-major.
+// B = batch, T = time, C = channels, NH = heads, V = real vocab, Vp = padded vocab, N = rows.
+// Backward calls say for each output whether they overwrite (=) or accumulate (+=): weight
+// gradients always accumulate, so that gradient accumulation over micro-batches is free.
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "kernels/dtype.h"
+
+namespace trainer {
+
+struct AdamWArgs {
+  float lr, beta1, beta2, eps, weight_decay;
+  int64_t step;       // 1-based, for bias correction
+  float grad_scale;   // multiplies every gradient first (clipping, 1/loss-scale)
+};
+
+class Kernels {
+ public:
+  virtual ~Kernels() = default;
+  virtual std::string name() const = 0;
+
+  // --- memory -------------------------------------------------------------------------------
+  virtual DPtr alloc(int64_t elems, DType dtype) = 0;  // zero-filled
+  virtual void free(DPtr p) = 0;
+  virtual void zero(DPtr p, int64_t elems) = 0;
+  virtual void copy_to_host(void* dst, DPtr src, int64_t elems) = 0;
+  virtual void copy_from_host(DPtr dst, const void* src, int64_t elems) = 0;
+
+  // --- encoder: out(B,T,C) = wte[tokens] + wpe[t] -------------------------------------------
+  virtual void encoder_forward(DPtr out, const int32_t* tokens, DPtr wte, DPtr wpe, int B, int T,
+                               int C) = 0;
+  // dwte += , dwpe +=
+  virtual void encoder_backward(DPtr dwte, DPtr dwpe, DPtr dout, const int32_t* tokens, int B,
+                                int T, int C) = 0;
+
+  // --- layernorm over the last dim: out(N,C), mean(N), rstd(N) ------------------------------
+  virtual void layernorm_forward(DPtr out, DPtr mean, DPtr rstd, DPtr inp, DPtr weight, DPtr bias,
+                                 int64_t N, int C) = 0;
+  // dinp += , dweight += , dbias +=
+  virtual void layernorm_backward(DPtr dinp, DPtr dweight, DPtr dbias, DPtr dout, DPtr inp,
+                                  DPtr weight, DPtr mean, DPtr rstd, int64_t N, int C) = 0;
+
+  // --- linear: out(N,OC) = inp(N,IC) @ weight(OC,IC)^T + bias(OC); bias may be null ---------
+  virtual void matmul_forward(DPtr out, DPtr inp, DPtr weight, DPtr bias, int64_t N, int IC,
+                              int OC) = 0;
+  // dinp = (skipped when null), dweight += , dbias += (skipped when null)
+  virtual void matmul_backward(DPtr dinp, DPtr dweight, DPtr dbias, DPtr dout, DPtr inp,
+                               DPtr weight, int64_t N, int IC, int OC) = 0;
+
+  // --- causal self-attention: qkv(B,T,3C) -> out(B,T,C), att(B,NH,T,T) softmax kept -----------
+  virtual void attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH) = 0;
+  // dqkv = ; datt is scratch of att's size
+  virtual void attention_backward(DPtr dqkv, DPtr datt, DPtr dout, DPtr qkv, DPtr att, int B,
+                                  int T, int C, int NH) = 0;
+
+  // --- GELU (tanh approximation) -------------------------------------------------------------
+  virtual void gelu_forward(DPtr out, DPtr inp, int64_t n) = 0;
+  virtual void gelu_backward(DPtr dinp, DPtr inp, DPtr dout, int64_t n) = 0;  // dinp =
+
+  // --- residual: out = a + b ------------------------------------------------------------------
+  virtual void residual_forward(DPtr out, DPtr a, DPtr b, int64_t n) = 0;
+
+  // --- fused softmax + cross-entropy over the padded vocab ------------------------------------
+  // logits(N,Vp) are replaced by probabilities (columns >= V are 0); losses(N) =
+  // -log p[target]. Returns the mean loss over the N rows, accumulated in double.
+  virtual double softmax_crossentropy_forward(DPtr losses, DPtr logits, const int32_t* targets,
+                                              int64_t N, int V, int Vp) = 0;
+  // probs(N,Vp) are replaced by dlogits = (probs - onehot(target)) * dloss
+  virtual void softmax_crossentropy_backward(DPtr probs, const int32_t* targets, float dloss,
+                                             int64_t N, int V, int Vp) = 0;
+
+  // --- optimizer -----------------------------------------------------------------------------
+  // Sum of squares of x in double, in a fixed reduction order (deterministic).
+  virtual double sum_squares(DPtr x, int64_t n) = 0;
+  // AdamW with decoupled weight decay: param -= lr * (mhat / (sqrt(vhat) + eps) + wd * param)
+  virtual void adamw_update(DPtr param, DPtr grad, DPtr m, DPtr v, int64_t n,
+                            const AdamWArgs& args) = 0;
+};
+
+// The CPU backend (OpenBLAS + OpenMP). Computes in the dtype of its arguments (f32 or f64).
+std::unique_ptr<Kernels> make_cpu_kernels();
+
+}  // namespace trainer

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs everything trainer needs from Debian's packages. Idempotent, non-interactive.
+set -euo pipefail
+
+packages=(
+  build-essential cmake pkg-config git
+  libtomlplusplus-dev libcli11-dev libfmt-dev nlohmann-json3-dev
+  libopenblas-openmp-dev libopenblas0-openmp
+  libopenmpi-dev openmpi-bin libhdf5-openmpi-dev
+  libgtest-dev googletest
+  python3 python3-numpy python3-torch python3-h5py libjemalloc2
+  bible-kjv-text
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO="sudo"
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "install_deps: installing ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+else
+  echo "install_deps: all packages present"
+fi

@@ -1,0 +1,148 @@
+#include "trainer/checkpoint.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "io/hdf5_file.h"
+
+namespace fs = std::filesystem;
+
+namespace trainer {
+namespace {
+
+void fsync_path(const fs::path& p) {
+  int fd = ::open(p.c_str(), O_RDONLY);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+}
+
+void write_text_atomic(const fs::path& path, const std::string& text) {
+  const fs::path tmp = path.string() + ".tmp";
+  {
+    std::ofstream out(tmp);
+    out << text;
+    if (!out) throw CheckpointError(fmt::format("{}: cannot write", tmp.string()));
+  }
+  fsync_path(tmp);
+  fs::rename(tmp, path);
+}
+
+struct ModelDims {
+  const char* name;
+  int GPTConfig::*field;
+};
+constexpr ModelDims kDims[] = {{"vocab_size", &GPTConfig::vocab_size},
+                               {"seq_len", &GPTConfig::seq_len},
+                               {"n_layer", &GPTConfig::n_layer},
+                               {"n_head", &GPTConfig::n_head},
+                               {"d_model", &GPTConfig::d_model}};
+
+}  // namespace
+
+std::string save_checkpoint(const std::string& out_dir, const Config& cfg, const GPT& model,
+                            const AdamW* optimizer, const TrainState& state) {
+  const fs::path root = fs::path(out_dir) / "checkpoints";
+  const std::string name = fmt::format("step_{:08d}", state.step);
+  const fs::path final_dir = root / name, tmp_dir = root / (name + ".tmp");
+  fs::create_directories(root);
+  fs::remove_all(tmp_dir);
+  fs::create_directories(tmp_dir);
+  const std::string config_text = config_to_toml(cfg);
+  {
+    H5File f = H5File::create((tmp_dir / "state.h5").string());
+    f.set_attr("format_version", kCheckpointFormatVersion);
+    f.set_attr("step", state.step);
+    f.set_attr("tokens", state.tokens);
+    f.set_attr("config", config_text);
+    for (const auto& d : kDims) f.set_attr(d.name, int64_t(model.config().*d.field));
+    for (const ParamInfo& p : model.table().params) {
+      f.write("params/" + p.name, p.shape, model.read<float>(p, model.params()).data());
+      if (optimizer) {
+        f.write("optim/m/" + p.name, p.shape, model.read<float>(p, optimizer->m()).data());
+        f.write("optim/v/" + p.name, p.shape, model.read<float>(p, optimizer->v()).data());
+      }
+    }
+    f.flush();
+  }
+  {
+    std::ofstream(tmp_dir / "config.toml") << config_text;
+  }
+  fsync_path(tmp_dir / "state.h5");
+  fsync_path(tmp_dir / "config.toml");
+  fs::remove_all(final_dir);
+  fs::rename(tmp_dir, final_dir);
+  fsync_path(root);
+  write_text_atomic(root / "latest", name + "\n");
+  return final_dir.string();
+}
+
+std::string resolve_checkpoint(const std::string& path) {
+  fs::path p(path);
+  if (!fs::exists(p)) throw CheckpointError(fmt::format("{}: no such checkpoint", path));
+  if (fs::is_regular_file(p)) return p.string();
+  for (int depth = 0; depth < 3; depth++) {
+    if (fs::exists(p / "state.h5")) return (p / "state.h5").string();
+    if (fs::exists(p / "latest")) {
+      std::ifstream in(p / "latest");
+      std::string name;
+      in >> name;
+      p = p / name;
+    } else if (fs::exists(p / "checkpoints")) {
+      p = p / "checkpoints";
+    } else {
+      break;
+    }
+  }
+  throw CheckpointError(fmt::format(
+      "{}: not a checkpoint (expected a directory with state.h5, or a run directory)", path));
+}
+
+Config checkpoint_config(const std::string& state_file) {
+  try {
+    H5File f = H5File::open_read(state_file);
+    const int64_t version = f.attr_int("format_version");
+    if (version != kCheckpointFormatVersion)
+      throw CheckpointError(fmt::format("{}: format_version {} is not supported (expected {})",
+                                        state_file, version, kCheckpointFormatVersion));
+    return parse_config(f.attr_string("config"), state_file + ":config");
+  } catch (const H5Error& e) {
+    throw CheckpointError(e.what());
+  } catch (const ConfigError& e) {
+    throw CheckpointError(e.what());
+  }
+}
+
+TrainState load_checkpoint(const std::string& state_file, GPT& model, AdamW* optimizer) {
+  try {
+    H5File f = H5File::open_read(state_file);
+    for (const auto& d : kDims) {
+      const int64_t saved = f.attr_int(d.name), ours = model.config().*d.field;
+      if (saved != ours)
+        throw CheckpointError(fmt::format(
+            "{}: checkpoint is for a model with {} = {}, this model has {} = {}", state_file,
+            d.name, saved, d.name, ours));
+    }
+    for (const ParamInfo& p : model.table().params) {
+      std::vector<float> values(p.logical_numel());
+      f.read("params/" + p.name, p.shape, values.data());
+      model.write(p, model.params(), values);
+      if (optimizer) {
+        f.read("optim/m/" + p.name, p.shape, values.data());
+        model.write(p, optimizer->m(), values);
+        f.read("optim/v/" + p.name, p.shape, values.data());
+        model.write(p, optimizer->v(), values);
+      }
+    }
+    return {f.attr_int("step"), f.attr_int("tokens")};
+  } catch (const H5Error& e) {
+    throw CheckpointError(e.what());
+  }
+}
+
+}  // namespace trainer

@@ -1,0 +1,46 @@
+#pragma once
+// Checkpoints: one directory per step, `<out_dir>/checkpoints/step_00000100/` holding
+// state.h5 and a copy of the resolved config. The HDF5 layout (readable with h5py):
+//   /params/<logical name>      fp32, full logical shape (vocab rows unpadded)
+//   /optim/m/<name>, /optim/v/<name>   AdamW moments, same shapes
+//   root attributes: format_version, step, tokens, config (TOML text), model dimensions.
+// A checkpoint is written under step_XXXXXXXX.tmp, flushed, renamed, and only then does
+// `checkpoints/latest` (a file naming the directory) move to it.
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "io/config.h"
+#include "model/gpt.h"
+#include "trainer/adamw.h"
+
+namespace trainer {
+
+class CheckpointError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+constexpr int64_t kCheckpointFormatVersion = 1;
+
+struct TrainState {
+  int64_t step = 0;    // optimizer steps completed
+  int64_t tokens = 0;  // tokens consumed
+};
+
+// Returns the step directory written.
+std::string save_checkpoint(const std::string& out_dir, const Config& cfg, const GPT& model,
+                            const AdamW* optimizer, const TrainState& state);
+
+// Accepts a step directory, a checkpoints/ directory or a run directory (via `latest`), or
+// the state.h5 file itself; returns the path of state.h5.
+std::string resolve_checkpoint(const std::string& path);
+
+// The config the checkpoint was trained with (to build a matching model).
+Config checkpoint_config(const std::string& state_file);
+
+// Loads weights (and moments, if optimizer is given) after checking that the checkpoint's
+// model matches `model`. Throws CheckpointError naming the file and the mismatch.
+TrainState load_checkpoint(const std::string& state_file, GPT& model, AdamW* optimizer);
+
+}  // namespace trainer

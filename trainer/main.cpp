@@ -1,0 +1,118 @@
+// trainer: one binary that trains GPT-2 models from one TOML file.
+//   trainer train CONFIG [--set section.key=value ...]
+//   trainer generate --checkpoint DIR [--prompt TEXT] [--tokens N]
+//   trainer prepare --input FILE... --out-dir DIR
+// Bad input of any kind ends with one line on stderr and exit code 2.
+#include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <filesystem>
+
+#include "io/config.h"
+#include "io/hdf5_file.h"
+#include "io/token_shard.h"
+#include "io/tokenizer.h"
+#include "trainer/blas_setup.h"
+#include "trainer/checkpoint.h"
+#include "trainer/prepare.h"
+#include "trainer/sampler.h"
+#include "trainer/train.h"
+
+namespace {
+
+constexpr int kExitBadInput = 2;
+
+int generate(const std::string& checkpoint, const std::string& prompt, int tokens,
+             trainer::SampleOptions opts) {
+  using namespace trainer;
+  const std::string state = resolve_checkpoint(checkpoint);
+  const Config cfg = checkpoint_config(state);
+  auto kernels = make_cpu_kernels();
+  GPT model(cfg.model, *kernels, DType::f32, 1, cfg.model.seq_len);
+  load_checkpoint(state, model, nullptr);
+  opts.tokens = tokens;
+  const std::vector<int32_t> out = sample_tokens(model, cfg.model.seq_len, byte_encode(prompt), opts);
+  fmt::print("{}{}\n", prompt, byte_decode(out));
+  return 0;
+}
+
+std::string version_string() {
+#ifdef TRAINER_WITH_CUDA
+  const char* cuda = "built with CUDA toolkit (CUDA kernels: not yet)";
+#else
+  const char* cuda = "CPU only";
+#endif
+  return fmt::format("trainer {} ({}, backends: cpu; {})", TRAINER_VERSION, __DATE__, cuda);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  trainer::ensure_fast_blas(argv);
+  CLI::App app{"trainer: trains GPT-2 language models from one TOML config", "trainer"};
+  app.set_version_flag("--version", version_string());
+  app.require_subcommand(1);
+
+  std::string config_path;
+  std::vector<std::string> overrides;
+  auto* train = app.add_subcommand("train", "train a model from a TOML config");
+  train->add_option("config", config_path, "the run's TOML config")->required();
+  train->add_option("--set", overrides, "override a config value: section.key=value (repeatable)")
+      ->take_all();
+
+  std::string checkpoint, prompt = "\n";
+  int tokens = 200;
+  trainer::SampleOptions sample;
+  auto* gen = app.add_subcommand("generate", "sample text from a saved checkpoint");
+  gen->add_option("--checkpoint", checkpoint, "checkpoint or run directory")->required();
+  gen->add_option("--prompt", prompt, "text to continue")->capture_default_str();
+  gen->add_option("--tokens", tokens, "tokens to generate")->check(CLI::Range(1, 1 << 20));
+  gen->add_option("--temperature", sample.temperature, "softmax temperature")
+      ->check(CLI::Range(1e-3, 100.0));
+  gen->add_option("--top-k", sample.top_k, "sample from the k most likely tokens (0 = all)")
+      ->check(CLI::NonNegativeNumber);
+  gen->add_option("--seed", sample.seed, "random seed");
+
+  trainer::PrepareOptions prep;
+  auto* pre = app.add_subcommand("prepare", "tokenize text files (bytes) into train/val shards");
+  pre->add_option("--input", prep.inputs, "text files")->required()->take_all();
+  pre->add_option("--out-dir", prep.out_dir, "directory for train.bin and val.bin")->required();
+  pre->add_option("--val-fraction", prep.val_fraction, "part of each file kept for validation")
+      ->check(CLI::Range(0.0, 0.5));
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    fmt::print(stderr, "trainer: error: {} (see trainer --help)\n", e.what());
+    return kExitBadInput;
+  }
+
+  try {
+    if (*train) return trainer::train(trainer::load_config(config_path, overrides));
+    if (*gen) return generate(checkpoint, prompt, tokens, sample);
+    if (*pre) return trainer::prepare(prep);
+  } catch (const trainer::ConfigError& e) {
+    fmt::print(stderr, "trainer: config error: {}\n", e.what());
+    return kExitBadInput;
+  } catch (const trainer::DataError& e) {
+    fmt::print(stderr, "trainer: data error: {}\n", e.what());
+    return kExitBadInput;
+  } catch (const trainer::CheckpointError& e) {
+    fmt::print(stderr, "trainer: checkpoint error: {}\n", e.what());
+    return kExitBadInput;
+  } catch (const trainer::H5Error& e) {
+    fmt::print(stderr, "trainer: checkpoint error: {}\n", e.what());
+    return kExitBadInput;
+  } catch (const std::filesystem::filesystem_error& e) {
+    fmt::print(stderr, "trainer: file error: {}\n", e.what());
+    return kExitBadInput;
+  }
+  return 0;
+}

@@ -1,0 +1,42 @@
+#include "trainer/metrics.h"
+
+#include <fmt/format.h>
+
+#include <stdexcept>
+
+namespace trainer {
+
+MetricsLog::MetricsLog(const std::string& path) : out_(path, std::ios::trunc) {
+  if (!out_) throw std::runtime_error(path + ": cannot write metrics");
+}
+
+void MetricsLog::step(const StepStats& s, bool print) {
+  nlohmann::json j = {{"step", s.step},
+                      {"loss", s.loss},
+                      {"lr", s.lr},
+                      {"grad_norm", s.grad_norm},
+                      {"skipped", s.skipped},
+                      {"ms", s.total_s * 1e3},
+                      {"data_ms", s.data_s * 1e3},
+                      {"forward_ms", s.forward_s * 1e3},
+                      {"backward_ms", s.backward_s * 1e3},
+                      {"optimizer_ms", s.optimizer_s * 1e3},
+                      {"tokens_per_s", s.tokens_per_s},
+                      {"mfu", s.mfu}};
+  out_ << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+  out_.flush();
+  if (print)
+    fmt::print(
+        "step {:6d} | loss {:.4f} | lr {:.2e} | norm {:.3f} | {:7.1f} ms (data {:.1f} fwd {:.1f} "
+        "bwd {:.1f} opt {:.1f}) | {:7.0f} tok/s | MFU {:4.1f}%{}\n",
+        s.step, s.loss, s.lr, s.grad_norm, s.total_s * 1e3, s.data_s * 1e3, s.forward_s * 1e3,
+        s.backward_s * 1e3, s.optimizer_s * 1e3, s.tokens_per_s, 100 * s.mfu,
+        s.skipped ? " | SKIPPED (non-finite)" : "");
+}
+
+void MetricsLog::event(const nlohmann::json& record) {
+  out_ << record.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+  out_.flush();
+}
+
+}  // namespace trainer

@@ -1,0 +1,41 @@
+#include "trainer/prepare.h"
+
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "io/token_shard.h"
+#include "io/tokenizer.h"
+
+namespace trainer {
+
+int prepare(const PrepareOptions& opts) {
+  std::vector<int32_t> train, val;
+  for (const auto& path : opts.inputs) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw DataError(fmt::format("{}: cannot open input text file", path));
+    std::stringstream ss;
+    ss << in.rdbuf();
+    const std::string text = ss.str();
+    if (text.empty()) throw DataError(fmt::format("{}: input text file is empty", path));
+    std::vector<int32_t> tokens = byte_encode(text);
+    const size_t split = tokens.size() - size_t(double(tokens.size()) * opts.val_fraction);
+    train.insert(train.end(), tokens.begin(), tokens.begin() + split);
+    val.insert(val.end(), tokens.begin() + split, tokens.end());
+    fmt::print("{}: {} tokens ({} train, {} val)\n", path, tokens.size(), split,
+               tokens.size() - split);
+  }
+  std::filesystem::create_directories(opts.out_dir);
+  const std::string train_path = opts.out_dir + "/train.bin", val_path = opts.out_dir + "/val.bin";
+  write_token_shard(train_path, train, kByteVocab);
+  fmt::print("wrote {} ({} tokens)\n", train_path, train.size());
+  if (!val.empty()) {
+    write_token_shard(val_path, val, kByteVocab);
+    fmt::print("wrote {} ({} tokens)\n", val_path, val.size());
+  }
+  return 0;
+}
+
+}  // namespace trainer
