@@ -17,9 +17,11 @@ namespace {
 // Where a value came from, for error messages: "file:line:col" or "--set a.b=c".
 using Origins = std::map<std::string, std::string>;
 
-std::string where(const toml::node& node, const std::string& file) {
-  const auto& s = node.source();
+std::string where(const toml::source_region& s, const std::string& file) {
   return fmt::format("{}:{}:{}", file, s.begin.line, s.begin.column);
+}
+std::string where(const toml::node& node, const std::string& file) {
+  return where(node.source(), file);
 }
 
 const char* type_name(const toml::node& n) {
@@ -73,14 +75,17 @@ class SectionReader {
     for (auto& [k, v] : *table_)
       if (!seen_.count(std::string(k.str()))) {
         key_ = std::string(k.str());
-        fail(v, "unknown key");
+        fail(k.source(), "unknown key");
       }
   }
 
   [[noreturn]] void fail(const toml::node& node, const std::string& what) const {
+    fail(node.source(), what);
+  }
+  [[noreturn]] void fail(const toml::source_region& source, const std::string& what) const {
     std::string full = section_ + "." + key_;
     auto it = overrides_.find(full);
-    std::string at = it != overrides_.end() ? it->second : where(node, file_);
+    std::string at = it != overrides_.end() ? it->second : where(source, file_);
     if (key_.empty()) throw ConfigError(fmt::format("{}: [{}]: {}", at, section_, what));
     throw ConfigError(fmt::format("{}: [{}] {}: {}", at, section_, key_, what));
   }
@@ -218,7 +223,7 @@ Config parse_config(const std::string& text, const std::string& origin,
   static const std::set<std::string> sections = {"run", "model", "data", "train", "optim"};
   for (auto& [k, v] : root)
     if (!sections.count(std::string(k.str()))) {
-      std::string at = where(v, origin);
+      std::string at = where(k.source(), origin);
       for (const auto& [key, o] : origins)
         if (key.starts_with(std::string(k.str()) + ".")) at = o;
       throw ConfigError(fmt::format(
@@ -352,7 +357,11 @@ std::string config_to_toml(const Config& c) {
                             {"decay_norms_and_biases", c.optim.decay_norms_and_biases}}},
   };
   std::stringstream ss;
-  ss << "# resolved trainer config: every key, defaults included\n" << root << "\n";
+  // Basic strings only: toml++ writes "\n" as a multi-line literal that does not read back.
+  const auto flags = toml::toml_formatter::default_flags & ~(toml::format_flags::allow_literal_strings |
+                                                             toml::format_flags::allow_multi_line_strings);
+  ss << "# resolved trainer config: every key, defaults included\n"
+     << toml::toml_formatter(root, flags) << "\n";
   return ss.str();
 }
 

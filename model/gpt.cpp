@@ -1,7 +1,7 @@
 #include "model/gpt.h"
 
 #include <array>
-#include <cstring>
+#include <algorithm>
 #include <stdexcept>
 
 #include "model/init.h"

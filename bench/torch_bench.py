@@ -1,0 +1,226 @@
+#!/usr/bin/python3
+"""PyTorch baseline for bench/run.sh: a nanoGPT-style GPT-2 training step on the W-S / W-M
+workloads (fp32, forward + backward + clip + AdamW, random tokens), printed as one JSON line
+with the same fields and FLOP count as build/bench/trainer_bench.
+
+Written for Debian's python3-torch 1.13 (no F.scaled_dot_product_attention, no torch.compile).
+Run it through bench/run.sh, which selects the OpenMP OpenBLAS and its kernels.
+"""
+import argparse
+import ctypes
+import json
+import math
+import os
+import resource
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+WORKLOADS = {
+    # name: (n_layer, n_head, d_model, seq_len, batch, default warm-up, default timed steps)
+    "W-S": (6, 6, 384, 256, 4, 2, 5),
+    "W-M": (12, 12, 768, 1024, 1, 1, 3),
+}
+VOCAB = 50257
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: causal self-attention and a GELU(tanh) MLP."""
+
+    def __init__(self, n_head, d_model, seq_len, attn):
+        super().__init__()
+        self.n_head, self.attn = n_head, attn
+        self.ln_1 = nn.LayerNorm(d_model)
+        self.c_attn = nn.Linear(d_model, 3 * d_model)
+        self.c_proj = nn.Linear(d_model, d_model)
+        self.ln_2 = nn.LayerNorm(d_model)
+        self.c_fc = nn.Linear(d_model, 4 * d_model)
+        self.mlp_proj = nn.Linear(4 * d_model, d_model)
+        # Additive causal mask (0 on and below the diagonal, -inf above), built once.
+        mask = torch.full((seq_len, seq_len), float("-inf")).triu(1)
+        self.register_buffer("mask", mask, persistent=False)
+
+    def attention(self, x):
+        """Causal multi-head self-attention as matmul + masked softmax + matmul."""
+        B, T, C = x.shape
+        nh, hs = self.n_head, C // self.n_head
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q = q.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, nh, hs).transpose(1, 2)
+        v = v.view(B, T, nh, hs).transpose(1, 2)
+        scale = 1.0 / math.sqrt(hs)
+        if self.attn == "sdpa":  # 1.13's private math path
+            y, _ = F._scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif self.attn == "baddbmm":  # scale and mask fused into the QK^T GEMM
+            q = q.reshape(B * nh, T, hs)
+            k = k.reshape(B * nh, T, hs)
+            att = torch.baddbmm(self.mask[:T, :T], q, k.transpose(1, 2), alpha=scale)
+            y = torch.bmm(att.softmax(dim=-1), v.reshape(B * nh, T, hs)).view(B, nh, T, hs)
+        else:  # nanoGPT's manual formulation
+            att = (q @ k.transpose(-2, -1)) * scale
+            att = att + self.mask[:T, :T]
+            y = att.softmax(dim=-1) @ v
+        y = y.transpose(1, 2).reshape(B, T, C)
+        return self.c_proj(y)
+
+    def forward(self, x):
+        x = x + self.attention(self.ln_1(x))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    """GPT-2 with tied token embedding / LM head; vocab rows optionally padded (nanoGPT)."""
+
+    def __init__(self, n_layer, n_head, d_model, seq_len, vocab, attn):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d_model)
+        self.wpe = nn.Embedding(seq_len, d_model)
+        self.blocks = nn.ModuleList(Block(n_head, d_model, seq_len, attn) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.lm_head = nn.Linear(d_model, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * n_layer) if name.endswith("proj.weight") else 0.02
+                nn.init.normal_(p, 0.0, std)
+            elif "ln" not in name:
+                nn.init.zeros_(p)
+
+    def forward(self, idx, targets):
+        T = idx.shape[1]
+        x = self.wte(idx) + self.wpe.weight[:T]
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def flop_params(model, vocab, d_model):
+    """Parameters as PaLM/nanoGPT count them: no wpe, tied head once, unpadded vocab."""
+    n = sum(p.numel() for p in model.parameters())  # the tied weight appears once
+    n -= model.wpe.weight.numel()
+    n -= (model.wte.weight.shape[0] - vocab) * d_model
+    return n
+
+
+def matmul_peak(n=1536, repeats=3):
+    """Best FLOP/s of an n x n fp32 matmul (first run is warm-up), as trainer's sgemm peak."""
+    a, b = torch.full((n, n), 0.5), torch.full((n, n), 0.25)
+    best = math.inf
+    for r in range(repeats + 1):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        s = time.perf_counter() - t0
+        if r > 0:
+            best = min(best, s)
+    return 2.0 * n**3 / best
+
+
+def loaded_blas():
+    """The BLAS library mapped into this process and, for OpenBLAS, its kernel set."""
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "blas" in line and "/" in line}
+    for path in sorted(paths):
+        try:
+            core = ctypes.CDLL(path).openblas_get_corename
+        except (OSError, AttributeError):
+            continue
+        core.restype = ctypes.c_char_p
+        return path, core().decode()
+    return ",".join(sorted(paths)) or "none", "unknown"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", choices=WORKLOADS, default="W-S")
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--peak-gflops", type=float, default=None,
+                    help="MFU denominator (e.g. trainer's sgemm peak); default: torch's own")
+    ap.add_argument("--attn", choices=["baddbmm", "manual", "sdpa"], default="baddbmm")
+    ap.add_argument("--pad-vocab", type=int, default=64,
+                    help="round the embedding rows up to this multiple (1: no padding)")
+    ap.add_argument("--foreach", type=int, choices=[0, 1], default=1,
+                    help="AdamW's multi-tensor implementation")
+    args = ap.parse_args()
+
+    L, NH, C, T, B, warmup, steps = WORKLOADS[args.workload]
+    warmup = warmup if args.warmup is None else args.warmup
+    steps = steps if args.steps is None else args.steps
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+
+    vocab_rows = (VOCAB + args.pad_vocab - 1) // args.pad_vocab * args.pad_vocab
+    model = GPT(L, NH, C, T, vocab_rows, args.attn)
+    decay = [p for p in model.parameters() if p.dim() == 2 and p is not model.wte.weight]
+    no_decay = [p for p in model.parameters() if p.dim() != 2 or p is model.wte.weight]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=3e-4, betas=(0.9, 0.95), eps=1e-8, foreach=bool(args.foreach))
+    idx = torch.randint(0, VOCAB, (B, T))
+    targets = torch.randint(0, VOCAB, (B, T))
+
+    torch_peak = matmul_peak()
+    peak = args.peak_gflops * 1e9 if args.peak_gflops else torch_peak
+    n_params = flop_params(model, VOCAB, C)
+    flops_per_token = 6.0 * n_params + 12.0 * L * C * T
+
+    times, fwd, bwd, upd = [], [], [], []
+    for step in range(warmup + steps):
+        t_step = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = model(idx, targets)
+        t_fwd = time.perf_counter()
+        loss.backward()
+        t_bwd = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        t_end = time.perf_counter()
+        if step >= warmup:
+            times.append(t_end - t_step)
+            fwd.append(t_fwd - t_step)
+            bwd.append(t_bwd - t_fwd)
+            upd.append(t_end - t_bwd)
+
+    step_s = statistics.median(times)
+    tokens_per_s = B * T / step_s
+    blas_lib, blas_core = loaded_blas()
+    out = {
+        "framework": "pytorch",
+        "workload": args.workload,
+        "tokens_per_s": tokens_per_s,
+        "ms_per_step": step_s * 1e3,
+        "mfu": flops_per_token * tokens_per_s / peak,
+        "peak_gflops": peak / 1e9,
+        "flops_per_token": flops_per_token,
+        "params": n_params,
+        "threads": torch.get_num_threads(),
+        "blas_core": blas_core,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        "batch": B,
+        "seq_len": T,
+        "warmup": warmup,
+        "steps": steps,
+        "forward_ms": statistics.median(fwd) * 1e3,
+        "backward_ms": statistics.median(bwd) * 1e3,
+        "optimizer_ms": statistics.median(upd) * 1e3,
+        "final_loss": loss.item(),
+        "torch_peak_gflops": torch_peak / 1e9,
+        "mfu_vs_torch_peak": flops_per_token * tokens_per_s / torch_peak,
+        "torch_version": torch.__version__,
+        "blas_lib": blas_lib,
+        "attn": args.attn,
+        "vocab_rows": vocab_rows,
+        "foreach": bool(args.foreach),
+        "jemalloc": "jemalloc" in os.environ.get("LD_PRELOAD", ""),
+    }
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

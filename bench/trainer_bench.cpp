@@ -1,0 +1,193 @@
+// trainer_bench: throughput of one training step (forward, backward, norm, clip, AdamW) on a
+// named workload, with random tokens, printed as one JSON line. bench/run.sh compares it with
+// bench/torch_bench.py on the same workloads.
+//
+//   trainer_bench --workload W-S|W-M [--warmup N] [--steps N] [--threads N] [--seed N]
+#include <omp.h>
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "io/config.h"
+#include "kernels/kernels.h"
+#include "model/gpt.h"
+#include "model/param_table.h"
+#include "trainer/adamw.h"
+#include "trainer/blas_setup.h"
+#include "trainer/peak_flops.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+struct Workload {
+  std::string name;
+  trainer::GPTConfig model;
+  int B;
+  int default_warmup, default_steps;
+};
+
+Workload workload(const std::string& name) {
+  Workload w;
+  w.name = name;
+  w.model.vocab_size = 50257;
+  if (name == "W-S") {
+    w.model.n_layer = 6, w.model.n_head = 6, w.model.d_model = 384, w.model.seq_len = 256;
+    w.B = 4, w.default_warmup = 2, w.default_steps = 5;
+  } else if (name == "W-M") {
+    w.model.n_layer = 12, w.model.n_head = 12, w.model.d_model = 768, w.model.seq_len = 1024;
+    w.B = 1, w.default_warmup = 1, w.default_steps = 3;
+  } else {
+    throw std::invalid_argument("unknown workload '" + name + "' (W-S or W-M)");
+  }
+  return w;
+}
+
+struct Options {
+  std::string workload = "W-S";
+  int warmup = -1, steps = -1;  // -1: the workload's default
+  int threads = 2;
+  uint64_t seed = 1337;
+};
+
+Options parse_args(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; i++) {
+    const std::string arg = argv[i];
+    if (arg == "-h" || arg == "--help") {
+      std::puts(
+          "usage: trainer_bench --workload W-S|W-M [--warmup N] [--steps N] [--threads N]"
+          " [--seed N]");
+      std::exit(0);
+    }
+    if (i + 1 >= argc) throw std::invalid_argument("missing value after " + arg);
+    const std::string value = argv[++i];
+    if (arg == "--workload") {
+      o.workload = value;
+    } else if (arg == "--warmup") {
+      o.warmup = std::stoi(value);
+    } else if (arg == "--steps") {
+      o.steps = std::stoi(value);
+    } else if (arg == "--threads") {
+      o.threads = std::stoi(value);
+    } else if (arg == "--seed") {
+      o.seed = std::stoull(value);
+    } else {
+      throw std::invalid_argument("unknown option " + arg);
+    }
+  }
+  return o;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+int run(const Options& opt) {
+  const Workload w = workload(opt.workload);
+  const int warmup = opt.warmup >= 0 ? opt.warmup : w.default_warmup;
+  const int steps = opt.steps > 0 ? opt.steps : w.default_steps;
+  const int B = w.B, T = w.model.seq_len;
+  omp_set_num_threads(opt.threads);
+
+  trainer::OptimConfig optim;  // defaults: lr 3e-4, betas 0.9/0.95, eps 1e-8, wd 0.1, clip 1.0
+  auto kernels = trainer::make_cpu_kernels();
+  trainer::GPT model(w.model, *kernels, trainer::DType::f32, B, T);
+  model.init_parameters(opt.seed);
+  trainer::AdamW optimizer(model, optim);
+
+  std::mt19937_64 rng(opt.seed);
+  std::uniform_int_distribution<int32_t> token(0, w.model.vocab_size - 1);
+  std::vector<int32_t> tokens(size_t(B) * T), targets(size_t(B) * T);
+  for (auto& t : tokens) t = token(rng);
+  for (auto& t : targets) t = token(rng);
+
+  const double peak = trainer::measure_sgemm_flops();
+  const int64_t n_params = trainer::gpt2_flop_params(w.model);
+  const double flops_per_token =
+      6.0 * double(n_params) + 12.0 * w.model.n_layer * w.model.d_model * T;
+
+  // The same work as train_step with one micro-batch, each phase timed.
+  std::vector<double> total_s, forward_s, backward_s, optimizer_s;
+  double loss = 0;
+  for (int step = 0; step < warmup + steps; step++) {
+    const auto t_step = Clock::now();
+    model.zero_grad();
+    auto t0 = Clock::now();
+    loss = model.forward(tokens.data(), targets.data(), B, T);
+    const double fwd = seconds_since(t0);
+    t0 = Clock::now();
+    model.backward(1.0f);
+    const double bwd = seconds_since(t0);
+    t0 = Clock::now();
+    const double norm = std::sqrt(kernels->sum_squares(model.grads(), model.table().total));
+    if (std::isfinite(loss) && std::isfinite(norm)) {
+      const double max_norm = optim.max_grad_norm;
+      const float clip = max_norm > 0 && norm > max_norm ? float(max_norm / norm) : 1.0f;
+      optimizer.update(float(optim.lr), clip, step + 1);
+    }
+    const double opt_s = seconds_since(t0);
+    const double total = seconds_since(t_step);
+    if (step < warmup) continue;
+    total_s.push_back(total);
+    forward_s.push_back(fwd);
+    backward_s.push_back(bwd);
+    optimizer_s.push_back(opt_s);
+  }
+
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  const double step_s = median(total_s);
+  const double tokens_per_s = double(B) * T / step_s;
+  nlohmann::ordered_json out = {
+      {"framework", "trainer"},
+      {"workload", w.name},
+      {"tokens_per_s", tokens_per_s},
+      {"ms_per_step", step_s * 1e3},
+      {"mfu", flops_per_token * tokens_per_s / peak},
+      {"peak_gflops", peak / 1e9},
+      {"flops_per_token", flops_per_token},
+      {"params", n_params},
+      {"threads", omp_get_max_threads()},
+      {"blas_core", trainer::blas_core_name()},
+      {"peak_rss_mb", double(usage.ru_maxrss) / 1024.0},  // ru_maxrss is in KiB on Linux
+      {"batch", B},
+      {"seq_len", T},
+      {"warmup", warmup},
+      {"steps", steps},
+      {"forward_ms", median(forward_s) * 1e3},
+      {"backward_ms", median(backward_s) * 1e3},
+      {"optimizer_ms", median(optimizer_s) * 1e3},
+      {"final_loss", loss},
+  };
+  std::puts(out.dump().c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  trainer::ensure_fast_blas(argv);
+  try {
+    return run(parse_args(argc, argv));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "trainer_bench: %s\n", e.what());
+    return 2;
+  }
+}

@@ -1,0 +1,172 @@
+// The binary as a user runs it: subcommands, exit codes and one-line errors, end-to-end
+// training on real text, determinism across runs, and generation from the checkpoint.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+namespace trainer {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Result {
+  int code;
+  std::string output;  // stdout and stderr together
+};
+
+Result run(const std::string& args) {
+  const std::string cmd = std::string(TRAINER_BIN) + " " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  std::string out;
+  std::array<char, 4096> buf;
+  while (size_t n = fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
+  const int status = pclose(p);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+class Cli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("trainer_cli_" + std::to_string(::getpid()) + "_" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+
+  // Byte-level shards from a real excerpt of Pride and Prejudice.
+  void prepare_data() {
+    const Result r = run("prepare --input " + std::string(SOURCE_DIR) +
+                         "/tests/data/pride_and_prejudice_opening.txt --out-dir " + path("data"));
+    ASSERT_EQ(r.code, 0) << r.output;
+  }
+  std::string write_config(const std::string& name, const std::string& out_dir, int steps) {
+    std::ofstream(path(name)) << "[run]\nout_dir = \"" << path(out_dir) << "\"\nseed = 5\n"
+                              << "[model]\nseq_len = 32\nn_layer = 2\nn_head = 2\nd_model = 32\n"
+                              << "[data]\ntrain = \"" << path("data/train.bin") << "\"\nval = \""
+                              << path("data/val.bin") << "\"\n"
+                              << "[train]\nmicro_batch = 4\ngrad_accum = 2\nsteps = " << steps
+                              << "\nval_every = 10\nval_batches = 2\nsample_every = 15\n"
+                              << "sample_tokens = 20\nlog_every = 10\n"
+                              << "[optim]\nlr = 1e-2\nwarmup_steps = 5\n";
+    return path(name);
+  }
+  static std::vector<std::string> losses(const std::string& metrics) {
+    std::vector<std::string> out;
+    std::ifstream in(metrics);
+    for (std::string line; std::getline(in, line);) {
+      auto j = nlohmann::json::parse(line);
+      if (j.contains("loss")) out.push_back(j["loss"].dump());  // full precision text
+    }
+    return out;
+  }
+  fs::path dir_;
+};
+
+TEST_F(Cli, HelpAndVersion) {
+  Result r = run("--help");
+  EXPECT_EQ(r.code, 0);
+  EXPECT_NE(r.output.find("train"), std::string::npos);
+  EXPECT_NE(r.output.find("generate"), std::string::npos);
+  EXPECT_NE(r.output.find("prepare"), std::string::npos);
+  r = run("--version");
+  EXPECT_EQ(r.code, 0);
+  EXPECT_EQ(r.output.rfind("trainer 0.1.0", 0), 0u) << r.output;
+  r = run("train --help");
+  EXPECT_EQ(r.code, 0);
+  EXPECT_NE(r.output.find("--set"), std::string::npos);
+}
+
+TEST_F(Cli, BadCommandLinesExitTwoWithOneLine) {
+  for (const char* args : {"", "fly", "train", "train a.toml --bogus", "generate --tokens 5"}) {
+    const Result r = run(args);
+    EXPECT_EQ(r.code, 2) << args << ": " << r.output;
+    EXPECT_EQ(r.output.rfind("trainer: error: ", 0), 0u) << r.output;
+    EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
+  }
+}
+
+TEST_F(Cli, ConfigErrorsExitTwo) {
+  Result r = run("train " + path("missing.toml"));
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.output, "trainer: config error: " + path("missing.toml") + ": cannot open config file\n");
+  std::ofstream(path("bad.toml")) << "[train]\nsteps = 10\nstepz = 3\n";
+  r = run("train " + path("bad.toml"));
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.output, "trainer: config error: " + path("bad.toml") + ":3:1: [train] stepz: unknown key\n");
+  r = run("train " + path("bad.toml") + " --set train.stepz=1");
+  EXPECT_EQ(r.code, 2);
+  r = run("train " + path("bad.toml") + " --set model.n_head=x");
+  EXPECT_EQ(r.output,
+            "trainer: config error: --set model.n_head=x: [model] n_head: expected an integer, "
+            "found a string\n");
+}
+
+TEST_F(Cli, DataErrorsExitTwoAndWriteNothing) {
+  prepare_data();
+  const std::string cfg = write_config("run.toml", "out", 5);
+  std::ofstream(path("junk.bin")) << "garbage!!";  // odd size: not even headerless uint16
+  Result r = run("train " + cfg + " --set data.train=" + path("junk.bin"));
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.output.rfind("trainer: data error: " + path("junk.bin") + ": offset 0: unrecognised", 0), 0u)
+      << r.output;
+  fs::copy_file(path("data/train.bin"), path("cut.bin"));
+  fs::resize_file(path("cut.bin"), fs::file_size(path("cut.bin")) - 3);
+  r = run("train " + cfg + " --set data.train=" + path("cut.bin"));
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.output.find("(truncated)"), std::string::npos) << r.output;
+  r = run("train " + cfg + " --set data.val=" + path("nope.bin"));
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.output.find("nope.bin: cannot open data file"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(path("out"))) << "a failed start must not leave a run directory";
+  r = run("prepare --input " + path("absent.txt") + " --out-dir " + path("d2"));
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.output, "trainer: data error: " + path("absent.txt") + ": cannot open input text file\n");
+}
+
+TEST_F(Cli, TrainsDeterministicallyAndGenerates) {
+  prepare_data();
+  ASSERT_EQ(run("train " + write_config("a.toml", "a", 30)).code, 0);
+  const Result r = run("train " + write_config("b.toml", "b", 30));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("val loss"), std::string::npos);
+  EXPECT_NE(r.output.find("sample:"), std::string::npos);
+
+  const auto a = losses(path("a/metrics.jsonl")), b = losses(path("b/metrics.jsonl"));
+  ASSERT_EQ(a.size(), 30u);
+  EXPECT_EQ(a, b) << "two runs of the same config must give bitwise identical losses";
+  EXPECT_LT(std::stod(a.back()), std::stod(a.front()) - 1.5) << "loss must fall";
+  EXPECT_TRUE(fs::exists(path("a/config.toml")));
+  EXPECT_TRUE(fs::exists(path("a/checkpoints/step_00000030/state.h5")));
+
+  Result g = run("generate --checkpoint " + path("a") + " --prompt \"It is\" --tokens 40 --seed 3");
+  ASSERT_EQ(g.code, 0) << g.output;
+  EXPECT_EQ(g.output.rfind("It is", 0), 0u);
+  EXPECT_EQ(g.output, run("generate --checkpoint " + path("a/checkpoints/step_00000030") +
+                          " --prompt \"It is\" --tokens 40 --seed 3")
+                          .output);
+}
+
+TEST_F(Cli, GenerateRejectsBadCheckpoints) {
+  Result r = run("generate --checkpoint " + path("nothing"));
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.output, "trainer: checkpoint error: " + path("nothing") + ": no such checkpoint\n");
+  fs::create_directories(path("ck/checkpoints/step_00000001"));
+  std::ofstream(path("ck/checkpoints/step_00000001/state.h5")) << "truncated";
+  r = run("generate --checkpoint " + path("ck/checkpoints/step_00000001"));
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(r.output, "trainer: checkpoint error: " + path("ck/checkpoints/step_00000001/state.h5") +
+                          ": cannot open as an HDF5 file\n");
+}
+
+}  // namespace
+}  // namespace trainer

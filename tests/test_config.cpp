@@ -1,0 +1,126 @@
+// Config parsing: typed sections with defaults, and one clear error per kind of bad input.
+#include <gtest/gtest.h>
+
+#include "io/config.h"
+
+namespace trainer {
+namespace {
+
+// The message of the ConfigError that parsing `text` throws.
+std::string error_of(const std::string& text, const std::vector<std::string>& overrides = {}) {
+  try {
+    parse_config(text, "run.toml", overrides);
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TEST(Config, DefaultsWithoutAFile) {
+  const Config c = parse_config("", "empty.toml");
+  EXPECT_EQ(c.optim.name, "adamw");
+  EXPECT_EQ(c.model.vocab_size, 256);
+  EXPECT_EQ(c.train.grad_accum, 1);
+}
+
+TEST(Config, SeedUseCaseOptimizerBlockAsIs) {
+  const Config c = parse_config(R"(
+[optim]
+name = "adamw"
+lr = 5e-5
+betas = [0.9, 0.98]
+eps = 1e-6
+weight_decay = 0.01
+max_grad_norm = 1.0
+)",
+                                "seed.toml");
+  EXPECT_DOUBLE_EQ(c.optim.lr, 5e-5);
+  EXPECT_DOUBLE_EQ(c.optim.betas[0], 0.9);
+  EXPECT_DOUBLE_EQ(c.optim.betas[1], 0.98);
+  EXPECT_DOUBLE_EQ(c.optim.eps, 1e-6);
+  EXPECT_DOUBLE_EQ(c.optim.weight_decay, 0.01);
+  EXPECT_DOUBLE_EQ(c.optim.max_grad_norm, 1.0);
+}
+
+TEST(Config, UnknownKeyNamesFileLineColumnAndKey) {
+  EXPECT_EQ(error_of("[model]\nn_layer = 2\nn_layers = 3\n"),
+            "run.toml:3:1: [model] n_layers: unknown key");
+}
+
+TEST(Config, UnknownSection) {
+  EXPECT_EQ(error_of("[modle]\nn_layer = 2\n"),
+            "run.toml:1:2: unknown section [modle] (expected run, model, data, train or optim)");
+}
+
+TEST(Config, WrongType) {
+  EXPECT_EQ(error_of("[train]\nsteps = \"ten\"\n"),
+            "run.toml:2:9: [train] steps: expected an integer, found a string");
+  EXPECT_EQ(error_of("[optim]\nbetas = [0.9]\n"),
+            "run.toml:2:9: [optim] betas: expected an array of two numbers, found an array");
+  EXPECT_EQ(error_of("[optim]\nlr = true\n"),
+            "run.toml:2:6: [optim] lr: expected a number, found a boolean");
+}
+
+TEST(Config, OutOfRange) {
+  EXPECT_EQ(error_of("[model]\nn_layer = 0\n"),
+            "run.toml:2:11: [model] n_layer: must be in [1, 1024], found 0");
+  EXPECT_EQ(error_of("[optim]\nbetas = [0.9, 1.5]\n"),
+            "run.toml:2:9: [optim] betas: each beta must be in [0, 1), found [0.9, 1.5]");
+  EXPECT_EQ(error_of("[optim]\nschedule = \"exp\"\n"),
+            "run.toml:2:12: [optim] schedule: must be one of \"cosine\", \"linear\", \"constant\", "
+            "found \"exp\"");
+  EXPECT_EQ(error_of("[model]\nseq_len = 4294967296\n"),
+            "run.toml:2:11: [model] seq_len: 4294967296 does not fit in 32 bits");
+}
+
+TEST(Config, CrossFieldChecksNameTheKeys) {
+  EXPECT_EQ(error_of("[model]\nd_model = 100\nn_head = 3\n"),
+            "run.toml:3:10: [model] n_head: n_head = 3 must divide d_model = 100");
+  EXPECT_EQ(error_of("[optim]\nlr = 1e-4\nmin_lr = 1e-3\n"),
+            "run.toml:3:10: [optim] min_lr: min_lr = 0.001 must not exceed lr = 0.0001");
+}
+
+TEST(Config, InvalidToml) {
+  EXPECT_TRUE(error_of("[model\nn_layer = 2\n").starts_with("run.toml:1:7: invalid TOML: "))
+      << error_of("[model\nn_layer = 2\n");
+}
+
+TEST(Config, OverridesUseTheSameRules) {
+  const Config c = parse_config("[model]\nn_layer = 2\n", "run.toml",
+                                {"model.n_layer=6", "run.out_dir=runs/x", "optim.betas=[0.8, 0.9]"});
+  EXPECT_EQ(c.model.n_layer, 6);
+  EXPECT_EQ(c.run.out_dir, "runs/x");  // a bare word is a string
+  EXPECT_DOUBLE_EQ(c.optim.betas[0], 0.8);
+  EXPECT_EQ(error_of("", {"model.n_layer=abc"}),
+            "--set model.n_layer=abc: [model] n_layer: expected an integer, found a string");
+  EXPECT_EQ(error_of("", {"model.n_layers=2"}), "--set model.n_layers=2: [model] n_layers: unknown key");
+  EXPECT_EQ(error_of("", {"nolayers"}), "--set nolayers: expected section.key=value");
+  EXPECT_EQ(error_of("", {"modle.n_layer=2"}),
+            "--set modle.n_layer=2: unknown section [modle] (expected run, model, data, train or "
+            "optim)");
+  EXPECT_EQ(error_of("[model]\nd_model = 64\n", {"model.n_head=5"}),
+            "--set model.n_head=5: [model] n_head: n_head = 5 must divide d_model = 64");
+}
+
+TEST(Config, ResolvedConfigRoundTrips) {
+  Config c = parse_config("[model]\nn_layer = 3\n[data]\ntrain = [\"a.bin\", \"b.bin\"]\n", "a.toml",
+                          {"optim.lr=0.01", "train.sample_prompt=Once upon"});
+  const Config back = parse_config(config_to_toml(c), "resolved.toml");
+  EXPECT_EQ(back.model.n_layer, 3);
+  EXPECT_EQ(back.data.train, (std::vector<std::string>{"a.bin", "b.bin"}));
+  EXPECT_DOUBLE_EQ(back.optim.lr, 0.01);
+  EXPECT_EQ(back.train.sample_prompt, "Once upon");
+  EXPECT_EQ(config_to_toml(back), config_to_toml(c));
+}
+
+TEST(Config, MissingFile) {
+  try {
+    load_config("/nonexistent/run.toml");
+    FAIL();
+  } catch (const ConfigError& e) {
+    EXPECT_STREQ(e.what(), "/nonexistent/run.toml: cannot open config file");
+  }
+}
+
+}  // namespace
+}  // namespace trainer

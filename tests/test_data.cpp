@@ -1,0 +1,200 @@
+// Token shards in all three layouts, every kind of damaged file, and the batch order.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include "io/dataset.h"
+#include "io/token_shard.h"
+
+namespace trainer {
+namespace {
+
+namespace fs = std::filesystem;
+
+class DataTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("trainer_data_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+  void write_bytes(const std::string& name, const void* data, size_t n) {
+    std::ofstream(path(name), std::ios::binary).write(static_cast<const char*>(data), n);
+  }
+  std::string error_of(const std::string& name, int vocab = 256) {
+    try {
+      TokenShard s(path(name), vocab);
+    } catch (const DataError& e) {
+      return e.what();
+    }
+    return "(no error)";
+  }
+  fs::path dir_;
+};
+
+std::vector<int32_t> ramp(int n, int mod) {
+  std::vector<int32_t> v(n);
+  for (int i = 0; i < n; i++) v[i] = (i * 7) % mod;
+  return v;
+}
+
+TEST_F(DataTest, OurLayoutRoundTripsInBothWidths) {
+  for (int vocab : {256, 70000}) {
+    auto tokens = ramp(1000, vocab == 256 ? 256 : 69999);
+    write_token_shard(path("a.bin"), tokens, vocab);
+    TokenShard s(path("a.bin"), vocab);
+    EXPECT_STREQ(s.format(), "trainer");
+    std::vector<int32_t> back(tokens.size());
+    s.read(0, int64_t(tokens.size()), back.data());
+    EXPECT_EQ(back, tokens);
+    EXPECT_EQ(fs::file_size(path("a.bin")), 64 + tokens.size() * (vocab == 256 ? 2 : 4));
+  }
+  EXPECT_FALSE(fs::exists(path("a.bin.tmp")));
+}
+
+TEST_F(DataTest, LlmcLayout) {
+  std::vector<int32_t> header(256, 0);
+  header[0] = 20240520;
+  header[1] = 1;
+  header[2] = 5;
+  std::vector<uint16_t> tokens = {1, 2, 50000, 4, 5};
+  std::ofstream f(path("llmc.bin"), std::ios::binary);
+  f.write(reinterpret_cast<char*>(header.data()), 1024);
+  f.write(reinterpret_cast<char*>(tokens.data()), 10);
+  f.close();
+  TokenShard s(path("llmc.bin"), 50257);
+  EXPECT_STREQ(s.format(), "llm.c");
+  std::vector<int32_t> back(5);
+  s.read(0, 5, back.data());
+  EXPECT_EQ(back, (std::vector<int32_t>{1, 2, 50000, 4, 5}));
+  // Truncated: the header promises 5 tokens, the file holds 4.
+  std::ofstream g(path("short.bin"), std::ios::binary);
+  g.write(reinterpret_cast<char*>(header.data()), 1024);
+  g.write(reinterpret_cast<char*>(tokens.data()), 8);
+  g.close();
+  EXPECT_EQ(error_of("short.bin", 50257),
+            path("short.bin") + ": llm.c file of 5 tokens should be 1034 bytes, found 1032 (truncated)");
+}
+
+TEST_F(DataTest, NanoGptHeaderlessUint16) {
+  std::vector<uint16_t> tokens = {3, 1, 4, 1, 5, 9};
+  write_bytes("nano.bin", tokens.data(), 12);
+  TokenShard s(path("nano.bin"), 10);
+  EXPECT_STREQ(s.format(), "nanoGPT uint16");
+  EXPECT_EQ(s.size(), 6);
+}
+
+TEST_F(DataTest, TruncatedOurs) {
+  write_token_shard(path("t.bin"), ramp(100, 256), 256);
+  fs::resize_file(path("t.bin"), 64 + 150);
+  EXPECT_EQ(error_of("t.bin"),
+            path("t.bin") + ": trainer file of 100 tokens should be 264 bytes, found 214 (truncated)");
+  fs::resize_file(path("t.bin"), 20);
+  EXPECT_EQ(error_of("t.bin"), path("t.bin") + ": header truncated: expected 64 bytes, file has 20");
+}
+
+TEST_F(DataTest, WrongMagic) {
+  const char junk[] = "this is not a token file!";
+  write_bytes("x.dat", junk, sizeof junk - 1);
+  EXPECT_EQ(error_of("x.dat"),
+            path("x.dat") +
+                ": offset 0: unrecognised data file: expected magic \"TRTOKENS\", the llm.c magic "
+                "20240520 or a headerless .bin of uint16 tokens (even size), found 25 bytes "
+                "starting 74 68 69 73");
+}
+
+TEST_F(DataTest, BadVersionAndWidth) {
+  write_token_shard(path("v.bin"), ramp(10, 256), 256);
+  std::fstream f(path("v.bin"), std::ios::in | std::ios::out | std::ios::binary);
+  const uint32_t bad = 7;
+  f.seekp(8);
+  f.write(reinterpret_cast<const char*>(&bad), 4);
+  f.close();
+  EXPECT_EQ(error_of("v.bin"), path("v.bin") + ": offset 8: expected version 1, found 7");
+}
+
+TEST_F(DataTest, TokenOutsideVocabulary) {
+  auto tokens = ramp(50, 256);
+  tokens[17] = 300;
+  write_token_shard(path("big.bin"), tokens, 65536);
+  EXPECT_EQ(error_of("big.bin"),
+            path("big.bin") +
+                ": offset 98: token 300 at index 17 is outside the vocabulary (vocab_size = 256)");
+}
+
+TEST_F(DataTest, MissingAndEmptyFiles) {
+  EXPECT_EQ(error_of("none.bin"), path("none.bin") + ": cannot open data file: No such file or directory");
+  write_bytes("empty.bin", "", 0);
+  EXPECT_EQ(error_of("empty.bin"), path("empty.bin") + ": data file is empty");
+}
+
+TEST_F(DataTest, WindowsAndTheirTargets) {
+  auto tokens = ramp(101, 256);
+  write_token_shard(path("w.bin"), tokens, 256);
+  Dataset data({path("w.bin")}, 256, 10);
+  EXPECT_EQ(data.windows(), 10);  // (101 - 1) / 10
+  std::vector<int32_t> in(10), tg(10);
+  data.window(3, in.data(), tg.data());
+  for (int i = 0; i < 10; i++) {
+    EXPECT_EQ(in[i], tokens[30 + i]);
+    EXPECT_EQ(tg[i], tokens[31 + i]);
+  }
+  EXPECT_THROW(Dataset({path("w.bin")}, 256, 200), DataError);
+}
+
+TEST_F(DataTest, SampleOrderIsAPermutationPerEpochAndPureInSeed) {
+  SampleOrder a(50, 1), b(50, 1), c(50, 2);
+  std::set<int64_t> epoch0, epoch1;
+  bool differs = false, epochs_differ = false;
+  for (int i = 0; i < 100; i++) {
+    const int64_t w = a.window(i);
+    EXPECT_EQ(w, b.window(i));
+    differs |= w != c.window(i);
+    (i < 50 ? epoch0 : epoch1).insert(w);
+    if (i >= 50) epochs_differ |= w != SampleOrder(50, 1).window(i - 50);
+  }
+  EXPECT_EQ(epoch0.size(), 50u);
+  EXPECT_EQ(epoch1.size(), 50u);
+  EXPECT_TRUE(differs);
+  EXPECT_TRUE(epochs_differ);
+  // Random access gives the same answer as sequential access.
+  SampleOrder fresh(50, 1);
+  EXPECT_EQ(fresh.window(77), SampleOrder(50, 1).window(77));
+}
+
+TEST_F(DataTest, LoaderYieldsTheGlobalSamplesInStepOrder) {
+  write_token_shard(path("l.bin"), ramp(5001, 256), 256);
+  Dataset data({path("l.bin")}, 256, 16);
+  const int B = 3, T = 16, accum = 2;
+  DataLoader loader(data, B, T, accum, 42, 1, 5);  // starting at step 5, as after a resume
+  SampleOrder order(data.windows(), 42);
+  std::vector<int32_t> in(T), tg(T);
+  for (int64_t step = 5; step < 9; step++)
+    for (int micro = 0; micro < accum; micro++) {
+      const Batch& b = loader.next();
+      ASSERT_EQ(b.step, step);
+      ASSERT_EQ(b.micro, micro);
+      for (int r = 0; r < B; r++) {
+        data.window(order.window((step * accum + micro) * B + r), in.data(), tg.data());
+        EXPECT_TRUE(std::equal(in.begin(), in.end(), b.inputs.begin() + r * T));
+        EXPECT_TRUE(std::equal(tg.begin(), tg.end(), b.targets.begin() + r * T));
+      }
+    }
+}
+
+TEST_F(DataTest, ShardsDoNotShareWindows) {
+  write_token_shard(path("s1.bin"), ramp(25, 256), 256);
+  write_token_shard(path("s2.bin"), ramp(35, 200), 256);
+  Dataset data({path("s1.bin"), path("s2.bin")}, 256, 8);
+  EXPECT_EQ(data.windows(), 3 + 4);
+  EXPECT_EQ(data.tokens(), 60);
+}
+
+}  // namespace
+}  // namespace trainer

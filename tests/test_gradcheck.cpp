@@ -1,0 +1,213 @@
+// Gradients of every layer and of the whole model against central finite differences, all in
+// double precision (the CPU kernels are templates, so f64 runs the same code as training).
+// With h = 1e-5 the truncation error is O(h^2) ~ 1e-10 and roundoff ~ 1e-16 / h ~ 1e-11,
+// relative to O(1) values, so agreement to 1e-6 relative means the backward pass is right.
+#include <gtest/gtest.h>
+
+#include <omp.h>
+
+#include <functional>
+
+#include "model/gpt.h"
+#include "model/init.h"
+#include "test_util.h"
+
+namespace trainer::test {
+namespace {
+
+constexpr double kStep = 1e-5, kRtol = 1e-6, kAtol = 1e-8;
+using Vec = std::vector<double>;
+
+// Thousands of tiny forwards: one thread avoids paying OpenMP fork/join for each of them.
+class GradCheck : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    threads_ = omp_get_max_threads();
+    omp_set_num_threads(1);
+  }
+  void TearDown() override { omp_set_num_threads(threads_); }
+  int threads_ = 1;
+};
+
+// Checks the analytic gradient `grad` of scalar f with respect to `x` by central differences.
+void expect_gradient(const std::function<double()>& f, Vec& x, const Vec& grad,
+                     const std::string& what) {
+  Vec numeric(x.size());
+  for (size_t i = 0; i < x.size(); i++) {
+    const double saved = x[i];
+    x[i] = saved + kStep;
+    const double up = f();
+    x[i] = saved - kStep;
+    const double down = f();
+    x[i] = saved;
+    numeric[i] = (up - down) / (2 * kStep);
+  }
+  EXPECT_TRUE(all_close(grad, numeric, kRtol, kAtol)) << what;
+}
+
+// sum(R * out): a random projection turns a layer's output into a scalar.
+double project(const Vec& out, const Vec& r) {
+  double s = 0;
+  for (size_t i = 0; i < out.size(); i++) s += out[i] * r[i];
+  return s;
+}
+
+TEST_F(GradCheck, LayerNorm) {
+  const int N = 5, C = 7;
+  Vec x = random_vector<double>(N * C, 1), w = random_vector<double>(C, 2),
+      b = random_vector<double>(C, 3), r = random_vector<double>(N * C, 4);
+  auto f = [&] {
+    Device d;
+    DPtr out = d.upload(Vec(N * C)), mean = d.upload(Vec(N)), rstd = d.upload(Vec(N));
+    d.k->layernorm_forward(out, mean, rstd, d.upload(x), d.upload(w), d.upload(b), N, C);
+    return project(d.download<double>(out, N * C), r);
+  };
+  Device d;
+  DPtr out = d.upload(Vec(N * C)), mean = d.upload(Vec(N)), rstd = d.upload(Vec(N));
+  DPtr xd = d.upload(x), wd = d.upload(w);
+  d.k->layernorm_forward(out, mean, rstd, xd, wd, d.upload(b), N, C);
+  DPtr dx = d.upload(Vec(N * C)), dw = d.upload(Vec(C)), db = d.upload(Vec(C));
+  d.k->layernorm_backward(dx, dw, db, d.upload(r), xd, wd, mean, rstd, N, C);
+  expect_gradient(f, x, d.download<double>(dx, N * C), "dx");
+  expect_gradient(f, w, d.download<double>(dw, C), "dweight");
+  expect_gradient(f, b, d.download<double>(db, C), "dbias");
+}
+
+TEST_F(GradCheck, Matmul) {
+  const int N = 4, IC = 6, OC = 5;
+  Vec x = random_vector<double>(N * IC, 5), w = random_vector<double>(OC * IC, 6),
+      b = random_vector<double>(OC, 7), r = random_vector<double>(N * OC, 8);
+  auto f = [&] {
+    Device d;
+    DPtr out = d.upload(Vec(N * OC));
+    d.k->matmul_forward(out, d.upload(x), d.upload(w), d.upload(b), N, IC, OC);
+    return project(d.download<double>(out, N * OC), r);
+  };
+  Device d;
+  DPtr dx = d.upload(Vec(N * IC)), dw = d.upload(Vec(OC * IC)), db = d.upload(Vec(OC));
+  d.k->matmul_backward(dx, dw, db, d.upload(r), d.upload(x), d.upload(w), N, IC, OC);
+  expect_gradient(f, x, d.download<double>(dx, N * IC), "dx");
+  expect_gradient(f, w, d.download<double>(dw, OC * IC), "dweight");
+  expect_gradient(f, b, d.download<double>(db, OC), "dbias");
+}
+
+TEST_F(GradCheck, CausalAttention) {
+  const int B = 2, T = 5, C = 6, NH = 2;
+  Vec qkv = random_vector<double>(B * T * 3 * C, 9), r = random_vector<double>(B * T * C, 10);
+  auto f = [&] {
+    Device d;
+    DPtr out = d.upload(Vec(B * T * C)), att = d.upload(Vec(B * NH * T * T));
+    d.k->attention_forward(out, att, d.upload(qkv), B, T, C, NH);
+    return project(d.download<double>(out, B * T * C), r);
+  };
+  Device d;
+  DPtr out = d.upload(Vec(B * T * C)), att = d.upload(Vec(B * NH * T * T));
+  DPtr qkvd = d.upload(qkv);
+  d.k->attention_forward(out, att, qkvd, B, T, C, NH);
+  DPtr dqkv = d.upload(Vec(B * T * 3 * C)), datt = d.upload(Vec(B * NH * T * T));
+  d.k->attention_backward(dqkv, datt, d.upload(r), qkvd, att, B, T, C, NH);
+  expect_gradient(f, qkv, d.download<double>(dqkv, B * T * 3 * C), "dqkv");
+}
+
+TEST_F(GradCheck, Gelu) {
+  const int n = 40;
+  Vec x = random_vector<double>(n, 11, 2.0), r = random_vector<double>(n, 12);
+  auto f = [&] {
+    Device d;
+    DPtr out = d.upload(Vec(n));
+    d.k->gelu_forward(out, d.upload(x), n);
+    return project(d.download<double>(out, n), r);
+  };
+  Device d;
+  DPtr dx = d.upload(Vec(n));
+  d.k->gelu_backward(dx, d.upload(x), d.upload(r), n);
+  expect_gradient(f, x, d.download<double>(dx, n), "dx");
+}
+
+TEST_F(GradCheck, Encoder) {
+  const int B = 2, T = 3, C = 4, V = 5;
+  std::vector<int32_t> tokens = {4, 0, 4, 2, 2, 1};
+  Vec wte = random_vector<double>(V * C, 13), wpe = random_vector<double>(T * C, 14),
+      r = random_vector<double>(B * T * C, 15);
+  auto f = [&] {
+    Device d;
+    DPtr out = d.upload(Vec(B * T * C));
+    d.k->encoder_forward(out, tokens.data(), d.upload(wte), d.upload(wpe), B, T, C);
+    return project(d.download<double>(out, B * T * C), r);
+  };
+  Device d;
+  DPtr dwte = d.upload(Vec(V * C)), dwpe = d.upload(Vec(T * C));
+  d.k->encoder_backward(dwte, dwpe, d.upload(r), tokens.data(), B, T, C);
+  expect_gradient(f, wte, d.download<double>(dwte, V * C), "dwte");
+  expect_gradient(f, wpe, d.download<double>(dwpe, T * C), "dwpe");
+}
+
+TEST_F(GradCheck, SoftmaxCrossEntropy) {
+  const int N = 4, V = 6, Vp = 8;
+  Vec logits = random_vector<double>(N * Vp, 16, 2.0);
+  std::vector<int32_t> targets = {5, 0, 2, 2};
+  auto f = [&] {
+    Device d;
+    Vec copy = logits;
+    return d.k->softmax_crossentropy_forward(d.upload(Vec(N)), d.upload(copy), targets.data(), N,
+                                             V, Vp);
+  };
+  Device d;
+  DPtr ld = d.upload(logits);
+  d.k->softmax_crossentropy_forward(d.upload(Vec(N)), ld, targets.data(), N, V, Vp);
+  d.k->softmax_crossentropy_backward(ld, targets.data(), 1.0f / N, N, V, Vp);
+  Vec grad = d.download<double>(ld, N * Vp);
+  expect_gradient(f, logits, grad, "dlogits");
+}
+
+// The whole model: every element of every parameter of a tiny GPT, in f64.
+TEST_F(GradCheck, WholeModel) {
+  GPTConfig cfg;
+  cfg.vocab_size = 20;
+  cfg.vocab_multiple = 8;  // padded to 24: padded rows must get no gradient
+  cfg.seq_len = 6;
+  cfg.n_layer = 2;
+  cfg.n_head = 2;
+  cfg.d_model = 8;
+  const int B = 2, T = 6;
+  auto kernels = make_cpu_kernels();
+  GPT model(cfg, *kernels, DType::f64, B, T);
+  model.init_parameters(7);
+  // Move every parameter off its initial value (biases 0, norms 1) so that all terms matter.
+  for (const ParamInfo& p : model.table().params) {
+    Vec v = model.read<double>(p, model.params());
+    for (size_t i = 0; i < v.size(); i++) v[i] += 0.1 * normal_at(99, hash_name(p.name), i);
+    model.write(p, model.params(), v);
+  }
+  std::vector<int32_t> tokens(B * T), targets(B * T);
+  for (int i = 0; i < B * T; i++) {
+    tokens[i] = (i * 7 + 3) % cfg.vocab_size;
+    targets[i] = (i * 11 + 5) % cfg.vocab_size;
+  }
+  model.zero_grad();
+  model.forward(tokens.data(), targets.data(), B, T);
+  model.backward(1.0f);
+
+  double* params = model.params().as<double>();
+  for (const ParamInfo& p : model.table().params) {
+    Vec analytic = model.read<double>(p, model.grads());
+    Vec numeric(analytic.size());
+    for (int64_t i = 0; i < p.logical_numel(); i++) {
+      double& x = params[p.offset + i];
+      const double saved = x;
+      x = saved + kStep;
+      const double up = model.forward(tokens.data(), targets.data(), B, T);
+      x = saved - kStep;
+      const double down = model.forward(tokens.data(), targets.data(), B, T);
+      x = saved;
+      numeric[i] = (up - down) / (2 * kStep);
+    }
+    EXPECT_TRUE(all_close(analytic, numeric, kRtol, kAtol)) << p.name;
+  }
+  const ParamInfo& wte = model.table().at("wte.weight");
+  const double* g = model.grads().as<double>() + wte.offset;
+  for (int64_t i = wte.logical_numel(); i < wte.numel; i++) ASSERT_EQ(g[i], 0.0) << "padded row";
+}
+
+}  // namespace
+}  // namespace trainer::test

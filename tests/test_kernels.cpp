@@ -1,0 +1,290 @@
+// Every CPU kernel in fp32 against a naive double-precision reference, forward and backward.
+// Tolerances: fp32 has a unit roundoff of 6e-8; the longest sums here have a few hundred terms
+// of O(1) values, so relative errors stay below 1e-5; we allow rtol 1e-4 and a small atol for
+// values that cancel to near zero.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "test_util.h"
+
+namespace trainer::test {
+namespace {
+
+constexpr double kRtol = 1e-4, kAtol = 1e-5;
+
+TEST(Kernels, EncoderForwardBackward) {
+  Device d;
+  const int B = 2, T = 5, C = 8, V = 7;
+  std::vector<int32_t> tokens = {1, 3, 3, 0, 6, 6, 6, 2, 1, 5};
+  auto wte = random_vector(V * C, 1), wpe = random_vector(T * C, 2);
+  auto dout = random_vector(B * T * C, 3);
+  DPtr out = d.upload(std::vector<float>(B * T * C));
+  d.k->encoder_forward(out, tokens.data(), d.upload(wte), d.upload(wpe), B, T, C);
+  std::vector<double> want(B * T * C), dwte_want(V * C, 0.5), dwpe_want(T * C, 0.5);
+  for (int b = 0; b < B; b++)
+    for (int t = 0; t < T; t++)
+      for (int c = 0; c < C; c++) {
+        const int i = (b * T + t) * C + c;
+        want[i] = wte[tokens[b * T + t] * C + c] + wpe[t * C + c];
+        dwte_want[tokens[b * T + t] * C + c] += dout[i];
+        dwpe_want[t * C + c] += dout[i];
+      }
+  EXPECT_TRUE(all_close(d.download<float>(out, want.size()), want, kRtol, kAtol));
+  // Backward accumulates into existing gradients (here 0.5 everywhere).
+  DPtr dwte = d.upload(std::vector<float>(V * C, 0.5f)), dwpe = d.upload(std::vector<float>(T * C, 0.5f));
+  d.k->encoder_backward(dwte, dwpe, d.upload(dout), tokens.data(), B, T, C);
+  EXPECT_TRUE(all_close(d.download<float>(dwte, V * C), dwte_want, kRtol, kAtol));
+  EXPECT_TRUE(all_close(d.download<float>(dwpe, T * C), dwpe_want, kRtol, kAtol));
+}
+
+TEST(Kernels, LayerNormForwardBackward) {
+  Device d;
+  const int N = 37, C = 48;
+  auto x = random_vector(N * C, 4, 2.0), w = random_vector(C, 5), b = random_vector(C, 6);
+  auto dout = random_vector(N * C, 7);
+  DPtr out = d.upload(std::vector<float>(N * C)), mean = d.upload(std::vector<float>(N)),
+       rstd = d.upload(std::vector<float>(N));
+  DPtr xd = d.upload(x), wd = d.upload(w), bd = d.upload(b);
+  d.k->layernorm_forward(out, mean, rstd, xd, wd, bd, N, C);
+
+  std::vector<double> want(N * C), mean_want(N), rstd_want(N);
+  std::vector<double> dx_want(N * C, 0.25), dw_want(C, 0.25), db_want(C, 0.25);
+  for (int n = 0; n < N; n++) {
+    double m = 0, v = 0;
+    for (int c = 0; c < C; c++) m += x[n * C + c];
+    m /= C;
+    for (int c = 0; c < C; c++) v += (x[n * C + c] - m) * (x[n * C + c] - m);
+    v /= C;
+    const double s = 1 / std::sqrt(v + 1e-5);
+    mean_want[n] = m;
+    rstd_want[n] = s;
+    // y = xhat * w + b, xhat = (x - m) s:
+    // dx = s * (g - mean(g) - xhat * mean(g * xhat)) with g = dout * w.
+    double gm = 0, gxm = 0;
+    for (int c = 0; c < C; c++) {
+      const double xhat = (x[n * C + c] - m) * s, g = dout[n * C + c] * w[c];
+      want[n * C + c] = xhat * w[c] + b[c];
+      gm += g / C;
+      gxm += g * xhat / C;
+      dw_want[c] += dout[n * C + c] * xhat;
+      db_want[c] += dout[n * C + c];
+    }
+    for (int c = 0; c < C; c++) {
+      const double xhat = (x[n * C + c] - m) * s, g = dout[n * C + c] * w[c];
+      dx_want[n * C + c] += s * (g - gm - xhat * gxm);
+    }
+  }
+  EXPECT_TRUE(all_close(d.download<float>(out, N * C), want, kRtol, kAtol));
+  EXPECT_TRUE(all_close(d.download<float>(mean, N), mean_want, kRtol, kAtol));
+  EXPECT_TRUE(all_close(d.download<float>(rstd, N), rstd_want, kRtol, kAtol));
+
+  DPtr dx = d.upload(std::vector<float>(N * C, 0.25f)), dw = d.upload(std::vector<float>(C, 0.25f)),
+       db = d.upload(std::vector<float>(C, 0.25f));
+  d.k->layernorm_backward(dx, dw, db, d.upload(dout), xd, wd, mean, rstd, N, C);
+  EXPECT_TRUE(all_close(d.download<float>(dx, N * C), dx_want, kRtol, kAtol));
+  EXPECT_TRUE(all_close(d.download<float>(dw, C), dw_want, kRtol, kAtol));
+  EXPECT_TRUE(all_close(d.download<float>(db, C), db_want, kRtol, kAtol));
+}
+
+TEST(Kernels, MatmulForwardBackward) {
+  Device d;
+  const int N = 45, IC = 33, OC = 70;
+  auto x = random_vector(N * IC, 8), w = random_vector(OC * IC, 9), bias = random_vector(OC, 10);
+  auto dout = random_vector(N * OC, 11);
+  for (bool with_bias : {true, false}) {
+    DPtr out = d.upload(std::vector<float>(N * OC));
+    DPtr xd = d.upload(x), wd = d.upload(w);
+    d.k->matmul_forward(out, xd, wd, with_bias ? d.upload(bias) : DPtr{}, N, IC, OC);
+    std::vector<double> want(N * OC), dx_want(N * IC), dw_want(OC * IC, 1.0), db_want(OC, 1.0);
+    for (int n = 0; n < N; n++)
+      for (int o = 0; o < OC; o++) {
+        double s = with_bias ? bias[o] : 0.0;
+        for (int i = 0; i < IC; i++) s += double(x[n * IC + i]) * w[o * IC + i];
+        want[n * OC + o] = s;
+        db_want[o] += dout[n * OC + o];
+        for (int i = 0; i < IC; i++) {
+          dx_want[n * IC + i] += double(dout[n * OC + o]) * w[o * IC + i];
+          dw_want[o * IC + i] += double(dout[n * OC + o]) * x[n * IC + i];
+        }
+      }
+    EXPECT_TRUE(all_close(d.download<float>(out, N * OC), want, kRtol, kAtol));
+    // dinp is overwritten (start from garbage), dweight and dbias accumulate (start from 1).
+    DPtr dx = d.upload(std::vector<float>(N * IC, 7.0f));
+    DPtr dw = d.upload(std::vector<float>(OC * IC, 1.0f)), db = d.upload(std::vector<float>(OC, 1.0f));
+    d.k->matmul_backward(dx, dw, with_bias ? db : DPtr{}, d.upload(dout), xd, wd, N, IC, OC);
+    EXPECT_TRUE(all_close(d.download<float>(dx, N * IC), dx_want, kRtol, kAtol));
+    EXPECT_TRUE(all_close(d.download<float>(dw, OC * IC), dw_want, kRtol, kAtol));
+    if (with_bias) {
+      EXPECT_TRUE(all_close(d.download<float>(db, OC), db_want, kRtol, kAtol));
+    }
+  }
+}
+
+// Naive causal attention in double, straight from the definition (llm.c's CPU loops).
+struct NaiveAttention {
+  std::vector<double> out, att, dqkv;
+  NaiveAttention(const std::vector<float>& qkv, const std::vector<float>& dout, int B, int T,
+                 int C, int NH) {
+    const int hs = C / NH;
+    const double scale = 1 / std::sqrt(double(hs));
+    out.assign(B * T * C, 0);
+    att.assign(B * NH * T * T, 0);
+    dqkv.assign(B * T * 3 * C, 0);
+    auto q = [&](int b, int t, int h, int i) { return (b * T + t) * 3 * C + h * hs + i; };
+    for (int b = 0; b < B; b++)
+      for (int h = 0; h < NH; h++)
+        for (int t = 0; t < T; t++) {
+          double* a = &att[((b * NH + h) * T + t) * T];
+          double mx = -1e300;
+          for (int u = 0; u <= t; u++) {
+            double s = 0;
+            for (int i = 0; i < hs; i++) s += double(qkv[q(b, t, h, i)]) * qkv[q(b, u, h, i) + C];
+            a[u] = s * scale;
+            mx = std::max(mx, a[u]);
+          }
+          double sum = 0;
+          for (int u = 0; u <= t; u++) sum += (a[u] = std::exp(a[u] - mx));
+          for (int u = 0; u <= t; u++) a[u] /= sum;
+          for (int i = 0; i < hs; i++) {
+            double o = 0;
+            for (int u = 0; u <= t; u++) o += a[u] * qkv[q(b, u, h, i) + 2 * C];
+            out[(b * T + t) * C + h * hs + i] = o;
+          }
+          // backward for this query row
+          std::vector<double> da(t + 1);
+          for (int u = 0; u <= t; u++)
+            for (int i = 0; i < hs; i++) {
+              const double g = dout[(b * T + t) * C + h * hs + i];
+              da[u] += g * qkv[q(b, u, h, i) + 2 * C];
+              dqkv[q(b, u, h, i) + 2 * C] += a[u] * g;
+            }
+          double dot = 0;
+          for (int u = 0; u <= t; u++) dot += a[u] * da[u];
+          for (int u = 0; u <= t; u++) {
+            const double dpre = a[u] * (da[u] - dot) * scale;
+            for (int i = 0; i < hs; i++) {
+              dqkv[q(b, t, h, i)] += dpre * qkv[q(b, u, h, i) + C];
+              dqkv[q(b, u, h, i) + C] += dpre * qkv[q(b, t, h, i)];
+            }
+          }
+        }
+  }
+};
+
+TEST(Kernels, AttentionForwardBackward) {
+  Device d;
+  // T = 150 spans three of the kernel's 64-row blocks, with a ragged last block.
+  for (auto [B, T, C, NH] : {std::array{2, 7, 12, 3}, std::array{1, 150, 16, 2}}) {
+    auto qkv = random_vector(B * T * 3 * C, 12), dout = random_vector(B * T * C, 13);
+    NaiveAttention ref(qkv, dout, B, T, C, NH);
+    DPtr out = d.upload(std::vector<float>(B * T * C));
+    DPtr att = d.upload(std::vector<float>(B * NH * T * T, 3.0f));
+    DPtr qkvd = d.upload(qkv);
+    d.k->attention_forward(out, att, qkvd, B, T, C, NH);
+    EXPECT_TRUE(all_close(d.download<float>(out, B * T * C), ref.out, kRtol, kAtol)) << "T=" << T;
+    EXPECT_TRUE(all_close(d.download<float>(att, B * NH * T * T), ref.att, kRtol, kAtol));
+    DPtr dqkv = d.upload(std::vector<float>(B * T * 3 * C, 9.0f));
+    DPtr datt = d.upload(std::vector<float>(B * NH * T * T, 5.0f));
+    d.k->attention_backward(dqkv, datt, d.upload(dout), qkvd, att, B, T, C, NH);
+    EXPECT_TRUE(all_close(d.download<float>(dqkv, B * T * 3 * C), ref.dqkv, kRtol, kAtol))
+        << "T=" << T;
+  }
+}
+
+TEST(Kernels, GeluForwardBackward) {
+  Device d;
+  const int n = 1000;
+  auto x = random_vector(n, 14, 3.0), dout = random_vector(n, 15);
+  std::vector<double> want(n), dwant(n);
+  const double s = std::sqrt(2 / M_PI);
+  for (int i = 0; i < n; i++) {
+    const double u = s * (x[i] + 0.044715 * std::pow(x[i], 3)), th = std::tanh(u);
+    want[i] = 0.5 * x[i] * (1 + th);
+    dwant[i] = dout[i] * (0.5 * (1 + th) +
+                          0.5 * x[i] * (1 - th * th) * s * (1 + 3 * 0.044715 * x[i] * x[i]));
+  }
+  DPtr out = d.upload(std::vector<float>(n)), xd = d.upload(x), dx = d.upload(std::vector<float>(n, 4.0f));
+  d.k->gelu_forward(out, xd, n);
+  d.k->gelu_backward(dx, xd, d.upload(dout), n);
+  EXPECT_TRUE(all_close(d.download<float>(out, n), want, kRtol, kAtol));
+  EXPECT_TRUE(all_close(d.download<float>(dx, n), dwant, kRtol, kAtol));
+}
+
+TEST(Kernels, Residual) {
+  Device d;
+  auto a = random_vector(100, 16), b = random_vector(100, 17);
+  std::vector<double> want(100);
+  for (int i = 0; i < 100; i++) want[i] = double(a[i]) + b[i];
+  DPtr out = d.upload(std::vector<float>(100));
+  d.k->residual_forward(out, d.upload(a), d.upload(b), 100);
+  EXPECT_TRUE(all_close(d.download<float>(out, 100), want, kRtol, kAtol));
+}
+
+TEST(Kernels, SoftmaxCrossEntropyOverPaddedVocab) {
+  Device d;
+  const int N = 9, V = 50, Vp = 64;
+  auto logits = random_vector(N * Vp, 18, 3.0);
+  for (int n = 0; n < N; n++)  // padded columns hold garbage that must not matter
+    for (int v = V; v < Vp; v++) logits[n * Vp + v] = 1e4f;
+  std::vector<int32_t> targets = {0, 49, 3, 3, 17, 25, 1, 48, 10};
+  const float dloss = 0.37f;
+  std::vector<double> probs(N * Vp, 0.0), losses(N), grad(N * Vp, 0.0);
+  double mean = 0;
+  for (int n = 0; n < N; n++) {
+    double mx = -1e300, sum = 0;
+    for (int v = 0; v < V; v++) mx = std::max(mx, double(logits[n * Vp + v]));
+    for (int v = 0; v < V; v++) sum += std::exp(logits[n * Vp + v] - mx);
+    for (int v = 0; v < V; v++) {
+      probs[n * Vp + v] = std::exp(logits[n * Vp + v] - mx) / sum;
+      grad[n * Vp + v] = (probs[n * Vp + v] - (v == targets[n])) * dloss;
+    }
+    losses[n] = -std::log(probs[n * Vp + targets[n]]);
+    mean += losses[n] / N;
+  }
+  DPtr ld = d.upload(logits), lossd = d.upload(std::vector<float>(N));
+  const double got_mean = d.k->softmax_crossentropy_forward(lossd, ld, targets.data(), N, V, Vp);
+  EXPECT_NEAR(got_mean, mean, 1e-5 * mean);
+  EXPECT_TRUE(all_close(d.download<float>(lossd, N), losses, kRtol, kAtol));
+  EXPECT_TRUE(all_close(d.download<float>(ld, N * Vp), probs, kRtol, 1e-7));
+  d.k->softmax_crossentropy_backward(ld, targets.data(), dloss, N, V, Vp);
+  EXPECT_TRUE(all_close(d.download<float>(ld, N * Vp), grad, kRtol, 1e-7));
+}
+
+TEST(Kernels, SumSquaresIsDeterministicAndExact) {
+  Device d;
+  for (int n : {1, 63, 64, 1000, 100003}) {
+    auto x = random_vector(n, 19);
+    double want = 0;
+    for (float v : x) want += double(v) * v;
+    DPtr xd = d.upload(x);
+    const double got = d.k->sum_squares(xd, n);
+    EXPECT_NEAR(got, want, 1e-12 * want) << n;
+    EXPECT_EQ(got, d.k->sum_squares(xd, n));
+  }
+}
+
+TEST(Kernels, AdamWMatchesReference) {
+  Device d;
+  const int n = 257;
+  auto p = random_vector(n, 20), g = random_vector(n, 21), m = random_vector(n, 22, 0.1);
+  auto v = random_vector(n, 23, 0.1);
+  for (auto& x : v) x = x * x;
+  const AdamWArgs a{1e-2f, 0.9f, 0.98f, 1e-6f, 0.1f, 7, 0.5f};
+  std::vector<double> pw(n), mw(n), vw(n);
+  for (int i = 0; i < n; i++) {
+    const double gi = double(g[i]) * 0.5;
+    mw[i] = 0.9 * m[i] + 0.1 * gi;
+    vw[i] = 0.98 * v[i] + 0.02 * gi * gi;
+    const double mhat = mw[i] / (1 - std::pow(0.9, 7)), vhat = vw[i] / (1 - std::pow(0.98, 7));
+    pw[i] = p[i] - 1e-2 * (mhat / (std::sqrt(vhat) + 1e-6) + 0.1 * p[i]);
+  }
+  DPtr pd = d.upload(p), md = d.upload(m), vd = d.upload(v);
+  d.k->adamw_update(pd, d.upload(g), md, vd, n, a);
+  EXPECT_TRUE(all_close(d.download<float>(pd, n), pw, kRtol, kAtol));
+  EXPECT_TRUE(all_close(d.download<float>(md, n), mw, kRtol, kAtol));
+  EXPECT_TRUE(all_close(d.download<float>(vd, n), vw, kRtol, 1e-7));
+}
+
+}  // namespace
+}  // namespace trainer::test

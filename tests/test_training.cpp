@@ -1,0 +1,187 @@
+// The pieces of training around the kernels: LR schedule, weight-decay policy, initialisation,
+// checkpoint round trips and mismatches, sampling.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include "model/gpt.h"
+#include "model/init.h"
+#include "trainer/adamw.h"
+#include "trainer/checkpoint.h"
+#include "trainer/lr_schedule.h"
+#include "trainer/sampler.h"
+
+namespace trainer {
+namespace {
+
+namespace fs = std::filesystem;
+
+GPTConfig tiny_model() {
+  GPTConfig c;
+  c.vocab_size = 30;
+  c.vocab_multiple = 16;
+  c.seq_len = 8;
+  c.n_layer = 2;
+  c.n_head = 2;
+  c.d_model = 16;
+  return c;
+}
+
+TEST(LrSchedule, WarmupThenDecayToMinLr) {
+  OptimConfig o;
+  o.lr = 1.0;
+  o.min_lr = 0.1;
+  o.warmup_steps = 10;
+  EXPECT_DOUBLE_EQ(lr_at(o, 0, 110), 0.1);
+  EXPECT_DOUBLE_EQ(lr_at(o, 9, 110), 1.0);
+  EXPECT_DOUBLE_EQ(lr_at(o, 10, 110), 1.0);
+  EXPECT_NEAR(lr_at(o, 109, 110), 0.1, 1e-12);
+  EXPECT_NEAR(lr_at(o, 10 + 99 / 2.0, 110), 0.55, 0.01);  // cosine midpoint
+  o.schedule = "linear";
+  EXPECT_NEAR(lr_at(o, 59, 110), 1.0 - 0.9 * 49.0 / 99.0, 1e-12);
+  o.schedule = "constant";
+  EXPECT_DOUBLE_EQ(lr_at(o, 100, 110), 1.0);
+}
+
+TEST(AdamW, WeightDecayPolicy) {
+  auto k = make_cpu_kernels();
+  GPT model(tiny_model(), *k, DType::f32, 1, 8);
+  OptimConfig o;
+  o.weight_decay = 0.1;
+  AdamW plain(model, o);
+  const auto& t = model.table();
+  EXPECT_FLOAT_EQ(plain.weight_decay(t.at("h.0.attn.qkv.weight")), 0.1f);
+  EXPECT_FLOAT_EQ(plain.weight_decay(t.at("wte.weight")), 0.0f);
+  EXPECT_FLOAT_EQ(plain.weight_decay(t.at("h.1.ln2.weight")), 0.0f);
+  EXPECT_FLOAT_EQ(plain.weight_decay(t.at("h.1.mlp.fc.bias")), 0.0f);
+  o.decay_embeddings = o.decay_norms_and_biases = true;
+  AdamW all(model, o);
+  EXPECT_FLOAT_EQ(all.weight_decay(t.at("wpe.weight")), 0.1f);
+  EXPECT_FLOAT_EQ(all.weight_decay(t.at("ln_f.bias")), 0.1f);
+}
+
+TEST(Init, PureFunctionOfSeedAndName) {
+  auto k = make_cpu_kernels();
+  GPT a(tiny_model(), *k, DType::f32, 1, 8), b(tiny_model(), *k, DType::f32, 2, 4);
+  a.init_parameters(5);
+  b.init_parameters(5);
+  for (const ParamInfo& p : a.table().params)
+    EXPECT_EQ(a.read<float>(p, a.params()), b.read<float>(p, b.params())) << p.name;
+  // A parameter's values do not depend on the model around it: the same name in a deeper
+  // model gets the same numbers (what lets a later split keep its slice).
+  GPTConfig deeper = tiny_model();
+  deeper.n_layer = 3;
+  GPT c(deeper, *k, DType::f32, 1, 8);
+  c.init_parameters(5);
+  const ParamInfo& qkv = a.table().at("h.1.attn.qkv.weight");
+  EXPECT_EQ(a.read<float>(qkv, a.params()), c.read<float>(c.table().at(qkv.name), c.params()));
+  b.init_parameters(6);
+  EXPECT_NE(a.read<float>(qkv, a.params()), b.read<float>(qkv, b.params()));
+  // Statistics: weights ~ N(0, 0.02), norms 1, biases 0, padded vocab rows 0.
+  auto w = a.read<float>(a.table().at("h.0.mlp.fc.weight"), a.params());
+  double sum2 = 0;
+  for (float x : w) sum2 += double(x) * x;
+  EXPECT_NEAR(std::sqrt(sum2 / w.size()), 0.02, 0.003);
+  for (float x : a.read<float>(a.table().at("h.0.ln1.weight"), a.params())) ASSERT_EQ(x, 1.0f);
+  for (float x : a.read<float>(a.table().at("h.0.ln1.bias"), a.params())) ASSERT_EQ(x, 0.0f);
+  const ParamInfo& wte = a.table().at("wte.weight");
+  const float* raw = a.params().as<float>() + wte.offset;
+  for (int64_t i = wte.logical_numel(); i < wte.numel; i++) ASSERT_EQ(raw[i], 0.0f);
+}
+
+TEST(Init, NormalSamplerMoments) {
+  double s = 0, s2 = 0;
+  const int n = 200000;
+  for (int i = 0; i < n; i++) {
+    const double x = normal_at(1, 2, i);
+    s += x;
+    s2 += x * x;
+  }
+  EXPECT_NEAR(s / n, 0.0, 0.01);
+  EXPECT_NEAR(s2 / n, 1.0, 0.01);
+}
+
+class CheckpointTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("trainer_ckpt_" + std::to_string(::getpid()) + "_" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  fs::path dir_;
+};
+
+TEST_F(CheckpointTest, RoundTripIsBitwise) {
+  auto k = make_cpu_kernels();
+  Config cfg;
+  cfg.model = tiny_model();
+  GPT model(cfg.model, *k, DType::f32, 1, 8);
+  model.init_parameters(3);
+  AdamW opt(model, cfg.optim);
+  // Give the moments values: one real update.
+  std::vector<int32_t> tok = {1, 2, 3, 4, 5, 6, 7, 8}, tgt = {2, 3, 4, 5, 6, 7, 8, 9};
+  model.forward(tok.data(), tgt.data(), 1, 8);
+  model.backward();
+  opt.update(1e-3f, 1.0f, 1);
+  const std::string step_dir = save_checkpoint(dir_.string(), cfg, model, &opt, {7, 56});
+  EXPECT_EQ(step_dir, (dir_ / "checkpoints" / "step_00000007").string());
+  EXPECT_FALSE(fs::exists(dir_ / "checkpoints" / "step_00000007.tmp"));
+
+  const std::string state = resolve_checkpoint(dir_.string());  // via run dir and `latest`
+  EXPECT_EQ(state, step_dir + "/state.h5");
+  EXPECT_EQ(config_to_toml(checkpoint_config(state)), config_to_toml(cfg));
+  GPT loaded(cfg.model, *k, DType::f32, 1, 8);
+  AdamW loaded_opt(loaded, cfg.optim);
+  const TrainState ts = load_checkpoint(state, loaded, &loaded_opt);
+  EXPECT_EQ(ts.step, 7);
+  EXPECT_EQ(ts.tokens, 56);
+  for (const ParamInfo& p : model.table().params) {
+    EXPECT_EQ(model.read<float>(p, model.params()), loaded.read<float>(p, loaded.params()));
+    EXPECT_EQ(model.read<float>(p, opt.m()), loaded.read<float>(p, loaded_opt.m()));
+    EXPECT_EQ(model.read<float>(p, opt.v()), loaded.read<float>(p, loaded_opt.v()));
+  }
+}
+
+TEST_F(CheckpointTest, MismatchedModelIsAClearError) {
+  auto k = make_cpu_kernels();
+  Config cfg;
+  cfg.model = tiny_model();
+  GPT model(cfg.model, *k, DType::f32, 1, 8);
+  const std::string dir = save_checkpoint(dir_.string(), cfg, model, nullptr, {1, 8});
+  GPTConfig other = tiny_model();
+  other.n_layer = 3;
+  GPT wrong(other, *k, DType::f32, 1, 8);
+  try {
+    load_checkpoint(dir + "/state.h5", wrong, nullptr);
+    FAIL();
+  } catch (const CheckpointError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              dir + "/state.h5: checkpoint is for a model with n_layer = 2, this model has "
+                    "n_layer = 3");
+  }
+  EXPECT_THROW(resolve_checkpoint((dir_ / "nowhere").string()), CheckpointError);
+  // A file that is not HDF5.
+  std::ofstream(dir_ / "junk.h5") << "not hdf5";
+  EXPECT_THROW(checkpoint_config((dir_ / "junk.h5").string()), CheckpointError);
+}
+
+TEST(Sampler, DeterministicForASeed) {
+  auto k = make_cpu_kernels();
+  GPT model(tiny_model(), *k, DType::f32, 1, 8);
+  model.init_parameters(1);
+  SampleOptions o{20, 1.0, 0, 9};
+  auto a = sample_tokens(model, 8, {1, 2, 3}, o), b = sample_tokens(model, 8, {1, 2, 3}, o);
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(a.size(), 20u);
+  for (int32_t t : a) EXPECT_LT(t, 30);  // never a padded id
+  o.top_k = 1;  // greedy: always the arg max
+  auto g = sample_tokens(model, 8, {1, 2, 3}, o);
+  o.seed = 10;
+  EXPECT_EQ(g, sample_tokens(model, 8, {1, 2, 3}, o));
+}
+
+}  // namespace
+}  // namespace trainer

@@ -1,0 +1,74 @@
+#pragma once
+// Helpers shared by the unit tests: backend buffers from host vectors, seeded random data,
+// and tolerance checks that report the worst element.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/kernels.h"
+
+namespace trainer::test {
+
+// Owns backend buffers for one test.
+class Device {
+ public:
+  Device() : k(make_cpu_kernels()) {}
+  ~Device() {
+    for (DPtr p : owned_) k->free(p);
+  }
+  template <class T>
+  DPtr upload(const std::vector<T>& v) {
+    DPtr p = k->alloc(int64_t(v.size()), dtype_of<T>());
+    k->copy_from_host(p, v.data(), int64_t(v.size()));
+    owned_.push_back(p);
+    return p;
+  }
+  template <class T>
+  std::vector<T> download(DPtr p, size_t n) {
+    std::vector<T> v(n);
+    k->copy_to_host(v.data(), p, int64_t(n));
+    return v;
+  }
+  std::unique_ptr<Kernels> k;
+
+ private:
+  std::vector<DPtr> owned_;
+};
+
+template <class T = float>
+std::vector<T> random_vector(size_t n, uint64_t seed, double scale = 1.0) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> dist(0.0, scale);
+  std::vector<T> v(n);
+  for (auto& x : v) x = T(dist(rng));
+  return v;
+}
+
+// |got - want| <= atol + rtol * |want| elementwise; names the worst element on failure.
+template <class A, class B>
+::testing::AssertionResult all_close(const std::vector<A>& got, const std::vector<B>& want,
+                                     double rtol, double atol) {
+  if (got.size() != want.size())
+    return ::testing::AssertionFailure() << "size " << got.size() << " vs " << want.size();
+  double worst = 0;
+  size_t at = 0;
+  for (size_t i = 0; i < got.size(); i++) {
+    const double err = std::abs(double(got[i]) - double(want[i]));
+    const double excess = err - (atol + rtol * std::abs(double(want[i])));
+    if (!(excess <= worst) || std::isnan(err)) {
+      worst = std::isnan(err) ? INFINITY : excess;
+      at = i;
+    }
+  }
+  if (worst > 0)
+    return ::testing::AssertionFailure()
+           << "element " << at << ": got " << double(got[at]) << ", want " << double(want[at])
+           << " (rtol " << rtol << ", atol " << atol << ")";
+  return ::testing::AssertionSuccess();
+}
+
+}  // namespace trainer::test
