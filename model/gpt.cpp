@@ -26,6 +26,19 @@ GPT::GPT(const GPTConfig& cfg, Kernels& kernels, DType dtype, int max_B, int max
     : cfg_(cfg), k_(kernels), dtype_(dtype), table_(gpt2_param_table(cfg)), max_B_(max_B),
       max_T_(max_T) {
   if (max_T > cfg.seq_len) throw std::invalid_argument("max_T exceeds seq_len");
+  auto at = [&](const std::string& name) { return &table_.at(name); };
+  wte_ = at("wte.weight");
+  wpe_ = at("wpe.weight");
+  lnf_w_ = at("ln_f.weight");
+  lnf_b_ = at("ln_f.bias");
+  for (int l = 0; l < cfg.n_layer; l++) {
+    const std::string h = "h." + std::to_string(l) + ".";
+    blocks_.push_back({at(h + "ln1.weight"), at(h + "ln1.bias"), at(h + "attn.qkv.weight"),
+                       at(h + "attn.qkv.bias"), at(h + "attn.proj.weight"),
+                       at(h + "attn.proj.bias"), at(h + "ln2.weight"), at(h + "ln2.bias"),
+                       at(h + "mlp.fc.weight"), at(h + "mlp.fc.bias"), at(h + "mlp.proj.weight"),
+                       at(h + "mlp.proj.bias")});
+  }
   params_ = k_.alloc(table_.total, dtype);
   grads_ = k_.alloc(table_.total, dtype);
 
@@ -151,33 +164,30 @@ double GPT::forward(const int32_t* tokens, const int32_t* targets, int B, int T)
   const int64_t BT = int64_t(B) * T;
   const int C = cfg_.d_model, NH = cfg_.n_head, V = cfg_.vocab_size, Vp = cfg_.padded_vocab();
   std::copy(tokens, tokens + BT, tokens_.begin());
-  auto P = [&](const std::string& name) { return param(table_.at(name)); };
+  auto P = [&](const ParamInfo* p) { return param(*p); };
 
   DPtr x = acts_ + off_.encoded;
-  k_.encoder_forward(x, tokens_.data(), P("wte.weight"), P("wpe.weight"), B, T, C);
+  k_.encoder_forward(x, tokens_.data(), P(wte_), P(wpe_), B, T, C);
   for (int l = 0; l < cfg_.n_layer; l++) {
-    const std::string h = "h." + std::to_string(l) + ".";
+    const BlockParams& w = blocks_[l];
     LayerActs a = layer(l);
-    k_.layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, P(h + "ln1.weight"), P(h + "ln1.bias"),
-                         BT, C);
-    k_.matmul_forward(a.qkv, a.ln1, P(h + "attn.qkv.weight"), P(h + "attn.qkv.bias"), BT, C, 3 * C);
+    k_.layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, P(w.ln1_w), P(w.ln1_b), BT, C);
+    k_.matmul_forward(a.qkv, a.ln1, P(w.qkv_w), P(w.qkv_b), BT, C, 3 * C);
     k_.attention_forward(a.atty, a.att, a.qkv, B, T, C, NH);
-    k_.matmul_forward(a.res2, a.atty, P(h + "attn.proj.weight"), P(h + "attn.proj.bias"), BT, C, C);
+    k_.matmul_forward(a.res2, a.atty, P(w.proj_w), P(w.proj_b), BT, C, C);
     k_.residual_forward(a.res2, a.res2, x, BT * C);
-    k_.layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, P(h + "ln2.weight"),
-                         P(h + "ln2.bias"), BT, C);
-    k_.matmul_forward(a.fch, a.ln2, P(h + "mlp.fc.weight"), P(h + "mlp.fc.bias"), BT, C, 4 * C);
+    k_.layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, P(w.ln2_w), P(w.ln2_b), BT, C);
+    k_.matmul_forward(a.fch, a.ln2, P(w.fc_w), P(w.fc_b), BT, C, 4 * C);
     k_.gelu_forward(a.fch_gelu, a.fch, BT * 4 * C);
-    k_.matmul_forward(a.res3, a.fch_gelu, P(h + "mlp.proj.weight"), P(h + "mlp.proj.bias"), BT,
-                      4 * C, C);
+    k_.matmul_forward(a.res3, a.fch_gelu, P(w.fcproj_w), P(w.fcproj_b), BT, 4 * C, C);
     k_.residual_forward(a.res3, a.res3, a.res2, BT * C);
     x = a.res3;
   }
   DPtr lnf = acts_ + off_.lnf;
-  k_.layernorm_forward(lnf, acts_ + off_.lnf_mean, acts_ + off_.lnf_rstd, x, P("ln_f.weight"),
-                       P("ln_f.bias"), BT, C);
+  k_.layernorm_forward(lnf, acts_ + off_.lnf_mean, acts_ + off_.lnf_rstd, x, P(lnf_w_), P(lnf_b_),
+                       BT, C);
   // LM head tied to the token embedding: logits(BT, Vp) = lnf @ wte^T.
-  k_.matmul_forward(logits(), lnf, P("wte.weight"), DPtr{}, BT, C, Vp);
+  k_.matmul_forward(logits(), lnf, P(wte_), DPtr{}, BT, C, Vp);
   have_probs_ = targets != nullptr;
   if (!targets) return 0.0;
   std::copy(targets, targets + BT, targets_.begin());
@@ -188,8 +198,8 @@ void GPT::backward(float loss_scale) {
   if (!have_probs_) throw std::logic_error("backward() needs a forward() with targets");
   const int B = B_, T = T_, C = cfg_.d_model, NH = cfg_.n_head, Vp = cfg_.padded_vocab();
   const int64_t BT = int64_t(B) * T;
-  auto P = [&](const std::string& name) { return param(table_.at(name)); };
-  auto G = [&](const std::string& name) { return grad(table_.at(name)); };
+  auto P = [&](const ParamInfo* p) { return param(*p); };
+  auto G = [&](const ParamInfo* p) { return grad(*p); };
   DPtr d_res = acts_ + off_.d_res, d_ln = acts_ + off_.d_ln, d_qkv = acts_ + off_.d_qkv;
   DPtr d_att = acts_ + off_.d_att, d_atty = acts_ + off_.d_atty, d_fch = acts_ + off_.d_fch;
 
@@ -199,34 +209,31 @@ void GPT::backward(float loss_scale) {
                                    cfg_.vocab_size, Vp);
   have_probs_ = false;  // the probabilities are now gradients
   DPtr lnf = acts_ + off_.lnf;
-  k_.matmul_backward(d_ln, G("wte.weight"), DPtr{}, dlogits, lnf, P("wte.weight"), BT, C, Vp);
+  k_.matmul_backward(d_ln, G(wte_), DPtr{}, dlogits, lnf, P(wte_), BT, C, Vp);
   const int L = cfg_.n_layer;
   DPtr x_last = L > 0 ? layer(L - 1).res3 : acts_ + off_.encoded;
   k_.zero(d_res, BT * C);
-  k_.layernorm_backward(d_res, G("ln_f.weight"), G("ln_f.bias"), d_ln, x_last, P("ln_f.weight"),
-                        acts_ + off_.lnf_mean, acts_ + off_.lnf_rstd, BT, C);
+  k_.layernorm_backward(d_res, G(lnf_w_), G(lnf_b_), d_ln, x_last, P(lnf_w_), acts_ + off_.lnf_mean,
+                        acts_ + off_.lnf_rstd, BT, C);
   for (int l = L - 1; l >= 0; l--) {
-    const std::string h = "h." + std::to_string(l) + ".";
+    const BlockParams& w = blocks_[l];
     LayerActs a = layer(l);
     DPtr x = l == 0 ? acts_ + off_.encoded : layer(l - 1).res3;
     // res3 = res2 + proj(gelu(fc(ln2(res2)))): d_res is the gradient w.r.t. res3 and res2.
-    k_.matmul_backward(d_fch, G(h + "mlp.proj.weight"), G(h + "mlp.proj.bias"), d_res,
-                       a.fch_gelu, P(h + "mlp.proj.weight"), BT, 4 * C, C);
+    k_.matmul_backward(d_fch, G(w.fcproj_w), G(w.fcproj_b), d_res, a.fch_gelu, P(w.fcproj_w), BT,
+                       4 * C, C);
     k_.gelu_backward(d_fch, a.fch, d_fch, BT * 4 * C);
-    k_.matmul_backward(d_ln, G(h + "mlp.fc.weight"), G(h + "mlp.fc.bias"), d_fch, a.ln2,
-                       P(h + "mlp.fc.weight"), BT, C, 4 * C);
-    k_.layernorm_backward(d_res, G(h + "ln2.weight"), G(h + "ln2.bias"), d_ln, a.res2,
-                          P(h + "ln2.weight"), a.ln2_mean, a.ln2_rstd, BT, C);
+    k_.matmul_backward(d_ln, G(w.fc_w), G(w.fc_b), d_fch, a.ln2, P(w.fc_w), BT, C, 4 * C);
+    k_.layernorm_backward(d_res, G(w.ln2_w), G(w.ln2_b), d_ln, a.res2, P(w.ln2_w), a.ln2_mean,
+                          a.ln2_rstd, BT, C);
     // res2 = x + proj(attention(qkv(ln1(x)))).
-    k_.matmul_backward(d_atty, G(h + "attn.proj.weight"), G(h + "attn.proj.bias"), d_res, a.atty,
-                       P(h + "attn.proj.weight"), BT, C, C);
+    k_.matmul_backward(d_atty, G(w.proj_w), G(w.proj_b), d_res, a.atty, P(w.proj_w), BT, C, C);
     k_.attention_backward(d_qkv, d_att, d_atty, a.qkv, a.att, B, T, C, NH);
-    k_.matmul_backward(d_ln, G(h + "attn.qkv.weight"), G(h + "attn.qkv.bias"), d_qkv, a.ln1,
-                       P(h + "attn.qkv.weight"), BT, C, 3 * C);
-    k_.layernorm_backward(d_res, G(h + "ln1.weight"), G(h + "ln1.bias"), d_ln, x,
-                          P(h + "ln1.weight"), a.ln1_mean, a.ln1_rstd, BT, C);
+    k_.matmul_backward(d_ln, G(w.qkv_w), G(w.qkv_b), d_qkv, a.ln1, P(w.qkv_w), BT, C, 3 * C);
+    k_.layernorm_backward(d_res, G(w.ln1_w), G(w.ln1_b), d_ln, x, P(w.ln1_w), a.ln1_mean,
+                          a.ln1_rstd, BT, C);
   }
-  k_.encoder_backward(G("wte.weight"), G("wpe.weight"), d_res, tokens_.data(), B, T, C);
+  k_.encoder_backward(G(wte_), G(wpe_), d_res, tokens_.data(), B, T, C);
 }
 
 }  // namespace trainer

@@ -53,12 +53,19 @@ class GPT {
  private:
   struct LayerActs;
   LayerActs layer(int l) const;
+  // One block's parameters, looked up by name once so that a step builds no strings.
+  struct BlockParams {
+    const ParamInfo *ln1_w, *ln1_b, *qkv_w, *qkv_b, *proj_w, *proj_b;
+    const ParamInfo *ln2_w, *ln2_b, *fc_w, *fc_b, *fcproj_w, *fcproj_b;
+  };
   std::array<int64_t, 13> layer_sizes() const;
 
   GPTConfig cfg_;
   Kernels& k_;
   DType dtype_;
   ParamTable table_;
+  std::vector<BlockParams> blocks_;
+  const ParamInfo *wte_, *wpe_, *lnf_w_, *lnf_b_;
   int max_B_, max_T_;
   int B_ = 0, T_ = 0;          // shape of the last forward
   bool have_probs_ = false;    // last forward computed probabilities for backward
