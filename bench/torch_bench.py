@@ -133,6 +133,15 @@ def loaded_blas():
     return ",".join(sorted(paths)) or "none", "unknown"
 
 
+def cpu_sample():
+    """(wall, machine busy + stolen CPU seconds, this process's CPU seconds)."""
+    with open("/proc/stat") as stat:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, stat.readline().split()[1:9])
+    machine = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    t = os.times()
+    return time.perf_counter(), machine, t.user + t.system
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=WORKLOADS, default="W-S")
@@ -172,6 +181,8 @@ def main():
 
     times, fwd, bwd, upd = [], [], [], []
     for step in range(warmup + steps):
+        if step == warmup:
+            cpu0 = cpu_sample()
         t_step = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = model(idx, targets)
@@ -187,6 +198,9 @@ def main():
             bwd.append(t_bwd - t_fwd)
             upd.append(t_end - t_bwd)
 
+    cpu1 = cpu_sample()
+    self_cores = (cpu1[2] - cpu0[2]) / (cpu1[0] - cpu0[0])
+    other_cores = max(0.0, (cpu1[1] - cpu0[1]) / (cpu1[0] - cpu0[0]) - self_cores)
     step_s = statistics.median(times)
     tokens_per_s = B * T / step_s
     blas_lib, blas_core = loaded_blas()
@@ -210,6 +224,8 @@ def main():
         "backward_ms": statistics.median(bwd) * 1e3,
         "optimizer_ms": statistics.median(upd) * 1e3,
         "final_loss": loss.item(),
+        "self_cpu_cores": self_cores,
+        "other_cpu_cores": other_cores,
         "torch_peak_gflops": torch_peak / 1e9,
         "mfu_vs_torch_peak": flops_per_token * tokens_per_s / torch_peak,
         "torch_version": torch.__version__,

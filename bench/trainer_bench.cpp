@@ -5,6 +5,7 @@
 //   trainer_bench --workload W-S|W-M [--warmup N] [--steps N] [--threads N] [--seed N]
 #include <omp.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -12,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <stdexcept>
@@ -93,6 +95,28 @@ Options parse_args(int argc, char** argv) {
   return o;
 }
 
+// CPU time spent by the whole machine (busy + stolen by the hypervisor) and by this process,
+// so that a run can say whether something else competed for the cores while it was timed.
+struct CpuSample {
+  Clock::time_point wall;
+  double machine_s = 0, self_s = 0;
+};
+
+CpuSample cpu_sample() {
+  CpuSample s;
+  s.wall = Clock::now();
+  std::ifstream stat("/proc/stat");
+  std::string cpu;
+  double user = 0, nice = 0, system = 0, idle = 0, iowait = 0, irq = 0, softirq = 0, steal = 0;
+  if (stat >> cpu >> user >> nice >> system >> idle >> iowait >> irq >> softirq >> steal)
+    s.machine_s = (user + nice + system + irq + softirq + steal) / double(sysconf(_SC_CLK_TCK));
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  s.self_s = double(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+             1e-6 * double(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+  return s;
+}
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const size_t n = v.size();
@@ -126,7 +150,9 @@ int run(const Options& opt) {
   // The same work as train_step with one micro-batch, each phase timed.
   std::vector<double> total_s, forward_s, backward_s, optimizer_s;
   double loss = 0;
+  CpuSample cpu0;
   for (int step = 0; step < warmup + steps; step++) {
+    if (step == warmup) cpu0 = cpu_sample();
     const auto t_step = Clock::now();
     model.zero_grad();
     auto t0 = Clock::now();
@@ -150,6 +176,12 @@ int run(const Options& opt) {
     backward_s.push_back(bwd);
     optimizer_s.push_back(opt_s);
   }
+
+  const CpuSample cpu1 = cpu_sample();
+  const double timed_s = std::chrono::duration<double>(cpu1.wall - cpu0.wall).count();
+  const double self_cores = (cpu1.self_s - cpu0.self_s) / timed_s;
+  const double other_cores =
+      std::max(0.0, (cpu1.machine_s - cpu0.machine_s) / timed_s - self_cores);
 
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
@@ -175,6 +207,8 @@ int run(const Options& opt) {
       {"backward_ms", median(backward_s) * 1e3},
       {"optimizer_ms", median(optimizer_s) * 1e3},
       {"final_loss", loss},
+      {"self_cpu_cores", self_cores},    // about `threads` when OpenMP had the cores to itself
+      {"other_cpu_cores", other_cores},  // other processes and steal: > 0.1 means a noisy run
   };
   std::puts(out.dump().c_str());
   return 0;

@@ -1,6 +1,7 @@
 #include "io/config.h"
 
 #include <fmt/format.h>
+#include <toml++/toml.h>
 
 #include <fstream>
 #include <functional>
@@ -9,7 +10,6 @@
 #include <optional>
 #include <set>
 #include <sstream>
-#include <toml++/toml.h>
 
 namespace trainer {
 namespace {
@@ -26,13 +26,20 @@ std::string where(const toml::node& node, const std::string& file) {
 
 const char* type_name(const toml::node& n) {
   switch (n.type()) {
-    case toml::node_type::string: return "a string";
-    case toml::node_type::integer: return "an integer";
-    case toml::node_type::floating_point: return "a float";
-    case toml::node_type::boolean: return "a boolean";
-    case toml::node_type::array: return "an array";
-    case toml::node_type::table: return "a table";
-    default: return "a date/time";
+    case toml::node_type::string:
+      return "a string";
+    case toml::node_type::integer:
+      return "an integer";
+    case toml::node_type::floating_point:
+      return "a float";
+    case toml::node_type::boolean:
+      return "a boolean";
+    case toml::node_type::array:
+      return "an array";
+    case toml::node_type::table:
+      return "a table";
+    default:
+      return "a date/time";
   }
 }
 
@@ -44,7 +51,8 @@ class SectionReader {
       : section_(std::move(section)), file_(file), overrides_(overrides) {
     if (toml::node* n = root.get(section_)) {
       table_ = n->as_table();
-      if (!table_) fail(*n, fmt::format("expected a table [{}], found {}", section_, type_name(*n)));
+      if (!table_)
+        fail(*n, fmt::format("expected a table [{}], found {}", section_, type_name(*n)));
     }
   }
 
@@ -108,9 +116,12 @@ class SectionReader {
     out = uint64_t(*v);
   }
   void read(const toml::node& n, double& out) const {
-    if (auto v = n.value_exact<double>()) out = *v;
-    else if (auto i = n.value_exact<int64_t>()) out = double(*i);
-    else wrong_type(n, "a number");
+    if (auto v = n.value_exact<double>())
+      out = *v;
+    else if (auto i = n.value_exact<int64_t>())
+      out = double(*i);
+    else
+      wrong_type(n, "a number");
   }
   void read(const toml::node& n, bool& out) const {
     auto v = n.value_exact<bool>();
@@ -176,8 +187,7 @@ void apply_override(toml::table& root, const std::string& item, Origins& origins
   const std::string origin = "--set " + item;
   const size_t eq = item.find('=');
   const size_t dot = item.find('.');
-  if (eq == std::string::npos || dot == std::string::npos || dot > eq || dot == 0 ||
-      dot + 1 == eq)
+  if (eq == std::string::npos || dot == std::string::npos || dot > eq || dot == 0 || dot + 1 == eq)
     throw ConfigError(fmt::format("{}: expected section.key=value", origin));
   const std::string section = item.substr(0, dot), key = item.substr(dot + 1, eq - dot - 1);
   const std::string value = item.substr(eq + 1);
@@ -358,8 +368,9 @@ std::string config_to_toml(const Config& c) {
   };
   std::stringstream ss;
   // Basic strings only: toml++ writes "\n" as a multi-line literal that does not read back.
-  const auto flags = toml::toml_formatter::default_flags & ~(toml::format_flags::allow_literal_strings |
-                                                             toml::format_flags::allow_multi_line_strings);
+  const auto flags =
+      toml::toml_formatter::default_flags &
+      ~(toml::format_flags::allow_literal_strings | toml::format_flags::allow_multi_line_strings);
   ss << "# resolved trainer config: every key, defaults included\n"
      << toml::toml_formatter(root, flags) << "\n";
   return ss.str();

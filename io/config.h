@@ -14,31 +14,31 @@ namespace trainer {
 struct RunConfig {
   std::string name = "default";
   std::string out_dir = "runs/default";  // metrics.jsonl, config.toml, checkpoints/
-  uint64_t seed = 1337;                   // init and data order
+  uint64_t seed = 1337;                  // init and data order
   std::string device = "cpu";
-  int threads = 0;                        // OpenMP/OpenBLAS threads; 0 = all cores
-  double peak_tflops = 0;                 // MFU denominator; 0 = measure sgemm at start-up
+  int threads = 0;         // OpenMP/OpenBLAS threads; 0 = all cores
+  double peak_tflops = 0;  // MFU denominator; 0 = measure sgemm at start-up
 };
 
 struct DataConfig {
   std::vector<std::string> train = {"data/austen/train.bin"};  // token shards
   std::vector<std::string> val = {"data/austen/val.bin"};
-  int prefetch = 4;                                            // micro-batches queued ahead
+  int prefetch = 4;  // micro-batches queued ahead
 };
 
 struct TrainConfig {
-  int micro_batch = 8;        // sequences per forward/backward
-  int grad_accum = 1;         // micro-batches per optimizer step
+  int micro_batch = 8;  // sequences per forward/backward
+  int grad_accum = 1;   // micro-batches per optimizer step
   int steps = 500;
   int log_every = 1;
-  int val_every = 100;        // 0 = never
+  int val_every = 100;  // 0 = never
   int val_batches = 8;
-  int sample_every = 100;     // 0 = never
+  int sample_every = 100;  // 0 = never
   int sample_tokens = 200;
   std::string sample_prompt = "\n";
   double sample_temperature = 1.0;
-  int sample_top_k = 0;       // 0 = full distribution
-  int checkpoint_every = 0;   // 0 = only at the end
+  int sample_top_k = 0;      // 0 = full distribution
+  int checkpoint_every = 0;  // 0 = only at the end
 };
 
 struct OptimConfig {
@@ -48,7 +48,7 @@ struct OptimConfig {
   std::array<double, 2> betas = {0.9, 0.95};
   double eps = 1e-8;
   double weight_decay = 0.1;
-  double max_grad_norm = 1.0;     // 0 = no clipping
+  double max_grad_norm = 1.0;  // 0 = no clipping
   int warmup_steps = 0;
   std::string schedule = "cosine";  // decay after warm-up: cosine | linear | constant
   bool decay_embeddings = false;

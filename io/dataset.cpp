@@ -15,8 +15,8 @@ Dataset::Dataset(const std::vector<std::string>& paths, int vocab_size, int T) :
     const TokenShard& s = shards_.back();
     const int64_t n = (s.size() - 1) / T;
     if (n < 1)
-      throw DataError(fmt::format("{}: {} tokens are fewer than one window of seq_len + 1 = {}",
-                                  p, s.size(), T + 1));
+      throw DataError(fmt::format("{}: {} tokens are fewer than one window of seq_len + 1 = {}", p,
+                                  s.size(), T + 1));
     for (int64_t k = 0; k < n; k++) starts_.emplace_back(int32_t(shards_.size() - 1), k * T);
     tokens_ += s.size();
   }
@@ -44,7 +44,11 @@ int64_t SampleOrder::window(int64_t sample) {
 
 DataLoader::DataLoader(const Dataset& data, int B, int T, int grad_accum, uint64_t seed,
                        int prefetch, int64_t first_step)
-    : data_(data), B_(B), T_(T), accum_(grad_accum), order_(data.windows(), seed),
+    : data_(data),
+      B_(B),
+      T_(T),
+      accum_(grad_accum),
+      order_(data.windows(), seed),
       next_step_(first_step) {
   for (int i = 0; i < prefetch; i++) {
     Batch b;

@@ -65,9 +65,9 @@ void H5File::write(const std::string& name, const std::vector<int64_t>& shape, c
   Handle space{H5Screate_simple(int(dims.size()), dims.data(), nullptr), H5Sclose};
   Handle lcpl{H5Pcreate(H5P_LINK_CREATE), H5Pclose};
   H5Pset_create_intermediate_group(lcpl.id, 1);
-  Handle ds{H5Dcreate2(id_, name.c_str(), H5T_IEEE_F32LE, space.id, lcpl.id, H5P_DEFAULT,
-                       H5P_DEFAULT),
-            H5Dclose};
+  Handle ds{
+      H5Dcreate2(id_, name.c_str(), H5T_IEEE_F32LE, space.id, lcpl.id, H5P_DEFAULT, H5P_DEFAULT),
+      H5Dclose};
   if (ds.id < 0 || H5Dwrite(ds.id, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) < 0)
     throw H5Error(fmt::format("{}: cannot write dataset {}", path_, name));
 }
@@ -134,8 +134,7 @@ std::string H5File::attr_string(const std::string& name) const {
 }
 
 void H5File::flush() {
-  if (H5Fflush(id_, H5F_SCOPE_GLOBAL) < 0)
-    throw H5Error(fmt::format("{}: flush failed", path_));
+  if (H5Fflush(id_, H5F_SCOPE_GLOBAL) < 0) throw H5Error(fmt::format("{}: flush failed", path_));
 }
 
 }  // namespace trainer

@@ -18,7 +18,7 @@ class H5Error : public std::runtime_error {
 
 class H5File {
  public:
-  static H5File create(const std::string& path);     // truncates
+  static H5File create(const std::string& path);  // truncates
   static H5File open_read(const std::string& path);
   ~H5File();
   H5File(H5File&& o) noexcept : path_(std::move(o.path_)), id_(o.id_) { o.id_ = -1; }

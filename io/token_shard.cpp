@@ -102,14 +102,20 @@ TokenShard::TokenShard(const std::string& path, int vocab_size) : path_(path) {
     uint32_t t = width_ == 2 ? reinterpret_cast<const uint16_t*>(tokens_)[i]
                              : reinterpret_cast<const uint32_t*>(tokens_)[i];
     if (t >= uint32_t(vocab_size))
-      fail(fmt::format("offset {}: token {} at index {} is outside the vocabulary (vocab_size = {})",
-                       header + i * width_, t, i, vocab_size));
+      fail(
+          fmt::format("offset {}: token {} at index {} is outside the vocabulary (vocab_size = {})",
+                      header + i * width_, t, i, vocab_size));
   }
 }
 
 TokenShard::TokenShard(TokenShard&& o) noexcept
-    : path_(std::move(o.path_)), format_(o.format_), map_(o.map_), map_bytes_(o.map_bytes_),
-      tokens_(o.tokens_), width_(o.width_), count_(o.count_) {
+    : path_(std::move(o.path_)),
+      format_(o.format_),
+      map_(o.map_),
+      map_bytes_(o.map_bytes_),
+      tokens_(o.tokens_),
+      width_(o.width_),
+      count_(o.count_) {
   o.map_ = nullptr;
 }
 

@@ -13,8 +13,12 @@ enum class DType : uint8_t {
   f64,  // reference precision for finite-difference tests
 };
 
-constexpr size_t dtype_size(DType t) { return t == DType::f64 ? 8 : 4; }
-constexpr std::string_view dtype_name(DType t) { return t == DType::f64 ? "f64" : "f32"; }
+constexpr size_t dtype_size(DType t) {
+  return t == DType::f64 ? 8 : 4;
+}
+constexpr std::string_view dtype_name(DType t) {
+  return t == DType::f64 ? "f64" : "f32";
+}
 
 template <class T>
 constexpr DType dtype_of();

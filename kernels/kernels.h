@@ -16,8 +16,8 @@ namespace trainer {
 
 struct AdamWArgs {
   float lr, beta1, beta2, eps, weight_decay;
-  int64_t step;       // 1-based, for bias correction
-  float grad_scale;   // multiplies every gradient first (clipping, 1/loss-scale)
+  int64_t step;      // 1-based, for bias correction
+  float grad_scale;  // multiplies every gradient first (clipping, 1/loss-scale)
 };
 
 class Kernels {
@@ -56,8 +56,8 @@ class Kernels {
   // --- causal self-attention: qkv(B,T,3C) -> out(B,T,C), att(B,NH,T,T) softmax kept -----------
   virtual void attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH) = 0;
   // dqkv = ; datt is scratch of att's size
-  virtual void attention_backward(DPtr dqkv, DPtr datt, DPtr dout, DPtr qkv, DPtr att, int B,
-                                  int T, int C, int NH) = 0;
+  virtual void attention_backward(DPtr dqkv, DPtr datt, DPtr dout, DPtr qkv, DPtr att, int B, int T,
+                                  int C, int NH) = 0;
 
   // --- GELU (tanh approximation) -------------------------------------------------------------
   virtual void gelu_forward(DPtr out, DPtr inp, int64_t n) = 0;

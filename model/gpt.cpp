@@ -1,14 +1,16 @@
 #include "model/gpt.h"
 
-#include <array>
 #include <algorithm>
+#include <array>
 #include <stdexcept>
 
 #include "model/init.h"
 
 namespace trainer {
 
-static int64_t round16(int64_t elems) { return (elems + 15) / 16 * 16; }  // 64-byte aligned f32
+static int64_t round16(int64_t elems) {
+  return (elems + 15) / 16 * 16;
+}  // 64-byte aligned f32
 
 // Views of one block's saved activations (shapes for the planned max_B x max_T).
 struct GPT::LayerActs {
@@ -18,12 +20,16 @@ struct GPT::LayerActs {
   DPtr atty;                     // (B,T,C) attention output before the projection
   DPtr res2;                     // (B,T,C) residual after attention
   DPtr ln2, ln2_mean, ln2_rstd;
-  DPtr fch, fch_gelu;            // (B,T,4C)
-  DPtr res3;                     // (B,T,C) residual after the MLP: the block's output
+  DPtr fch, fch_gelu;  // (B,T,4C)
+  DPtr res3;           // (B,T,C) residual after the MLP: the block's output
 };
 
 GPT::GPT(const GPTConfig& cfg, Kernels& kernels, DType dtype, int max_B, int max_T)
-    : cfg_(cfg), k_(kernels), dtype_(dtype), table_(gpt2_param_table(cfg)), max_B_(max_B),
+    : cfg_(cfg),
+      k_(kernels),
+      dtype_(dtype),
+      table_(gpt2_param_table(cfg)),
+      max_B_(max_B),
       max_T_(max_T) {
   if (max_T > cfg.seq_len) throw std::invalid_argument("max_T exceeds seq_len");
   auto at = [&](const std::string& name) { return &table_.at(name); };
@@ -81,8 +87,8 @@ GPT::~GPT() {
 std::array<int64_t, 13> GPT::layer_sizes() const {
   const int64_t BT = int64_t(max_B_) * max_T_, C = cfg_.d_model;
   const int64_t att = int64_t(max_B_) * cfg_.n_head * max_T_ * max_T_;
-  return {BT * C, BT, BT, BT * 3 * C, att, BT * C, BT * C, BT * C, BT, BT, BT * 4 * C, BT * 4 * C,
-          BT * C};
+  return {BT * C, BT, BT, BT * 3 * C, att,        BT * C, BT * C,
+          BT * C, BT, BT, BT * 4 * C, BT * 4 * C, BT * C};
 }
 
 GPT::LayerActs GPT::layer(int l) const {
@@ -95,8 +101,8 @@ GPT::LayerActs GPT::layer(int l) const {
   }
   auto [ln1, ln1_mean, ln1_rstd, qkv, att, atty, res2, ln2, ln2_mean, ln2_rstd, fch, fch_gelu,
         res3] = views;
-  return {ln1, ln1_mean, ln1_rstd, qkv, att, atty, res2, ln2, ln2_mean, ln2_rstd, fch, fch_gelu,
-          res3};
+  return {ln1, ln1_mean, ln1_rstd, qkv, att,      atty, res2,
+          ln2, ln2_mean, ln2_rstd, fch, fch_gelu, res3};
 }
 
 void GPT::init_parameters(uint64_t seed) {
@@ -152,10 +158,16 @@ template std::vector<double> GPT::read<double>(const ParamInfo&, DPtr) const;
 template void GPT::write<float>(const ParamInfo&, DPtr, const std::vector<float>&);
 template void GPT::write<double>(const ParamInfo&, DPtr, const std::vector<double>&);
 
-DPtr GPT::logits() const { return acts_ + off_.logits; }
-DPtr GPT::losses() const { return acts_ + off_.losses; }
+DPtr GPT::logits() const {
+  return acts_ + off_.logits;
+}
+DPtr GPT::losses() const {
+  return acts_ + off_.losses;
+}
 
-void GPT::zero_grad() { k_.zero(grads_, table_.total); }
+void GPT::zero_grad() {
+  k_.zero(grads_, table_.total);
+}
 
 double GPT::forward(const int32_t* tokens, const int32_t* targets, int B, int T) {
   if (B > max_B_ || T > max_T_) throw std::invalid_argument("batch larger than planned");

@@ -67,12 +67,12 @@ class GPT {
   std::vector<BlockParams> blocks_;
   const ParamInfo *wte_, *wpe_, *lnf_w_, *lnf_b_;
   int max_B_, max_T_;
-  int B_ = 0, T_ = 0;          // shape of the last forward
-  bool have_probs_ = false;    // last forward computed probabilities for backward
+  int B_ = 0, T_ = 0;        // shape of the last forward
+  bool have_probs_ = false;  // last forward computed probabilities for backward
   std::vector<int32_t> tokens_, targets_;
 
   DPtr params_, grads_;
-  DPtr acts_;                  // one slab for all activations and backward scratch
+  DPtr acts_;  // one slab for all activations and backward scratch
   int64_t acts_elems_ = 0;
   // Offsets into acts_ (elements), per kind; per-layer kinds are strided by their size.
   struct {

@@ -20,15 +20,15 @@ struct ParamInfo {
   int64_t offset = 0;          // in elements, into the flat buffers
   int64_t numel = 0;           // elements allocated; >= product of shape (padded vocab rows)
   ParamKind kind = ParamKind::matrix;
-  int layer = -1;              // block index, -1 for embeddings and the final norm
-  float init_std = 0;          // normal(0, init_std) for matrices and embeddings
+  int layer = -1;      // block index, -1 for embeddings and the final norm
+  float init_std = 0;  // normal(0, init_std) for matrices and embeddings
 
   int64_t logical_numel() const;
 };
 
 struct ParamTable {
   std::vector<ParamInfo> params;
-  int64_t total = 0;  // elements in each flat buffer
+  int64_t total = 0;                              // elements in each flat buffer
   std::unordered_map<std::string, size_t> index;  // name -> position in params
 
   const ParamInfo& at(const std::string& name) const;

@@ -8,9 +8,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
-
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 namespace trainer {
 namespace {
@@ -35,8 +34,9 @@ Result run(const std::string& args) {
 class Cli : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("trainer_cli_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    dir_ = fs::temp_directory_path() /
+           ("trainer_cli_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
     fs::create_directories(dir_);
   }
@@ -98,11 +98,13 @@ TEST_F(Cli, BadCommandLinesExitTwoWithOneLine) {
 TEST_F(Cli, ConfigErrorsExitTwo) {
   Result r = run("train " + path("missing.toml"));
   EXPECT_EQ(r.code, 2);
-  EXPECT_EQ(r.output, "trainer: config error: " + path("missing.toml") + ": cannot open config file\n");
+  EXPECT_EQ(r.output,
+            "trainer: config error: " + path("missing.toml") + ": cannot open config file\n");
   std::ofstream(path("bad.toml")) << "[train]\nsteps = 10\nstepz = 3\n";
   r = run("train " + path("bad.toml"));
   EXPECT_EQ(r.code, 2);
-  EXPECT_EQ(r.output, "trainer: config error: " + path("bad.toml") + ":3:1: [train] stepz: unknown key\n");
+  EXPECT_EQ(r.output,
+            "trainer: config error: " + path("bad.toml") + ":3:1: [train] stepz: unknown key\n");
   r = run("train " + path("bad.toml") + " --set train.stepz=1");
   EXPECT_EQ(r.code, 2);
   r = run("train " + path("bad.toml") + " --set model.n_head=x");
@@ -117,7 +119,9 @@ TEST_F(Cli, DataErrorsExitTwoAndWriteNothing) {
   std::ofstream(path("junk.bin")) << "garbage!!";  // odd size: not even headerless uint16
   Result r = run("train " + cfg + " --set data.train=" + path("junk.bin"));
   EXPECT_EQ(r.code, 2);
-  EXPECT_EQ(r.output.rfind("trainer: data error: " + path("junk.bin") + ": offset 0: unrecognised", 0), 0u)
+  EXPECT_EQ(
+      r.output.rfind("trainer: data error: " + path("junk.bin") + ": offset 0: unrecognised", 0),
+      0u)
       << r.output;
   fs::copy_file(path("data/train.bin"), path("cut.bin"));
   fs::resize_file(path("cut.bin"), fs::file_size(path("cut.bin")) - 3);
@@ -130,7 +134,8 @@ TEST_F(Cli, DataErrorsExitTwoAndWriteNothing) {
   EXPECT_FALSE(fs::exists(path("out"))) << "a failed start must not leave a run directory";
   r = run("prepare --input " + path("absent.txt") + " --out-dir " + path("d2"));
   EXPECT_EQ(r.code, 2);
-  EXPECT_EQ(r.output, "trainer: data error: " + path("absent.txt") + ": cannot open input text file\n");
+  EXPECT_EQ(r.output,
+            "trainer: data error: " + path("absent.txt") + ": cannot open input text file\n");
 }
 
 TEST_F(Cli, TrainsDeterministicallyAndGenerates) {
@@ -164,8 +169,9 @@ TEST_F(Cli, GenerateRejectsBadCheckpoints) {
   std::ofstream(path("ck/checkpoints/step_00000001/state.h5")) << "truncated";
   r = run("generate --checkpoint " + path("ck/checkpoints/step_00000001"));
   EXPECT_EQ(r.code, 2);
-  EXPECT_EQ(r.output, "trainer: checkpoint error: " + path("ck/checkpoints/step_00000001/state.h5") +
-                          ": cannot open as an HDF5 file\n");
+  EXPECT_EQ(r.output,
+            "trainer: checkpoint error: " + path("ck/checkpoints/step_00000001/state.h5") +
+                ": cannot open as an HDF5 file\n");
 }
 
 }  // namespace

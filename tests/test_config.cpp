@@ -86,14 +86,16 @@ TEST(Config, InvalidToml) {
 }
 
 TEST(Config, OverridesUseTheSameRules) {
-  const Config c = parse_config("[model]\nn_layer = 2\n", "run.toml",
-                                {"model.n_layer=6", "run.out_dir=runs/x", "optim.betas=[0.8, 0.9]"});
+  const Config c =
+      parse_config("[model]\nn_layer = 2\n", "run.toml",
+                   {"model.n_layer=6", "run.out_dir=runs/x", "optim.betas=[0.8, 0.9]"});
   EXPECT_EQ(c.model.n_layer, 6);
   EXPECT_EQ(c.run.out_dir, "runs/x");  // a bare word is a string
   EXPECT_DOUBLE_EQ(c.optim.betas[0], 0.8);
   EXPECT_EQ(error_of("", {"model.n_layer=abc"}),
             "--set model.n_layer=abc: [model] n_layer: expected an integer, found a string");
-  EXPECT_EQ(error_of("", {"model.n_layers=2"}), "--set model.n_layers=2: [model] n_layers: unknown key");
+  EXPECT_EQ(error_of("", {"model.n_layers=2"}),
+            "--set model.n_layers=2: [model] n_layers: unknown key");
   EXPECT_EQ(error_of("", {"nolayers"}), "--set nolayers: expected section.key=value");
   EXPECT_EQ(error_of("", {"modle.n_layer=2"}),
             "--set modle.n_layer=2: unknown section [modle] (expected run, model, data, train or "
@@ -103,8 +105,8 @@ TEST(Config, OverridesUseTheSameRules) {
 }
 
 TEST(Config, ResolvedConfigRoundTrips) {
-  Config c = parse_config("[model]\nn_layer = 3\n[data]\ntrain = [\"a.bin\", \"b.bin\"]\n", "a.toml",
-                          {"optim.lr=0.01", "train.sample_prompt=Once upon"});
+  Config c = parse_config("[model]\nn_layer = 3\n[data]\ntrain = [\"a.bin\", \"b.bin\"]\n",
+                          "a.toml", {"optim.lr=0.01", "train.sample_prompt=Once upon"});
   const Config back = parse_config(config_to_toml(c), "resolved.toml");
   EXPECT_EQ(back.model.n_layer, 3);
   EXPECT_EQ(back.data.train, (std::vector<std::string>{"a.bin", "b.bin"}));

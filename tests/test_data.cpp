@@ -78,8 +78,9 @@ TEST_F(DataTest, LlmcLayout) {
   g.write(reinterpret_cast<char*>(header.data()), 1024);
   g.write(reinterpret_cast<char*>(tokens.data()), 8);
   g.close();
-  EXPECT_EQ(error_of("short.bin", 50257),
-            path("short.bin") + ": llm.c file of 5 tokens should be 1034 bytes, found 1032 (truncated)");
+  EXPECT_EQ(
+      error_of("short.bin", 50257),
+      path("short.bin") + ": llm.c file of 5 tokens should be 1034 bytes, found 1032 (truncated)");
 }
 
 TEST_F(DataTest, NanoGptHeaderlessUint16) {
@@ -93,10 +94,12 @@ TEST_F(DataTest, NanoGptHeaderlessUint16) {
 TEST_F(DataTest, TruncatedOurs) {
   write_token_shard(path("t.bin"), ramp(100, 256), 256);
   fs::resize_file(path("t.bin"), 64 + 150);
-  EXPECT_EQ(error_of("t.bin"),
-            path("t.bin") + ": trainer file of 100 tokens should be 264 bytes, found 214 (truncated)");
+  EXPECT_EQ(
+      error_of("t.bin"),
+      path("t.bin") + ": trainer file of 100 tokens should be 264 bytes, found 214 (truncated)");
   fs::resize_file(path("t.bin"), 20);
-  EXPECT_EQ(error_of("t.bin"), path("t.bin") + ": header truncated: expected 64 bytes, file has 20");
+  EXPECT_EQ(error_of("t.bin"),
+            path("t.bin") + ": header truncated: expected 64 bytes, file has 20");
 }
 
 TEST_F(DataTest, WrongMagic) {
@@ -129,7 +132,8 @@ TEST_F(DataTest, TokenOutsideVocabulary) {
 }
 
 TEST_F(DataTest, MissingAndEmptyFiles) {
-  EXPECT_EQ(error_of("none.bin"), path("none.bin") + ": cannot open data file: No such file or directory");
+  EXPECT_EQ(error_of("none.bin"),
+            path("none.bin") + ": cannot open data file: No such file or directory");
   write_bytes("empty.bin", "", 0);
   EXPECT_EQ(error_of("empty.bin"), path("empty.bin") + ": data file is empty");
 }

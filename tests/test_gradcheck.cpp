@@ -3,7 +3,6 @@
 // With h = 1e-5 the truncation error is O(h^2) ~ 1e-10 and roundoff ~ 1e-16 / h ~ 1e-11,
 // relative to O(1) values, so agreement to 1e-6 relative means the backward pass is right.
 #include <gtest/gtest.h>
-
 #include <omp.h>
 
 #include <functional>
@@ -149,8 +148,8 @@ TEST_F(GradCheck, SoftmaxCrossEntropy) {
   auto f = [&] {
     Device d;
     Vec copy = logits;
-    return d.k->softmax_crossentropy_forward(d.upload(Vec(N)), d.upload(copy), targets.data(), N,
-                                             V, Vp);
+    return d.k->softmax_crossentropy_forward(d.upload(Vec(N)), d.upload(copy), targets.data(), N, V,
+                                             Vp);
   };
   Device d;
   DPtr ld = d.upload(logits);

@@ -32,7 +32,8 @@ TEST(Kernels, EncoderForwardBackward) {
       }
   EXPECT_TRUE(all_close(d.download<float>(out, want.size()), want, kRtol, kAtol));
   // Backward accumulates into existing gradients (here 0.5 everywhere).
-  DPtr dwte = d.upload(std::vector<float>(V * C, 0.5f)), dwpe = d.upload(std::vector<float>(T * C, 0.5f));
+  DPtr dwte = d.upload(std::vector<float>(V * C, 0.5f)),
+       dwpe = d.upload(std::vector<float>(T * C, 0.5f));
   d.k->encoder_backward(dwte, dwpe, d.upload(dout), tokens.data(), B, T, C);
   EXPECT_TRUE(all_close(d.download<float>(dwte, V * C), dwte_want, kRtol, kAtol));
   EXPECT_TRUE(all_close(d.download<float>(dwpe, T * C), dwpe_want, kRtol, kAtol));
@@ -111,7 +112,8 @@ TEST(Kernels, MatmulForwardBackward) {
     EXPECT_TRUE(all_close(d.download<float>(out, N * OC), want, kRtol, kAtol));
     // dinp is overwritten (start from garbage), dweight and dbias accumulate (start from 1).
     DPtr dx = d.upload(std::vector<float>(N * IC, 7.0f));
-    DPtr dw = d.upload(std::vector<float>(OC * IC, 1.0f)), db = d.upload(std::vector<float>(OC, 1.0f));
+    DPtr dw = d.upload(std::vector<float>(OC * IC, 1.0f)),
+         db = d.upload(std::vector<float>(OC, 1.0f));
     d.k->matmul_backward(dx, dw, with_bias ? db : DPtr{}, d.upload(dout), xd, wd, N, IC, OC);
     EXPECT_TRUE(all_close(d.download<float>(dx, N * IC), dx_want, kRtol, kAtol));
     EXPECT_TRUE(all_close(d.download<float>(dw, OC * IC), dw_want, kRtol, kAtol));
@@ -124,8 +126,8 @@ TEST(Kernels, MatmulForwardBackward) {
 // Naive causal attention in double, straight from the definition (llm.c's CPU loops).
 struct NaiveAttention {
   std::vector<double> out, att, dqkv;
-  NaiveAttention(const std::vector<float>& qkv, const std::vector<float>& dout, int B, int T,
-                 int C, int NH) {
+  NaiveAttention(const std::vector<float>& qkv, const std::vector<float>& dout, int B, int T, int C,
+                 int NH) {
     const int hs = C / NH;
     const double scale = 1 / std::sqrt(double(hs));
     out.assign(B * T * C, 0);
@@ -201,10 +203,11 @@ TEST(Kernels, GeluForwardBackward) {
   for (int i = 0; i < n; i++) {
     const double u = s * (x[i] + 0.044715 * std::pow(x[i], 3)), th = std::tanh(u);
     want[i] = 0.5 * x[i] * (1 + th);
-    dwant[i] = dout[i] * (0.5 * (1 + th) +
-                          0.5 * x[i] * (1 - th * th) * s * (1 + 3 * 0.044715 * x[i] * x[i]));
+    dwant[i] = dout[i] *
+               (0.5 * (1 + th) + 0.5 * x[i] * (1 - th * th) * s * (1 + 3 * 0.044715 * x[i] * x[i]));
   }
-  DPtr out = d.upload(std::vector<float>(n)), xd = d.upload(x), dx = d.upload(std::vector<float>(n, 4.0f));
+  DPtr out = d.upload(std::vector<float>(n)), xd = d.upload(x),
+       dx = d.upload(std::vector<float>(n, 4.0f));
   d.k->gelu_forward(out, xd, n);
   d.k->gelu_backward(dx, xd, d.upload(dout), n);
   EXPECT_TRUE(all_close(d.download<float>(out, n), want, kRtol, kAtol));

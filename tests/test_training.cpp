@@ -106,8 +106,9 @@ TEST(Init, NormalSamplerMoments) {
 class CheckpointTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("trainer_ckpt_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    dir_ = fs::temp_directory_path() /
+           ("trainer_ckpt_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
   }
   void TearDown() override { fs::remove_all(dir_); }
@@ -159,8 +160,9 @@ TEST_F(CheckpointTest, MismatchedModelIsAClearError) {
     FAIL();
   } catch (const CheckpointError& e) {
     EXPECT_EQ(std::string(e.what()),
-              dir + "/state.h5: checkpoint is for a model with n_layer = 2, this model has "
-                    "n_layer = 3");
+              dir +
+                  "/state.h5: checkpoint is for a model with n_layer = 2, this model has "
+                  "n_layer = 3");
   }
   EXPECT_THROW(resolve_checkpoint((dir_ / "nowhere").string()), CheckpointError);
   // A file that is not HDF5.
@@ -177,7 +179,7 @@ TEST(Sampler, DeterministicForASeed) {
   EXPECT_EQ(a, b);
   EXPECT_EQ(a.size(), 20u);
   for (int32_t t : a) EXPECT_LT(t, 30);  // never a padded id
-  o.top_k = 1;  // greedy: always the arg max
+  o.top_k = 1;                           // greedy: always the arg max
   auto g = sample_tokens(model, 8, {1, 2, 3}, o);
   o.seed = 10;
   EXPECT_EQ(g, sample_tokens(model, 8, {1, 2, 3}, o));

@@ -27,8 +27,13 @@ float AdamW::weight_decay(const ParamInfo& p) const {
 
 void AdamW::update(float lr, float grad_scale, int64_t step) {
   for (const ParamInfo& p : model_.table().params) {
-    AdamWArgs args{lr,    float(cfg_.betas[0]), float(cfg_.betas[1]), float(cfg_.eps),
-                   weight_decay(p), step, grad_scale};
+    AdamWArgs args{lr,
+                   float(cfg_.betas[0]),
+                   float(cfg_.betas[1]),
+                   float(cfg_.eps),
+                   weight_decay(p),
+                   step,
+                   grad_scale};
     model_.kernels().adamw_update(model_.param(p), model_.grad(p), m_ + p.offset, v_ + p.offset,
                                   p.numel, args);
   }

@@ -8,7 +8,9 @@
 
 namespace trainer {
 
-const char* blas_core_name() { return openblas_get_corename(); }
+const char* blas_core_name() {
+  return openblas_get_corename();
+}
 
 void ensure_fast_blas(char** argv) {
   if (std::getenv("OPENBLAS_CORETYPE")) return;

@@ -70,9 +70,7 @@ std::string save_checkpoint(const std::string& out_dir, const Config& cfg, const
     }
     f.flush();
   }
-  {
-    std::ofstream(tmp_dir / "config.toml") << config_text;
-  }
+  { std::ofstream(tmp_dir / "config.toml") << config_text; }
   fsync_path(tmp_dir / "state.h5");
   fsync_path(tmp_dir / "config.toml");
   fs::remove_all(final_dir);
@@ -124,9 +122,9 @@ TrainState load_checkpoint(const std::string& state_file, GPT& model, AdamW* opt
     for (const auto& d : kDims) {
       const int64_t saved = f.attr_int(d.name), ours = model.config().*d.field;
       if (saved != ours)
-        throw CheckpointError(fmt::format(
-            "{}: checkpoint is for a model with {} = {}, this model has {} = {}", state_file,
-            d.name, saved, d.name, ours));
+        throw CheckpointError(
+            fmt::format("{}: checkpoint is for a model with {} = {}, this model has {} = {}",
+                        state_file, d.name, saved, d.name, ours));
     }
     for (const ParamInfo& p : model.table().params) {
       std::vector<float> values(p.logical_numel());

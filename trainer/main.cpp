@@ -32,7 +32,8 @@ int generate(const std::string& checkpoint, const std::string& prompt, int token
   GPT model(cfg.model, *kernels, DType::f32, 1, cfg.model.seq_len);
   load_checkpoint(state, model, nullptr);
   opts.tokens = tokens;
-  const std::vector<int32_t> out = sample_tokens(model, cfg.model.seq_len, byte_encode(prompt), opts);
+  const std::vector<int32_t> out =
+      sample_tokens(model, cfg.model.seq_len, byte_encode(prompt), opts);
   fmt::print("{}{}\n", prompt, byte_decode(out));
   return 0;
 }

@@ -3,9 +3,8 @@
 // <out_dir>/metrics.jsonl.
 #include <cstdint>
 #include <fstream>
-#include <string>
-
 #include <nlohmann/json.hpp>
+#include <string>
 
 namespace trainer {
 

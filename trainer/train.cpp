@@ -39,7 +39,8 @@ struct Run {
   double peak_flops;
 
   Run(const Config& c, std::unique_ptr<Kernels> k)
-      : cfg(c), kernels(std::move(k)),
+      : cfg(c),
+        kernels(std::move(k)),
         train_data(c.data.train, c.model.vocab_size, c.model.seq_len),
         val_data(c.data.val, c.model.vocab_size, c.model.seq_len),
         model(c.model, *kernels, DType::f32, c.train.micro_batch, c.model.seq_len),
@@ -77,7 +78,8 @@ StepStats train_step(Run& run, int64_t step) {
   s.skipped = !std::isfinite(s.loss) || !std::isfinite(s.grad_norm);
   if (!s.skipped) {
     const double max_norm = cfg.optim.max_grad_norm;
-    const float clip = max_norm > 0 && s.grad_norm > max_norm ? float(max_norm / s.grad_norm) : 1.0f;
+    const float clip =
+        max_norm > 0 && s.grad_norm > max_norm ? float(max_norm / s.grad_norm) : 1.0f;
     run.optimizer.update(float(s.lr), clip, step + 1);
   }
   s.optimizer_s = seconds_since(t_opt);
@@ -103,8 +105,8 @@ double validation_loss(Run& run) {
 std::string sample_text(Run& run, int64_t step) {
   SampleOptions opts{run.cfg.train.sample_tokens, run.cfg.train.sample_temperature,
                      run.cfg.train.sample_top_k, run.cfg.run.seed + uint64_t(step)};
-  return byte_decode(
-      sample_tokens(run.model, run.cfg.model.seq_len, byte_encode(run.cfg.train.sample_prompt), opts));
+  return byte_decode(sample_tokens(run.model, run.cfg.model.seq_len,
+                                   byte_encode(run.cfg.train.sample_prompt), opts));
 }
 
 }  // namespace
@@ -116,26 +118,28 @@ int train(const Config& cfg) {
 
   namespace fs = std::filesystem;
   fs::create_directories(cfg.run.out_dir);
-  {
-    std::ofstream(fs::path(cfg.run.out_dir) / "config.toml") << config_to_toml(cfg);
-  }
+  { std::ofstream(fs::path(cfg.run.out_dir) / "config.toml") << config_to_toml(cfg); }
   MetricsLog log((fs::path(cfg.run.out_dir) / "metrics.jsonl").string());
 
   const int64_t params = run.model.table().total;
-  fmt::print("trainer {} | run {} | device cpu, {} threads, OpenBLAS {} kernels\n",
-             TRAINER_VERSION, cfg.run.name, omp_get_max_threads(), blas_core_name());
-  fmt::print("model: {} layers, {} heads, d_model {}, seq_len {}, vocab {} (padded {}), {:.2f}M params\n",
-             cfg.model.n_layer, cfg.model.n_head, cfg.model.d_model, cfg.model.seq_len,
-             cfg.model.vocab_size, cfg.model.padded_vocab(), double(params) / 1e6);
-  fmt::print("data: {} train tokens ({} windows), {} val tokens | batch {} x {} x accum {} = {} tokens/step\n",
-             run.train_data.tokens(), run.train_data.windows(), run.val_data.tokens(),
-             cfg.train.micro_batch, cfg.model.seq_len, cfg.train.grad_accum,
-             int64_t(cfg.train.micro_batch) * cfg.model.seq_len * cfg.train.grad_accum);
+  fmt::print("trainer {} | run {} | device cpu, {} threads, OpenBLAS {} kernels\n", TRAINER_VERSION,
+             cfg.run.name, omp_get_max_threads(), blas_core_name());
+  fmt::print(
+      "model: {} layers, {} heads, d_model {}, seq_len {}, vocab {} (padded {}), {:.2f}M params\n",
+      cfg.model.n_layer, cfg.model.n_head, cfg.model.d_model, cfg.model.seq_len,
+      cfg.model.vocab_size, cfg.model.padded_vocab(), double(params) / 1e6);
+  fmt::print(
+      "data: {} train tokens ({} windows), {} val tokens | batch {} x {} x accum {} = {} "
+      "tokens/step\n",
+      run.train_data.tokens(), run.train_data.windows(), run.val_data.tokens(),
+      cfg.train.micro_batch, cfg.model.seq_len, cfg.train.grad_accum,
+      int64_t(cfg.train.micro_batch) * cfg.model.seq_len * cfg.train.grad_accum);
   fmt::print("MFU peak: {:.1f} GFLOP/s ({}), {:.1f} MFLOP/token\n", run.peak_flops / 1e9,
              cfg.run.peak_tflops > 0 ? "configured" : "measured sgemm", run.flops_per_token / 1e6);
 
   run.model.init_parameters(cfg.run.seed);
-  const int64_t tokens_per_step = int64_t(cfg.train.micro_batch) * cfg.model.seq_len * cfg.train.grad_accum;
+  const int64_t tokens_per_step =
+      int64_t(cfg.train.micro_batch) * cfg.model.seq_len * cfg.train.grad_accum;
   auto evaluate = [&](int64_t step) {
     const double val = validation_loss(run);
     fmt::print("step {:6d} | val loss {:.4f}\n", step, val);

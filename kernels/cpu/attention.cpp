@@ -25,8 +25,8 @@ void attention_forward(T* out, T* att, const T* qkv, int B, int T_, int C, int N
     T* O = out + int64_t(b) * T_ * C + int64_t(h) * hs;
     for (int r0 = 0; r0 < T_; r0 += kBlock) {
       const int r1 = std::min(T_, r0 + kBlock);
-      gemm<T>(false, true, r1 - r0, r1, hs, scale, Q + r0 * C3, C3, K, C3, T(0), A + int64_t(r0) * T_,
-              T_);
+      gemm<T>(false, true, r1 - r0, r1, hs, scale, Q + r0 * C3, C3, K, C3, T(0),
+              A + int64_t(r0) * T_, T_);
       for (int i = r0; i < r1; i++) {
         T* row = A + int64_t(i) * T_;
         T mx = row[0];
@@ -83,8 +83,8 @@ void attention_backward(T* dqkv, T* datt, const T* dout, const T* qkv, const T* 
     for (int c0 = 0; c0 < T_; c0 += kBlock) {
       const int c1 = std::min(T_, c0 + kBlock);
       // Key/value j only receives gradient from queries i >= j.
-      gemm<T>(true, false, c1 - c0, hs, T_ - c0, scale, dA + int64_t(c0) * T_ + c0, T_,
-              Q + c0 * C3, C3, T(0), dK + c0 * C3, C3);
+      gemm<T>(true, false, c1 - c0, hs, T_ - c0, scale, dA + int64_t(c0) * T_ + c0, T_, Q + c0 * C3,
+              C3, T(0), dK + c0 * C3, C3);
       gemm<T>(true, false, c1 - c0, hs, T_ - c0, T(1), A + int64_t(c0) * T_ + c0, T_,
               dO + int64_t(c0) * C, C, T(0), dV + c0 * C3, C3);
     }

@@ -57,8 +57,8 @@ class CpuKernels final : public Kernels {
   void layernorm_forward(DPtr out, DPtr mean, DPtr rstd, DPtr inp, DPtr weight, DPtr bias,
                          int64_t N, int C) override {
     dispatch(out.dtype, [&]<class S>(S) {
-      cpu::layernorm_forward(out.as<S>(), mean.as<S>(), rstd.as<S>(), inp.as<S>(),
-                             weight.as<S>(), bias.as<S>(), N, C);
+      cpu::layernorm_forward(out.as<S>(), mean.as<S>(), rstd.as<S>(), inp.as<S>(), weight.as<S>(),
+                             bias.as<S>(), N, C);
     });
   }
   void layernorm_backward(DPtr dinp, DPtr dweight, DPtr dbias, DPtr dout, DPtr inp, DPtr weight,
@@ -72,8 +72,8 @@ class CpuKernels final : public Kernels {
   void matmul_forward(DPtr out, DPtr inp, DPtr weight, DPtr bias, int64_t N, int IC,
                       int OC) override {
     dispatch(out.dtype, [&]<class S>(S) {
-      cpu::matmul_forward(out.as<S>(), inp.as<S>(), weight.as<S>(),
-                          bias ? bias.as<S>() : nullptr, N, IC, OC);
+      cpu::matmul_forward(out.as<S>(), inp.as<S>(), weight.as<S>(), bias ? bias.as<S>() : nullptr,
+                          N, IC, OC);
     });
   }
   void matmul_backward(DPtr dinp, DPtr dweight, DPtr dbias, DPtr dout, DPtr inp, DPtr weight,
@@ -89,20 +89,19 @@ class CpuKernels final : public Kernels {
       cpu::attention_forward(out.as<S>(), att.as<S>(), qkv.as<S>(), B, T, C, NH);
     });
   }
-  void attention_backward(DPtr dqkv, DPtr datt, DPtr dout, DPtr qkv, DPtr att, int B, int T,
-                          int C, int NH) override {
+  void attention_backward(DPtr dqkv, DPtr datt, DPtr dout, DPtr qkv, DPtr att, int B, int T, int C,
+                          int NH) override {
     dispatch(dout.dtype, [&]<class S>(S) {
-      cpu::attention_backward(dqkv.as<S>(), datt.as<S>(), dout.as<S>(), qkv.as<S>(), att.as<S>(),
-                              B, T, C, NH);
+      cpu::attention_backward(dqkv.as<S>(), datt.as<S>(), dout.as<S>(), qkv.as<S>(), att.as<S>(), B,
+                              T, C, NH);
     });
   }
   void gelu_forward(DPtr out, DPtr inp, int64_t n) override {
     dispatch(out.dtype, [&]<class S>(S) { cpu::gelu_forward(out.as<S>(), inp.as<S>(), n); });
   }
   void gelu_backward(DPtr dinp, DPtr inp, DPtr dout, int64_t n) override {
-    dispatch(dout.dtype, [&]<class S>(S) {
-      cpu::gelu_backward(dinp.as<S>(), inp.as<S>(), dout.as<S>(), n);
-    });
+    dispatch(dout.dtype,
+             [&]<class S>(S) { cpu::gelu_backward(dinp.as<S>(), inp.as<S>(), dout.as<S>(), n); });
   }
   void residual_forward(DPtr out, DPtr a, DPtr b, int64_t n) override {
     dispatch(out.dtype,
@@ -136,6 +135,8 @@ class CpuKernels final : public Kernels {
 
 }  // namespace
 
-std::unique_ptr<Kernels> make_cpu_kernels() { return std::make_unique<CpuKernels>(); }
+std::unique_ptr<Kernels> make_cpu_kernels() {
+  return std::make_unique<CpuKernels>();
+}
 
 }  // namespace trainer

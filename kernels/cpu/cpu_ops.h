@@ -25,7 +25,8 @@ void layernorm_forward(T* out, T* mean, T* rstd, const T* inp, const T* w, const
                        int C);
 template <class T>
 void layernorm_backward(T* dinp, T* dw, T* db, const T* dout, const T* inp, const T* w,
-                        const T* mean, const T* rstd, int64_t N, int C, std::vector<double>& scratch);
+                        const T* mean, const T* rstd, int64_t N, int C,
+                        std::vector<double>& scratch);
 
 template <class T>
 void matmul_forward(T* out, const T* inp, const T* w, const T* bias, int64_t N, int IC, int OC);

@@ -45,8 +45,8 @@ void softmax_crossentropy_backward(T* probs, const int32_t* targets, float dloss
 
 template double softmax_crossentropy_forward<float>(float*, float*, const int32_t*, int64_t, int,
                                                     int);
-template double softmax_crossentropy_forward<double>(double*, double*, const int32_t*, int64_t,
-                                                     int, int);
+template double softmax_crossentropy_forward<double>(double*, double*, const int32_t*, int64_t, int,
+                                                     int);
 template void softmax_crossentropy_backward<float>(float*, const int32_t*, float, int64_t, int,
                                                    int);
 template void softmax_crossentropy_backward<double>(double*, const int32_t*, float, int64_t, int,

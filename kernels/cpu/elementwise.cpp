@@ -76,11 +76,11 @@ void residual_forward(T* out, const T* a, const T* b, int64_t n) {
   for (int64_t i = 0; i < n; i++) out[i] = a[i] + b[i];
 }
 
-#define INSTANTIATE(T)                                                                          \
-  template void encoder_forward<T>(T*, const int32_t*, const T*, const T*, int, int, int);      \
-  template void encoder_backward<T>(T*, T*, const T*, const int32_t*, int, int, int);           \
-  template void gelu_forward<T>(T*, const T*, int64_t);                                         \
-  template void gelu_backward<T>(T*, const T*, const T*, int64_t);                              \
+#define INSTANTIATE(T)                                                                     \
+  template void encoder_forward<T>(T*, const int32_t*, const T*, const T*, int, int, int); \
+  template void encoder_backward<T>(T*, T*, const T*, const int32_t*, int, int, int);      \
+  template void gelu_forward<T>(T*, const T*, int64_t);                                    \
+  template void gelu_backward<T>(T*, const T*, const T*, int64_t);                         \
   template void residual_forward<T>(T*, const T*, const T*, int64_t);
 INSTANTIATE(float)
 INSTANTIATE(double)

@@ -4,7 +4,9 @@
 
 namespace trainer::cpu {
 
-static CBLAS_TRANSPOSE op(bool trans) { return trans ? CblasTrans : CblasNoTrans; }
+static CBLAS_TRANSPOSE op(bool trans) {
+  return trans ? CblasTrans : CblasNoTrans;
+}
 
 template <>
 void gemm<float>(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
