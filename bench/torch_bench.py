@@ -119,24 +119,27 @@ def matmul_peak(n=1536, repeats=3):
     return 2.0 * n**3 / best
 
 
-def loaded_blas():
-    """The BLAS library mapped into this process and, for OpenBLAS, its kernel set."""
+def mapped_library(fragment):
+    """Path of the first shared library mapped into this process whose path has `fragment`."""
     with open("/proc/self/maps") as maps:
-        paths = {line.split()[-1] for line in maps if "blas" in line and "/" in line}
-    for path in sorted(paths):
-        try:
-            core = ctypes.CDLL(path).openblas_get_corename
-        except (OSError, AttributeError):
-            continue
-        core.restype = ctypes.c_char_p
-        return path, core().decode()
-    return ",".join(sorted(paths)) or "none", "unknown"
+        paths = sorted({line.split()[-1] for line in maps if fragment in line and "/" in line})
+    return paths[0] if paths else "none"
+
+
+def openblas_core(path):
+    """OpenBLAS's kernel set ("SkylakeX", "Prescott", ...) of the library at `path`."""
+    try:
+        core = ctypes.CDLL(path).openblas_get_corename
+    except (OSError, AttributeError):
+        return "unknown"
+    core.restype = ctypes.c_char_p
+    return core().decode()
 
 
 def cpu_sample():
     """(wall, machine busy + stolen CPU seconds, this process's CPU seconds)."""
     with open("/proc/stat") as stat:
-        user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, stat.readline().split()[1:9])
+        user, nice, system, _, _, irq, softirq, steal = map(int, stat.readline().split()[1:9])
     machine = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
     t = os.times()
     return time.perf_counter(), machine, t.user + t.system
@@ -154,8 +157,8 @@ def main():
     ap.add_argument("--attn", choices=["baddbmm", "manual", "sdpa"], default="baddbmm")
     ap.add_argument("--pad-vocab", type=int, default=64,
                     help="round the embedding rows up to this multiple (1: no padding)")
-    ap.add_argument("--foreach", type=int, choices=[0, 1], default=1,
-                    help="AdamW's multi-tensor implementation")
+    ap.add_argument("--foreach", type=int, choices=[0, 1], default=0,
+                    help="AdamW's multi-tensor implementation (measured no faster on CPU)")
     args = ap.parse_args()
 
     L, NH, C, T, B, warmup, steps = WORKLOADS[args.workload]
@@ -203,7 +206,7 @@ def main():
     other_cores = max(0.0, (cpu1[1] - cpu0[1]) / (cpu1[0] - cpu0[0]) - self_cores)
     step_s = statistics.median(times)
     tokens_per_s = B * T / step_s
-    blas_lib, blas_core = loaded_blas()
+    blas_lib = mapped_library("libblas.so")
     out = {
         "framework": "pytorch",
         "workload": args.workload,
@@ -214,7 +217,7 @@ def main():
         "flops_per_token": flops_per_token,
         "params": n_params,
         "threads": torch.get_num_threads(),
-        "blas_core": blas_core,
+        "blas_core": openblas_core(blas_lib),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
         "batch": B,
         "seq_len": T,
@@ -233,7 +236,8 @@ def main():
         "attn": args.attn,
         "vocab_rows": vocab_rows,
         "foreach": bool(args.foreach),
-        "jemalloc": "jemalloc" in os.environ.get("LD_PRELOAD", ""),
+        "malloc": mapped_library("jemalloc"),
+        "malloc_conf": os.environ.get("MALLOC_CONF", ""),
     }
     print(json.dumps(out), flush=True)
 

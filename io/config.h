@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "io/errors.h"
 #include "model/gpt_config.h"
 
 namespace trainer {
@@ -61,11 +62,6 @@ struct Config {
   DataConfig data;
   TrainConfig train;
   OptimConfig optim;
-};
-
-class ConfigError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
 };
 
 // Reads `path` (empty: defaults only) and applies `overrides` ("section.key=value", TOML

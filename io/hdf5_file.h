@@ -9,11 +9,14 @@
 #include <string>
 #include <vector>
 
+#include "io/errors.h"
+
 namespace trainer {
 
-class H5Error : public std::runtime_error {
+// A missing or damaged HDF5 file or object is bad input like any other.
+class H5Error : public CheckpointError {
  public:
-  using std::runtime_error::runtime_error;
+  using CheckpointError::CheckpointError;
 };
 
 class H5File {

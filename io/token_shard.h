@@ -9,12 +9,9 @@
 #include <string>
 #include <vector>
 
-namespace trainer {
+#include "io/errors.h"
 
-class DataError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
+namespace trainer {
 
 class TokenShard {
  public:

@@ -11,6 +11,8 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "test_util.h"
+
 namespace trainer {
 namespace {
 
@@ -31,18 +33,8 @@ Result run(const std::string& args) {
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
 }
 
-class Cli : public ::testing::Test {
+class Cli : public test::TempDirTest {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("trainer_cli_" + std::to_string(::getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
-
   // Byte-level shards from a real excerpt of Pride and Prejudice.
   void prepare_data() {
     const Result r = run("prepare --input " + std::string(SOURCE_DIR) +
@@ -69,7 +61,6 @@ class Cli : public ::testing::Test {
     }
     return out;
   }
-  fs::path dir_;
 };
 
 TEST_F(Cli, HelpAndVersion) {

@@ -8,22 +8,15 @@
 
 #include "io/dataset.h"
 #include "io/token_shard.h"
+#include "test_util.h"
 
 namespace trainer {
 namespace {
 
 namespace fs = std::filesystem;
 
-class DataTest : public ::testing::Test {
+class DataTest : public test::TempDirTest {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("trainer_data_" + std::to_string(::getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
   void write_bytes(const std::string& name, const void* data, size_t n) {
     std::ofstream(path(name), std::ios::binary).write(static_cast<const char*>(data), n);
   }
@@ -35,7 +28,6 @@ class DataTest : public ::testing::Test {
     }
     return "(no error)";
   }
-  fs::path dir_;
 };
 
 std::vector<int32_t> ramp(int n, int mod) {

@@ -8,6 +8,7 @@
 
 #include "model/gpt.h"
 #include "model/init.h"
+#include "test_util.h"
 #include "trainer/adamw.h"
 #include "trainer/checkpoint.h"
 #include "trainer/lr_schedule.h"
@@ -103,17 +104,7 @@ TEST(Init, NormalSamplerMoments) {
   EXPECT_NEAR(s2 / n, 1.0, 0.01);
 }
 
-class CheckpointTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("trainer_ckpt_" + std::to_string(::getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  fs::path dir_;
-};
+using CheckpointTest = test::TempDirTest;
 
 TEST_F(CheckpointTest, RoundTripIsBitwise) {
   auto k = make_cpu_kernels();

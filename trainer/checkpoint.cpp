@@ -102,45 +102,39 @@ std::string resolve_checkpoint(const std::string& path) {
 }
 
 Config checkpoint_config(const std::string& state_file) {
+  H5File f = H5File::open_read(state_file);
+  const int64_t version = f.attr_int("format_version");
+  if (version != kCheckpointFormatVersion)
+    throw CheckpointError(fmt::format("{}: format_version {} is not supported (expected {})",
+                                      state_file, version, kCheckpointFormatVersion));
   try {
-    H5File f = H5File::open_read(state_file);
-    const int64_t version = f.attr_int("format_version");
-    if (version != kCheckpointFormatVersion)
-      throw CheckpointError(fmt::format("{}: format_version {} is not supported (expected {})",
-                                        state_file, version, kCheckpointFormatVersion));
     return parse_config(f.attr_string("config"), state_file + ":config");
-  } catch (const H5Error& e) {
-    throw CheckpointError(e.what());
-  } catch (const ConfigError& e) {
+  } catch (const ConfigError& e) {  // the stored config is part of the checkpoint
     throw CheckpointError(e.what());
   }
 }
 
 TrainState load_checkpoint(const std::string& state_file, GPT& model, AdamW* optimizer) {
-  try {
-    H5File f = H5File::open_read(state_file);
-    for (const auto& d : kDims) {
-      const int64_t saved = f.attr_int(d.name), ours = model.config().*d.field;
-      if (saved != ours)
-        throw CheckpointError(
-            fmt::format("{}: checkpoint is for a model with {} = {}, this model has {} = {}",
-                        state_file, d.name, saved, d.name, ours));
-    }
-    for (const ParamInfo& p : model.table().params) {
-      std::vector<float> values(p.logical_numel());
-      f.read("params/" + p.name, p.shape, values.data());
-      model.write(p, model.params(), values);
-      if (optimizer) {
-        f.read("optim/m/" + p.name, p.shape, values.data());
-        model.write(p, optimizer->m(), values);
-        f.read("optim/v/" + p.name, p.shape, values.data());
-        model.write(p, optimizer->v(), values);
-      }
-    }
-    return {f.attr_int("step"), f.attr_int("tokens")};
-  } catch (const H5Error& e) {
-    throw CheckpointError(e.what());
+  H5File f = H5File::open_read(state_file);
+  for (const auto& d : kDims) {
+    const int64_t saved = f.attr_int(d.name), ours = model.config().*d.field;
+    if (saved != ours)
+      throw CheckpointError(
+          fmt::format("{}: checkpoint is for a model with {} = {}, this model has {} = {}",
+                      state_file, d.name, saved, d.name, ours));
   }
+  for (const ParamInfo& p : model.table().params) {
+    std::vector<float> values(p.logical_numel());
+    f.read("params/" + p.name, p.shape, values.data());
+    model.write(p, model.params(), values);
+    if (optimizer) {
+      f.read("optim/m/" + p.name, p.shape, values.data());
+      model.write(p, optimizer->m(), values);
+      f.read("optim/v/" + p.name, p.shape, values.data());
+      model.write(p, optimizer->v(), values);
+    }
+  }
+  return {f.attr_int("step"), f.attr_int("tokens")};
 }
 
 }  // namespace trainer

@@ -11,15 +11,12 @@
 #include <string>
 
 #include "io/config.h"
+#include "io/errors.h"
 #include "model/gpt.h"
 #include "trainer/adamw.h"
 
 namespace trainer {
 
-class CheckpointError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
 
 constexpr int64_t kCheckpointFormatVersion = 1;
 

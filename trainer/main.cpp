@@ -10,7 +10,6 @@
 #include <filesystem>
 
 #include "io/config.h"
-#include "io/hdf5_file.h"
 #include "io/token_shard.h"
 #include "io/tokenizer.h"
 #include "trainer/blas_setup.h"
@@ -99,17 +98,8 @@ int main(int argc, char** argv) {
     if (*train) return trainer::train(trainer::load_config(config_path, overrides));
     if (*gen) return generate(checkpoint, prompt, tokens, sample);
     if (*pre) return trainer::prepare(prep);
-  } catch (const trainer::ConfigError& e) {
-    fmt::print(stderr, "trainer: config error: {}\n", e.what());
-    return kExitBadInput;
-  } catch (const trainer::DataError& e) {
-    fmt::print(stderr, "trainer: data error: {}\n", e.what());
-    return kExitBadInput;
-  } catch (const trainer::CheckpointError& e) {
-    fmt::print(stderr, "trainer: checkpoint error: {}\n", e.what());
-    return kExitBadInput;
-  } catch (const trainer::H5Error& e) {
-    fmt::print(stderr, "trainer: checkpoint error: {}\n", e.what());
+  } catch (const trainer::InputError& e) {
+    fmt::print(stderr, "trainer: {} error: {}\n", e.category(), e.what());
     return kExitBadInput;
   } catch (const std::filesystem::filesystem_error& e) {
     fmt::print(stderr, "trainer: file error: {}\n", e.what());
