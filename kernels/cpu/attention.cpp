@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/fast_math.h"
 
 namespace trainer::cpu {
 
@@ -30,13 +31,16 @@ void attention_forward(T* out, T* att, const T* qkv, int B, int T_, int C, int N
       for (int i = r0; i < r1; i++) {
         T* row = A + int64_t(i) * T_;
         T mx = row[0];
+#pragma omp simd reduction(max : mx)
         for (int j = 1; j <= i; j++) mx = std::max(mx, row[j]);
         T sum = 0;
+#pragma omp simd reduction(+ : sum)
         for (int j = 0; j <= i; j++) {
-          row[j] = std::exp(row[j] - mx);
+          row[j] = fast_exp(row[j] - mx);
           sum += row[j];
         }
         const T inv = T(1) / sum;
+#pragma omp simd
         for (int j = 0; j <= i; j++) row[j] *= inv;
         std::fill(row + i + 1, row + T_, T(0));
       }
@@ -72,7 +76,9 @@ void attention_backward(T* dqkv, T* datt, const T* dout, const T* qkv, const T* 
         const T* a = A + int64_t(i) * T_;
         T* d = dA + int64_t(i) * T_;
         T dot = 0;
+#pragma omp simd reduction(+ : dot)
         for (int j = 0; j <= i; j++) dot += a[j] * d[j];
+#pragma omp simd
         for (int j = 0; j <= i; j++) d[j] = a[j] * (d[j] - dot);
         std::fill(d + i + 1, d + r1, T(0));
       }

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/fast_math.h"
 
 namespace trainer::cpu {
 
@@ -14,14 +15,17 @@ double softmax_crossentropy_forward(T* losses, T* logits, const int32_t* targets
   for (int64_t n = 0; n < N; n++) {
     T* row = logits + n * Vp;
     T mx = row[0];
+#pragma omp simd reduction(max : mx)
     for (int v = 1; v < V; v++) mx = std::max(mx, row[v]);
     const T target_logit = row[targets[n]];
     T sum = 0;
+#pragma omp simd reduction(+ : sum)
     for (int v = 0; v < V; v++) {
-      row[v] = std::exp(row[v] - mx);
+      row[v] = fast_exp(row[v] - mx);
       sum += row[v];
     }
     const T inv = T(1) / sum;
+#pragma omp simd
     for (int v = 0; v < V; v++) row[v] *= inv;
     std::fill(row + V, row + Vp, T(0));
     losses[n] = std::log(sum) + mx - target_logit;
@@ -38,6 +42,7 @@ void softmax_crossentropy_backward(T* probs, const int32_t* targets, float dloss
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; n++) {
     T* row = probs + n * Vp;
+#pragma omp simd
     for (int v = 0; v < V; v++) row[v] *= d;
     row[targets[n]] -= d;
   }

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/fast_math.h"
 
 namespace trainer::cpu {
 
@@ -52,7 +53,7 @@ void gelu_forward(T* out, const T* inp, int64_t n) {
 #pragma omp parallel for simd schedule(static)
   for (int64_t i = 0; i < n; i++) {
     T x = inp[i];
-    out[i] = T(0.5) * x * (T(1) + std::tanh(s * (x + T(0.044715) * x * x * x)));
+    out[i] = T(0.5) * x * (T(1) + fast_tanh(s * (x + T(0.044715) * x * x * x)));
   }
 }
 
@@ -63,7 +64,7 @@ void gelu_backward(T* dinp, const T* inp, const T* dout, int64_t n) {
   for (int64_t i = 0; i < n; i++) {
     T x = inp[i];
     T u = s * (x + T(0.044715) * x * x * x);
-    T th = std::tanh(u);
+    T th = fast_tanh(u);
     T sech2 = T(1) - th * th;
     T du = s * (T(1) + T(3 * 0.044715) * x * x);
     dinp[i] = dout[i] * (T(0.5) * (T(1) + th) + T(0.5) * x * sech2 * du);
