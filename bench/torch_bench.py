@@ -160,6 +160,8 @@ def main():
     ap.add_argument("--foreach", type=int, choices=[0, 1], default=0,
                     help="AdamW's multi-tensor implementation (measured no faster on CPU)")
     args = ap.parse_args()
+    if args.steps is not None and args.steps < 1:
+        ap.error("--steps must be at least 1")
 
     L, NH, C, T, B, warmup, steps = WORKLOADS[args.workload]
     warmup = warmup if args.warmup is None else args.warmup
@@ -189,6 +191,8 @@ def main():
         t_step = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = model(idx, targets)
+        if step == 0:
+            first_loss = loss.item()
         t_fwd = time.perf_counter()
         loss.backward()
         t_bwd = time.perf_counter()
@@ -226,6 +230,7 @@ def main():
         "forward_ms": statistics.median(fwd) * 1e3,
         "backward_ms": statistics.median(bwd) * 1e3,
         "optimizer_ms": statistics.median(upd) * 1e3,
+        "first_loss": first_loss,
         "final_loss": loss.item(),
         "self_cpu_cores": self_cores,
         "other_cpu_cores": other_cores,

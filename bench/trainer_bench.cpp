@@ -149,7 +149,7 @@ int run(const Options& opt) {
 
   // The same work as train_step with one micro-batch, each phase timed.
   std::vector<double> total_s, forward_s, backward_s, optimizer_s;
-  double loss = 0;
+  double loss = 0, first_loss = 0;
   CpuSample cpu0;
   for (int step = 0; step < warmup + steps; step++) {
     if (step == warmup) cpu0 = cpu_sample();
@@ -157,6 +157,7 @@ int run(const Options& opt) {
     model.zero_grad();
     auto t0 = Clock::now();
     loss = model.forward(tokens.data(), targets.data(), B, T);
+    if (step == 0) first_loss = loss;
     const double fwd = seconds_since(t0);
     t0 = Clock::now();
     model.backward(1.0f);
@@ -206,6 +207,7 @@ int run(const Options& opt) {
       {"forward_ms", median(forward_s) * 1e3},
       {"backward_ms", median(backward_s) * 1e3},
       {"optimizer_ms", median(optimizer_s) * 1e3},
+      {"first_loss", first_loss},  // a sanity check: the losses should track PyTorch's
       {"final_loss", loss},
       {"self_cpu_cores", self_cores},    // about `threads` when OpenMP had the cores to itself
       {"other_cpu_cores", other_cores},  // other processes and steal: > 0.1 means a noisy run
