@@ -106,7 +106,7 @@ def flop_params(model, vocab, d_model):
     return n
 
 
-def matmul_peak(n=1536, repeats=3):
+def matmul_peak(n=1536, repeats=10):
     """Best FLOP/s of an n x n fp32 matmul (first run is warm-up), as trainer's sgemm peak."""
     a, b = torch.full((n, n), 0.5), torch.full((n, n), 0.25)
     best = math.inf
