@@ -1,0 +1,161 @@
+// The parallel layout and the pipeline schedule: pure functions, tested without MPI.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <set>
+
+#include "comm/parallel_dims.h"
+#include "io/errors.h"
+#include "trainer/pipeline_schedule.h"
+
+namespace trainer {
+namespace {
+
+GPTConfig model(int n_layer = 4, int n_head = 4, int vocab = 256, int multiple = 64) {
+  GPTConfig m;
+  m.n_layer = n_layer;
+  m.n_head = n_head;
+  m.d_model = 64;
+  m.vocab_size = vocab;
+  m.vocab_multiple = multiple;
+  return m;
+}
+
+struct LayoutCase {
+  int world, dp, tp, pp;
+  std::string order;
+  int rank;
+  RankCoords coords;
+  std::vector<int> tp_group, pp_group, dp_group;
+};
+
+TEST(ParallelDims, CoordinatesAndGroups) {
+  const std::vector<LayoutCase> cases = {
+      {1, 0, 1, 1, "tp-pp-dp", 0, {0, 0, 0}, {0}, {0}, {0}},
+      {4, 0, 1, 1, "tp-pp-dp", 2, {2, 0, 0}, {2}, {2}, {0, 1, 2, 3}},
+      {4, 0, 2, 1, "tp-pp-dp", 3, {1, 1, 0}, {2, 3}, {3}, {1, 3}},
+      {4, 1, 1, 4, "tp-pp-dp", 2, {0, 0, 2}, {2}, {0, 1, 2, 3}, {2}},
+      // dp2 x tp2 x pp2: tp adjacent, pp next, dp outermost.
+      {8, 2, 2, 2, "tp-pp-dp", 5, {1, 1, 0}, {4, 5}, {5, 7}, {1, 5}},
+      {8, 0, 2, 2, "tp-pp-dp", 6, {1, 0, 1}, {6, 7}, {4, 6}, {2, 6}},
+      // Another order: dp fastest, then tp, then pp.
+      {8, 2, 2, 2, "dp-tp-pp", 5, {1, 0, 1}, {5, 7}, {1, 5}, {4, 5}},
+      {6, 3, 2, 1, "pp-dp-tp", 4, {1, 1, 0}, {1, 4}, {4}, {3, 4, 5}},
+  };
+  for (const auto& c : cases) {
+    const auto d = ParallelDims::make(c.world, c.dp, c.tp, c.pp, c.order, model());
+    SCOPED_TRACE(::testing::Message()
+                 << "world " << c.world << " " << c.order << " rank " << c.rank);
+    EXPECT_EQ(d.dp() * d.tp() * d.pp(), c.world);
+    EXPECT_EQ(d.coords(c.rank), c.coords);
+    EXPECT_EQ(d.group(Axis::tp, c.rank), c.tp_group);
+    EXPECT_EQ(d.group(Axis::pp, c.rank), c.pp_group);
+    EXPECT_EQ(d.group(Axis::dp, c.rank), c.dp_group);
+    // Coordinates are a bijection onto the ranks.
+    std::set<int> seen;
+    for (int r = 0; r < c.world; r++) {
+      EXPECT_EQ(d.rank_of(d.coords(r)), r);
+      seen.insert(d.rank_of(d.coords(r)));
+    }
+    EXPECT_EQ(int(seen.size()), c.world);
+  }
+}
+
+TEST(ParallelDims, DescribeListsEveryGroupOnce) {
+  const auto d = ParallelDims::make(8, 0, 2, 2, "tp-pp-dp", model());
+  EXPECT_EQ(d.describe(),
+            "layout: world 8 = dp 2 x tp 2 x pp 2, order tp-pp-dp\n"
+            "  tp groups: [0 1] [2 3] [4 5] [6 7]\n"
+            "  pp groups: [0 2] [1 3] [4 6] [5 7]\n"
+            "  dp groups: [0 4] [1 5] [2 6] [3 7]\n");
+}
+
+std::string error_of(int world, int dp, int tp, int pp, const std::string& order,
+                     const GPTConfig& m) {
+  try {
+    ParallelDims::make(world, dp, tp, pp, order, m);
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TEST(ParallelDims, InvalidLayoutsNameTheNumbers) {
+  EXPECT_EQ(error_of(6, 0, 4, 1, "tp-pp-dp", model()),
+            "[parallel] world size 6 is not divisible by tp x pp = 4 x 1 = 4, so dp cannot be "
+            "derived");
+  EXPECT_EQ(error_of(6, 2, 2, 2, "tp-pp-dp", model()),
+            "[parallel] dp x tp x pp = 2 x 2 x 2 = 8 does not match the world size 6");
+  EXPECT_EQ(error_of(3, 1, 3, 1, "tp-pp-dp", model(4, 4)),
+            "[parallel] tp = 3 must divide n_head = 4");
+  EXPECT_EQ(error_of(8, 1, 8, 1, "tp-pp-dp", model(4, 4)),
+            "[parallel] tp = 8 must divide n_head = 4");
+  EXPECT_EQ(error_of(4, 1, 4, 1, "tp-pp-dp", model(4, 8, 102, 2)),
+            "[parallel] tp = 4 must divide the padded vocabulary 102 (make model.vocab_multiple "
+            "a multiple of tp)");
+  EXPECT_EQ(error_of(8, 1, 1, 8, "tp-pp-dp", model(4)),
+            "[parallel] pp = 8 exceeds n_layer = 4: every stage needs at least one layer");
+  EXPECT_EQ(error_of(2, 0, 1, 1, "tp-dp", model()),
+            "[parallel] order = \"tp-dp\" must name tp, pp and dp once each, fastest-varying "
+            "first (e.g. \"tp-pp-dp\")");
+  EXPECT_EQ(error_of(2, 0, 1, 1, "tp-tp-dp", model()).substr(0, 30),
+            "[parallel] order = \"tp-tp-dp\" ");
+}
+
+std::string render(const std::vector<PipeAction>& actions) {
+  std::string s;
+  for (const auto& a : actions) {
+    if (!s.empty()) s += ' ';
+    s += to_string(a);
+  }
+  return s;
+}
+
+TEST(PipelineSchedule, OneFOneBShapes) {
+  EXPECT_EQ(render(one_f_one_b(0, 4, 6)), "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5");
+  EXPECT_EQ(render(one_f_one_b(2, 4, 6)), "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 B5");
+  EXPECT_EQ(render(one_f_one_b(3, 4, 6)), "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5");
+  EXPECT_EQ(render(one_f_one_b(0, 4, 2)), "F0 F1 B0 B1");        // fewer micro-batches than stages
+  EXPECT_EQ(render(one_f_one_b(0, 1, 3)), "F0 B0 F1 B1 F2 B2");  // pp = 1
+  const auto a = one_f_one_b(1, 3, 2);
+  EXPECT_EQ(a[0], (PipeAction{PipeAction::forward, 0, 0, 2}));
+  EXPECT_EQ(a.back(), (PipeAction{PipeAction::backward, 1, 2, 0}));
+}
+
+TEST(PipelineSchedule, InvariantsForManyShapes) {
+  for (int S = 1; S <= 6; S++)
+    for (int M = 1; M <= 9; M++)
+      for (int s = 0; s < S; s++) {
+        SCOPED_TRACE(::testing::Message() << "S=" << S << " M=" << M << " stage " << s);
+        const auto actions = one_f_one_b(s, S, M);
+        std::map<int, int> fwd_at, bwd_at;
+        int alive = 0, peak = 0;
+        for (int i = 0; i < int(actions.size()); i++) {
+          const auto& a = actions[i];
+          auto& at = a.kind == PipeAction::forward ? fwd_at : bwd_at;
+          EXPECT_FALSE(at.count(a.micro)) << "twice: " << to_string(a);
+          at[a.micro] = i;
+          alive += a.kind == PipeAction::forward ? 1 : -1;
+          peak = std::max(peak, alive);
+          // Inputs come from the neighbour in the direction of the data.
+          const int expect_recv =
+              a.kind == PipeAction::forward ? (s > 0 ? s - 1 : -1) : (s + 1 < S ? s + 1 : -1);
+          EXPECT_EQ(a.recv, expect_recv);
+        }
+        EXPECT_EQ(int(fwd_at.size()), M);
+        EXPECT_EQ(int(bwd_at.size()), M);
+        for (int m = 0; m < M; m++) EXPECT_LT(fwd_at[m], bwd_at[m]) << "micro " << m;
+        EXPECT_LE(peak, std::min(S - s, M)) << "activations in flight";
+        EXPECT_EQ(alive, 0);
+      }
+}
+
+TEST(PipelineSchedule, RunsWithoutDeadlockAndTheKnownBubble) {
+  for (int S = 1; S <= 6; S++)
+    for (int M = 1; M <= 12; M++)
+      EXPECT_NEAR(pipeline_bubble(S, M), double(S - 1) / (M + S - 1), 1e-12)
+          << "S=" << S << " M=" << M;
+}
+
+}  // namespace
+}  // namespace trainer
