@@ -1,0 +1,96 @@
+#pragma once
+// Collective and point-to-point communication on one group of ranks, behind an interface that
+// carries no MPI (or NCCL) types, so that model and trainer code stay backend-neutral. Buffers
+// are dtype-carrying pointers; counts are in elements. Every call has a non-blocking form that
+// returns a Request to wait on. A group of size one costs nothing: collectives become local
+// copies or no-ops.
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels/dtype.h"
+
+namespace trainer {
+
+enum class ReduceOp { sum, max };
+
+// A pending non-blocking operation. wait() completes it; a Request that is destroyed without
+// wait() is waited for then, so buffers are never left in flight.
+class Request {
+ public:
+  struct Impl {
+    virtual ~Impl() = default;
+    virtual void wait() = 0;
+    virtual bool test() = 0;  // true once complete; drives progress
+  };
+  Request() = default;
+  explicit Request(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  Request(Request&&) = default;
+  Request& operator=(Request&& o) {
+    wait();
+    impl_ = std::move(o.impl_);
+    return *this;
+  }
+  ~Request() { wait(); }
+
+  void wait() {
+    if (impl_) impl_->wait();
+    impl_.reset();
+  }
+  bool test() {
+    if (impl_ && impl_->test()) impl_.reset();
+    return !impl_;
+  }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;  // in this group
+  virtual int size() const = 0;
+
+  // In place: buf(n) = op over ranks of buf(n).
+  virtual Request iall_reduce(DPtr buf, int64_t n, ReduceOp op) = 0;
+  // send(size * count) summed over ranks; this rank keeps block rank(): recv(count).
+  virtual Request ireduce_scatter(DPtr send, DPtr recv, int64_t count) = 0;
+  // recv(size * count) = the send(count) blocks of all ranks, in rank order.
+  virtual Request iall_gather(DPtr send, DPtr recv, int64_t count) = 0;
+  virtual Request ibroadcast(DPtr buf, int64_t n, int root) = 0;
+  virtual Request isend(DPtr buf, int64_t n, int peer, int tag) = 0;
+  virtual Request irecv(DPtr buf, int64_t n, int peer, int tag) = 0;
+  virtual void barrier() = 0;
+
+  void all_reduce(DPtr buf, int64_t n, ReduceOp op) { iall_reduce(buf, n, op).wait(); }
+  void reduce_scatter(DPtr send, DPtr recv, int64_t count) {
+    ireduce_scatter(send, recv, count).wait();
+  }
+  void all_gather(DPtr send, DPtr recv, int64_t count) { iall_gather(send, recv, count).wait(); }
+  void broadcast(DPtr buf, int64_t n, int root) { ibroadcast(buf, n, root).wait(); }
+  void send(DPtr buf, int64_t n, int peer, int tag) { isend(buf, n, peer, tag).wait(); }
+  void recv(DPtr buf, int64_t n, int peer, int tag) { irecv(buf, n, peer, tag).wait(); }
+};
+
+// The processes of a job: the world communicator, node detection and group creation.
+class World {
+ public:
+  virtual ~World() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual const std::string& host() const = 0;
+  virtual int local_rank() const = 0;  // rank among the processes on this node
+  virtual int local_size() const = 0;
+  virtual Communicator& comm() = 0;  // all ranks
+  // Collective over all ranks: each rank passes the members of its own group (world ranks,
+  // in group-rank order); returns this rank's communicator for it.
+  virtual std::unique_ptr<Communicator> group(const std::vector<int>& members) = 0;
+};
+
+// Starts MPI (a plain process without mpirun is a world of one) and finalises it on
+// destruction. One per process.
+std::unique_ptr<World> make_mpi_world(int* argc, char*** argv);
+
+}  // namespace trainer

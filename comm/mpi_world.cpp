@@ -1,0 +1,171 @@
+// The MPI implementation of World and Communicator (Open MPI on the CPU backend).
+#include <fmt/format.h>
+#include <mpi.h>
+
+#include <cstring>
+#include <stdexcept>
+
+#include "comm/communicator.h"
+
+namespace trainer {
+namespace {
+
+void check(int rc, const char* call) {
+  if (rc == MPI_SUCCESS) return;
+  char msg[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, msg, &len);
+  throw std::runtime_error(fmt::format("{} failed: {}", call, std::string(msg, len)));
+}
+#define MPI_CHECK(call) check((call), #call)
+
+MPI_Datatype mpi_type(DType t) {
+  return t == DType::f64 ? MPI_DOUBLE : MPI_FLOAT;
+}
+MPI_Op mpi_op(ReduceOp op) {
+  return op == ReduceOp::max ? MPI_MAX : MPI_SUM;
+}
+
+int count_of(int64_t n) {
+  if (n > INT32_MAX) throw std::length_error("message larger than 2^31 elements");
+  return int(n);
+}
+
+class MpiRequest final : public Request::Impl {
+ public:
+  MPI_Request req = MPI_REQUEST_NULL;
+  ~MpiRequest() override { wait(); }
+  void wait() override {
+    if (req != MPI_REQUEST_NULL) MPI_CHECK(MPI_Wait(&req, MPI_STATUS_IGNORE));
+  }
+  bool test() override {
+    int done = 1;
+    if (req != MPI_REQUEST_NULL) MPI_CHECK(MPI_Test(&req, &done, MPI_STATUS_IGNORE));
+    return done != 0;
+  }
+};
+
+class MpiCommunicator final : public Communicator {
+ public:
+  MpiCommunicator(MPI_Comm comm, bool owned) : comm_(comm), owned_(owned) {
+    MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
+    MPI_CHECK(MPI_Comm_size(comm_, &size_));
+  }
+  ~MpiCommunicator() override {
+    if (owned_) MPI_Comm_free(&comm_);
+  }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+
+  Request iall_reduce(DPtr buf, int64_t n, ReduceOp op) override {
+    if (size_ == 1) return {};
+    auto r = std::make_unique<MpiRequest>();
+    MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf.p, count_of(n), mpi_type(buf.dtype), mpi_op(op),
+                             comm_, &r->req));
+    return Request(std::move(r));
+  }
+  Request ireduce_scatter(DPtr send, DPtr recv, int64_t count) override {
+    if (size_ == 1) return local_copy(recv, send, count);
+    auto r = std::make_unique<MpiRequest>();
+    MPI_CHECK(MPI_Ireduce_scatter_block(send.p, recv.p, count_of(count), mpi_type(send.dtype),
+                                        MPI_SUM, comm_, &r->req));
+    return Request(std::move(r));
+  }
+  Request iall_gather(DPtr send, DPtr recv, int64_t count) override {
+    if (size_ == 1) return local_copy(recv, send, count);
+    auto r = std::make_unique<MpiRequest>();
+    MPI_CHECK(MPI_Iallgather(send.p, count_of(count), mpi_type(send.dtype), recv.p, count_of(count),
+                             mpi_type(recv.dtype), comm_, &r->req));
+    return Request(std::move(r));
+  }
+  Request ibroadcast(DPtr buf, int64_t n, int root) override {
+    if (size_ == 1) return {};
+    auto r = std::make_unique<MpiRequest>();
+    MPI_CHECK(MPI_Ibcast(buf.p, count_of(n), mpi_type(buf.dtype), root, comm_, &r->req));
+    return Request(std::move(r));
+  }
+  Request isend(DPtr buf, int64_t n, int peer, int tag) override {
+    auto r = std::make_unique<MpiRequest>();
+    MPI_CHECK(MPI_Isend(buf.p, count_of(n), mpi_type(buf.dtype), peer, tag, comm_, &r->req));
+    return Request(std::move(r));
+  }
+  Request irecv(DPtr buf, int64_t n, int peer, int tag) override {
+    auto r = std::make_unique<MpiRequest>();
+    MPI_CHECK(MPI_Irecv(buf.p, count_of(n), mpi_type(buf.dtype), peer, tag, comm_, &r->req));
+    return Request(std::move(r));
+  }
+  void barrier() override {
+    if (size_ > 1) MPI_CHECK(MPI_Barrier(comm_));
+  }
+
+ private:
+  static Request local_copy(DPtr dst, DPtr src, int64_t n) {
+    if (dst.p != src.p) std::memmove(dst.p, src.p, n * dtype_size(src.dtype));
+    return {};
+  }
+
+  MPI_Comm comm_;
+  bool owned_;
+  int rank_ = 0, size_ = 1;
+};
+
+class MpiWorld final : public World {
+ public:
+  MpiWorld(int* argc, char*** argv) {
+    int initialized = 0;
+    MPI_CHECK(MPI_Initialized(&initialized));
+    if (!initialized) {
+      int provided = 0;
+      // Collectives are issued from the training thread only; the loader thread never calls MPI.
+      MPI_CHECK(MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided));
+      owns_mpi_ = true;
+    }
+    world_ = std::make_unique<MpiCommunicator>(MPI_COMM_WORLD, false);
+    MPI_Comm node;
+    MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, world_->rank(),
+                                  MPI_INFO_NULL, &node));
+    MPI_CHECK(MPI_Comm_rank(node, &local_rank_));
+    MPI_CHECK(MPI_Comm_size(node, &local_size_));
+    MPI_Comm_free(&node);
+    char name[MPI_MAX_PROCESSOR_NAME];
+    int len = 0;
+    MPI_CHECK(MPI_Get_processor_name(name, &len));
+    host_.assign(name, len);
+  }
+  ~MpiWorld() override {
+    world_.reset();
+    if (owns_mpi_) MPI_Finalize();
+  }
+  int rank() const override { return world_->rank(); }
+  int size() const override { return world_->size(); }
+  const std::string& host() const override { return host_; }
+  int local_rank() const override { return local_rank_; }
+  int local_size() const override { return local_size_; }
+  Communicator& comm() override { return *world_; }
+
+  std::unique_ptr<Communicator> group(const std::vector<int>& members) override {
+    int index = -1;
+    for (size_t i = 0; i < members.size(); i++)
+      if (members[i] == rank()) index = int(i);
+    if (index < 0)
+      throw std::invalid_argument("group() must be given a group containing this rank");
+    MPI_Comm comm;
+    // The group's first member names it; the position in `members` orders it.
+    MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, members.front(), index, &comm));
+    return std::make_unique<MpiCommunicator>(comm, true);
+  }
+
+ private:
+  std::unique_ptr<MpiCommunicator> world_;
+  bool owns_mpi_ = false;
+  std::string host_;
+  int local_rank_ = 0, local_size_ = 1;
+};
+
+}  // namespace
+
+std::unique_ptr<World> make_mpi_world(int* argc, char*** argv) {
+  return std::make_unique<MpiWorld>(argc, argv);
+}
+
+}  // namespace trainer

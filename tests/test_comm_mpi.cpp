@@ -1,0 +1,125 @@
+// The MPI communicator under a real `mpirun -np 4` (see tests/CMakeLists.txt): every rank runs
+// every test, and a failure on any rank fails the job.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "comm/communicator.h"
+#include "comm/parallel_dims.h"
+
+namespace trainer {
+namespace {
+
+World* g_world = nullptr;  // the process's MPI world, owned by main()
+
+DPtr ptr(std::vector<float>& v) {
+  return {reinterpret_cast<std::byte*>(v.data()), DType::f32};
+}
+DPtr ptr(std::vector<double>& v) {
+  return {reinterpret_cast<std::byte*>(v.data()), DType::f64};
+}
+
+TEST(Mpi, WorldAndNode) {
+  World& w = *g_world;
+  EXPECT_EQ(w.size(), 4) << "run under mpirun -np 4";
+  EXPECT_EQ(w.local_size(), 4);  // one machine
+  EXPECT_EQ(w.local_rank(), w.rank());
+  EXPECT_FALSE(w.host().empty());
+}
+
+TEST(Mpi, AllReduceSumAndMax) {
+  Communicator& c = g_world->comm();
+  const int r = c.rank();
+  std::vector<float> f = {float(r), 1.0f, float(-r)};
+  c.all_reduce(ptr(f), 3, ReduceOp::sum);
+  EXPECT_EQ(f, (std::vector<float>{6, 4, -6}));
+  std::vector<double> d = {double(r) * 0.5, double(-r)};
+  c.all_reduce(ptr(d), 2, ReduceOp::max);
+  EXPECT_EQ(d, (std::vector<double>{1.5, 0.0}));
+}
+
+TEST(Mpi, ReduceScatterAllGatherBroadcast) {
+  Communicator& c = g_world->comm();
+  const int r = c.rank(), n = c.size();
+  std::vector<float> send(2 * n), part(2);
+  for (int i = 0; i < 2 * n; i++) send[i] = float(i * (r + 1));
+  c.reduce_scatter(ptr(send), ptr(part), 2);
+  const float ranks_sum = float(n * (n + 1) / 2);  // sum over ranks of (r + 1)
+  EXPECT_EQ(part, (std::vector<float>{2 * r * ranks_sum, (2 * r + 1) * ranks_sum}));
+
+  std::vector<float> mine = {float(r), float(10 * r)}, all(2 * n);
+  c.all_gather(ptr(mine), ptr(all), 2);
+  for (int i = 0; i < n; i++) {
+    EXPECT_EQ(all[2 * i], float(i));
+    EXPECT_EQ(all[2 * i + 1], float(10 * i));
+  }
+  std::vector<double> b = {r == 2 ? 3.25 : 0.0};
+  c.broadcast(ptr(b), 1, 2);
+  EXPECT_EQ(b[0], 3.25);
+}
+
+TEST(Mpi, SendRecvRing) {
+  Communicator& c = g_world->comm();
+  const int r = c.rank(), n = c.size();
+  std::vector<float> out = {float(r)}, in = {-1};
+  Request rx = c.irecv(ptr(in), 1, (r + n - 1) % n, 7);
+  Request tx = c.isend(ptr(out), 1, (r + 1) % n, 7);
+  rx.wait();
+  tx.wait();
+  EXPECT_EQ(in[0], float((r + n - 1) % n));
+}
+
+TEST(Mpi, GroupsFromTheLayout) {
+  GPTConfig m;
+  m.n_head = 4;
+  const auto dims = ParallelDims::make(4, 0, 2, 1, "tp-pp-dp", m);  // dp2 x tp2
+  World& w = *g_world;
+  auto tp = w.group(dims.group(Axis::tp, w.rank()));
+  auto dp = w.group(dims.group(Axis::dp, w.rank()));
+  auto pp = w.group(dims.group(Axis::pp, w.rank()));
+  EXPECT_EQ(tp->size(), 2);
+  EXPECT_EQ(tp->rank(), dims.coords(w.rank()).tp);
+  EXPECT_EQ(dp->rank(), dims.coords(w.rank()).dp);
+  EXPECT_EQ(pp->size(), 1);
+  std::vector<float> v = {float(w.rank())};
+  tp->all_reduce(ptr(v), 1, ReduceOp::sum);
+  // tp pairs are (0 1) and (2 3).
+  EXPECT_EQ(v[0], w.rank() < 2 ? 1.0f : 5.0f);
+  v = {float(w.rank())};
+  dp->all_reduce(ptr(v), 1, ReduceOp::sum);
+  EXPECT_EQ(v[0], w.rank() % 2 == 0 ? 2.0f : 4.0f);  // dp pairs (0 2) and (1 3)
+  // A group of one: collectives are local.
+  std::vector<float> send = {1, 2}, recv = {0, 0};
+  pp->all_reduce(ptr(send), 2, ReduceOp::sum);
+  pp->all_gather(ptr(send), ptr(recv), 2);
+  EXPECT_EQ(recv, send);
+}
+
+TEST(Mpi, NonBlockingAllReduceCompletesWhileWorking) {
+  Communicator& c = g_world->comm();
+  std::vector<float> big(1 << 20, 1.0f);
+  Request req = c.iall_reduce(ptr(big), int64_t(big.size()), ReduceOp::sum);
+  double work = 0;
+  for (int i = 0; i < 1000; i++) {
+    work += std::sqrt(double(i));
+    req.test();  // drive progress between chunks of work, as backward will
+  }
+  req.wait();
+  EXPECT_GT(work, 0);
+  EXPECT_EQ(big.front(), 4.0f);
+  EXPECT_EQ(big.back(), 4.0f);
+}
+
+}  // namespace
+}  // namespace trainer
+
+int main(int argc, char** argv) {
+  auto world = trainer::make_mpi_world(&argc, &argv);
+  trainer::g_world = world.get();
+  ::testing::InitGoogleTest(&argc, argv);
+  if (world->rank() != 0) {  // one rank prints; every rank's result counts
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+  }
+  return RUN_ALL_TESTS();  // mpirun exits non-zero when any rank does
+}
