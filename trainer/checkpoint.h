@@ -17,7 +17,6 @@
 
 namespace trainer {
 
-
 constexpr int64_t kCheckpointFormatVersion = 1;
 
 struct TrainState {

@@ -27,10 +27,16 @@ inline float fast_exp(float x) {
   const float two_n = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
   return er * two_n;
 }
-inline double fast_exp(double x) { return std::exp(x); }
+inline double fast_exp(double x) {
+  return std::exp(x);
+}
 
 // tanh(u) = 1 - 2 / (exp(2u) + 1): saturates correctly at both ends.
-inline float fast_tanh(float u) { return 1.0f - 2.0f / (fast_exp(2.0f * u) + 1.0f); }
-inline double fast_tanh(double u) { return std::tanh(u); }
+inline float fast_tanh(float u) {
+  return 1.0f - 2.0f / (fast_exp(2.0f * u) + 1.0f);
+}
+inline double fast_tanh(double u) {
+  return std::tanh(u);
+}
 
 }  // namespace trainer::cpu
