@@ -285,6 +285,11 @@ Config parse_config(const std::string& text, const std::string& origin,
     r.field("sample_top_k", t.sample_top_k, at_least(0));
     r.field("checkpoint_every", t.checkpoint_every, at_least(0));
     r.finish();
+    for (unsigned char byte : t.sample_prompt)  // the byte-level tokenizer's ids
+      if (byte >= c.model.vocab_size)
+        throw ConfigError(fmt::format(
+            "{}: [train] sample_prompt: byte {} is outside the vocabulary (vocab_size = {})",
+            r.origin("sample_prompt"), byte, c.model.vocab_size));
   }
   {
     SectionReader r(root, "optim", origin, origins);

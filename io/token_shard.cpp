@@ -88,6 +88,9 @@ TokenShard::TokenShard(const std::string& path, int vocab_size) : path_(path) {
         kLlmcMagic, map_bytes_, bytes[0], map_bytes_ > 1 ? bytes[1] : 0,
         map_bytes_ > 2 ? bytes[2] : 0, map_bytes_ > 3 ? bytes[3] : 0));
   }
+  if (declared > map_bytes_)  // keeps the product below from overflowing
+    fail(fmt::format("{} header declares {} tokens, more than a file of {} bytes can hold", format_,
+                     declared, map_bytes_));
   const uint64_t expected = header + declared * width_;
   if (map_bytes_ != expected)
     fail(fmt::format("{} file of {} tokens should be {} bytes, found {} ({})", format_, declared,

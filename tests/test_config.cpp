@@ -80,6 +80,12 @@ TEST(Config, CrossFieldChecksNameTheKeys) {
             "run.toml:3:10: [optim] min_lr: min_lr = 0.001 must not exceed lr = 0.0001");
 }
 
+TEST(Config, SamplePromptMustFitTheVocabulary) {
+  EXPECT_EQ(error_of("[model]\nvocab_size = 65\n[train]\nsample_prompt = \"\u00e9\"\n"),
+            "run.toml:4:17: [train] sample_prompt: byte 195 is outside the vocabulary "
+            "(vocab_size = 65)");
+}
+
 TEST(Config, InvalidToml) {
   EXPECT_TRUE(error_of("[model\nn_layer = 2\n").starts_with("run.toml:1:7: invalid TOML: "))
       << error_of("[model\nn_layer = 2\n");

@@ -114,6 +114,19 @@ TEST_F(DataTest, BadVersionAndWidth) {
   EXPECT_EQ(error_of("v.bin"), path("v.bin") + ": offset 8: expected version 1, found 7");
 }
 
+TEST_F(DataTest, AbsurdTokenCountIsAnErrorNotACrash) {
+  write_token_shard(path("huge.bin"), ramp(10, 256), 65536 * 2);  // 4 bytes per token
+  std::fstream f(path("huge.bin"), std::ios::in | std::ios::out | std::ios::binary);
+  const uint64_t count = (uint64_t(1) << 62) + 10;  // 64 + 4 * count wraps to the real size
+  f.seekp(16);
+  f.write(reinterpret_cast<const char*>(&count), 8);
+  f.close();
+  EXPECT_EQ(error_of("huge.bin", 256),
+            path("huge.bin") +
+                ": trainer header declares 4611686018427387914 tokens, more than a file of 104 "
+                "bytes can hold");
+}
+
 TEST_F(DataTest, TokenOutsideVocabulary) {
   auto tokens = ramp(50, 256);
   tokens[17] = 300;

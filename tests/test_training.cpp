@@ -169,8 +169,9 @@ TEST(Sampler, DeterministicForASeed) {
   auto a = sample_tokens(model, 8, {1, 2, 3}, o), b = sample_tokens(model, 8, {1, 2, 3}, o);
   EXPECT_EQ(a, b);
   EXPECT_EQ(a.size(), 20u);
-  for (int32_t t : a) EXPECT_LT(t, 30);  // never a padded id
-  o.top_k = 1;                           // greedy: always the arg max
+  for (int32_t t : a) EXPECT_LT(t, 30);                            // never a padded id
+  EXPECT_THROW(sample_tokens(model, 8, {1, 30}, o), ConfigError);  // id 30 >= vocab 30
+  o.top_k = 1;                                                     // greedy: always the arg max
   auto g = sample_tokens(model, 8, {1, 2, 3}, o);
   o.seed = 10;
   EXPECT_EQ(g, sample_tokens(model, 8, {1, 2, 3}, o));

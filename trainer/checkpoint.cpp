@@ -1,37 +1,17 @@
 #include "trainer/checkpoint.h"
 
-#include <fcntl.h>
 #include <fmt/format.h>
-#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
 
+#include "io/atomic_file.h"
 #include "io/hdf5_file.h"
 
 namespace fs = std::filesystem;
 
 namespace trainer {
 namespace {
-
-void fsync_path(const fs::path& p) {
-  int fd = ::open(p.c_str(), O_RDONLY);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
-}
-
-void write_text_atomic(const fs::path& path, const std::string& text) {
-  const fs::path tmp = path.string() + ".tmp";
-  {
-    std::ofstream out(tmp);
-    out << text;
-    if (!out) throw CheckpointError(fmt::format("{}: cannot write", tmp.string()));
-  }
-  fsync_path(tmp);
-  fs::rename(tmp, path);
-}
 
 struct ModelDims {
   const char* name;
@@ -70,13 +50,12 @@ std::string save_checkpoint(const std::string& out_dir, const Config& cfg, const
     }
     f.flush();
   }
-  { std::ofstream(tmp_dir / "config.toml") << config_text; }
-  fsync_path(tmp_dir / "state.h5");
-  fsync_path(tmp_dir / "config.toml");
+  write_file_atomic((tmp_dir / "config.toml").string(), config_text);
+  fsync_path((tmp_dir / "state.h5").string());
   fs::remove_all(final_dir);
   fs::rename(tmp_dir, final_dir);
-  fsync_path(root);
-  write_text_atomic(root / "latest", name + "\n");
+  fsync_path(root.string());
+  write_file_atomic((root / "latest").string(), name + "\n");
   return final_dir.string();
 }
 

@@ -104,6 +104,14 @@ int main(int argc, char** argv) {
   } catch (const std::filesystem::filesystem_error& e) {
     fmt::print(stderr, "trainer: file error: {}\n", e.what());
     return kExitBadInput;
+  } catch (const std::bad_alloc&) {
+    fmt::print(stderr,
+               "trainer: out of memory: the model, batch and optimizer state do not fit "
+               "(reduce train.micro_batch, model.seq_len or the model size)\n");
+    return kExitBadInput;
+  } catch (const std::exception& e) {  // a bug, not bad input: still one line, no abort
+    fmt::print(stderr, "trainer: internal error: {}\n", e.what());
+    return 1;
   }
   return 0;
 }

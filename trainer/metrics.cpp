@@ -2,12 +2,12 @@
 
 #include <fmt/format.h>
 
-#include <stdexcept>
+#include "io/errors.h"
 
 namespace trainer {
 
 MetricsLog::MetricsLog(const std::string& path) : out_(path, std::ios::trunc) {
-  if (!out_) throw std::runtime_error(path + ": cannot write metrics");
+  if (!out_) throw ConfigError(path + ": cannot write metrics (check [run] out_dir)");
 }
 
 void MetricsLog::step(const StepStats& s, bool print) {

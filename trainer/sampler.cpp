@@ -1,9 +1,13 @@
 #include "trainer/sampler.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <random>
 #include <stdexcept>
+
+#include "io/errors.h"
 
 namespace trainer {
 
@@ -11,6 +15,11 @@ std::vector<int32_t> sample_tokens(GPT& model, int max_T, std::vector<int32_t> p
                                    const SampleOptions& opts) {
   const int V = model.config().vocab_size, Vp = model.config().padded_vocab();
   if (model.dtype() != DType::f32) throw std::invalid_argument("sampling needs an f32 model");
+  for (size_t i = 0; i < prompt.size(); i++)
+    if (prompt[i] < 0 || prompt[i] >= V)
+      throw ConfigError(fmt::format(
+          "prompt: byte {} at position {} is outside the model's vocabulary (vocab_size = {})",
+          prompt[i], i, V));
   if (prompt.empty()) prompt.push_back(0);
   std::mt19937_64 rng(opts.seed);
   std::vector<float> logits(Vp);

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "io/atomic_file.h"
 #include "io/dataset.h"
 #include "io/tokenizer.h"
 #include "model/gpt.h"
@@ -118,7 +119,7 @@ int train(const Config& cfg) {
 
   namespace fs = std::filesystem;
   fs::create_directories(cfg.run.out_dir);
-  { std::ofstream(fs::path(cfg.run.out_dir) / "config.toml") << config_to_toml(cfg); }
+  write_file_atomic((fs::path(cfg.run.out_dir) / "config.toml").string(), config_to_toml(cfg));
   MetricsLog log((fs::path(cfg.run.out_dir) / "metrics.jsonl").string());
 
   const int64_t params = run.model.table().total;
