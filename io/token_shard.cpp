@@ -10,6 +10,8 @@
 #include <cstdio>
 #include <cstring>
 
+#include "io/atomic_file.h"
+
 namespace trainer {
 namespace {
 
@@ -144,22 +146,19 @@ void write_token_shard(const std::string& path, const std::vector<int32_t>& toke
   h.token_bytes = vocab_size <= 65536 ? 2 : 4;
   h.count = tokens.size();
   h.vocab_size = uint32_t(vocab_size);
-  const std::string tmp = path + ".tmp";
-  FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (!f) throw DataError(fmt::format("{}: cannot write: {}", tmp, strerror(errno)));
-  bool ok = std::fwrite(&h, sizeof h, 1, f) == 1;
-  if (h.token_bytes == 2) {
-    std::vector<uint16_t> narrow(tokens.begin(), tokens.end());
-    ok = ok && std::fwrite(narrow.data(), 2, narrow.size(), f) == narrow.size();
-  } else {
-    ok = ok && std::fwrite(tokens.data(), 4, tokens.size(), f) == tokens.size();
+  // The whole shard in memory, then one atomic write: prepare's inputs are text files.
+  std::string bytes(sizeof h + tokens.size() * h.token_bytes, '\0');
+  std::memcpy(bytes.data(), &h, sizeof h);
+  char* out = bytes.data() + sizeof h;
+  for (size_t i = 0; i < tokens.size(); i++) {
+    if (h.token_bytes == 2) {
+      const uint16_t t = uint16_t(tokens[i]);
+      std::memcpy(out + 2 * i, &t, 2);
+    } else {
+      std::memcpy(out + 4 * i, &tokens[i], 4);
+    }
   }
-  ok = (std::fflush(f) == 0) && ok && fsync(fileno(f)) == 0;
-  ok = (std::fclose(f) == 0) && ok;
-  if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
-    std::remove(tmp.c_str());
-    throw DataError(fmt::format("{}: write failed: {}", path, strerror(errno)));
-  }
+  write_file_atomic(path, bytes);
 }
 
 }  // namespace trainer
