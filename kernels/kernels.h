@@ -14,6 +14,15 @@
 
 namespace trainer {
 
+// The vocabulary rows (embedding) or columns (logits) one rank holds: token ids
+// [start, start + width), of which the first `valid` are real tokens and the rest padding. One
+// rank holding everything is {0, V, Vp}; with vocab-parallel tensor parallelism each of tp ranks
+// holds Vp / tp.
+struct VocabSlice {
+  int start = 0, valid = 0, width = 0;
+  bool holds(int32_t token) const { return token >= start && token < start + valid; }
+};
+
 struct AdamWArgs {
   float lr, beta1, beta2, eps, weight_decay;
   int64_t step;      // 1-based, for bias correction
@@ -33,11 +42,13 @@ class Kernels {
   virtual void copy_from_host(DPtr dst, const void* src, int64_t elems) = 0;
 
   // --- encoder: out(B,T,C) = wte[tokens] + wpe[t] -------------------------------------------
+  // wte holds the rows of `vocab`; tokens outside it contribute zero (vocab-parallel: the
+  // partial embeddings are summed across ranks). wpe may be null (added on one rank only).
   virtual void encoder_forward(DPtr out, const int32_t* tokens, DPtr wte, DPtr wpe, int B, int T,
-                               int C) = 0;
-  // dwte += , dwpe +=
+                               int C, VocabSlice vocab) = 0;
+  // dwte += (rows of `vocab` only), dwpe += (skipped when null)
   virtual void encoder_backward(DPtr dwte, DPtr dwpe, DPtr dout, const int32_t* tokens, int B,
-                                int T, int C) = 0;
+                                int T, int C, VocabSlice vocab) = 0;
 
   // --- layernorm over the last dim: out(N,C), mean(N), rstd(N) ------------------------------
   virtual void layernorm_forward(DPtr out, DPtr mean, DPtr rstd, DPtr inp, DPtr weight, DPtr bias,
@@ -66,14 +77,24 @@ class Kernels {
   // --- residual: out = a + b ------------------------------------------------------------------
   virtual void residual_forward(DPtr out, DPtr a, DPtr b, int64_t n) = 0;
 
-  // --- fused softmax + cross-entropy over the padded vocab ------------------------------------
-  // logits(N,Vp) are replaced by probabilities (columns >= V are 0); losses(N) =
-  // -log p[target]. Returns the mean loss over the N rows, accumulated in double.
-  virtual double softmax_crossentropy_forward(DPtr losses, DPtr logits, const int32_t* targets,
-                                              int64_t N, int V, int Vp) = 0;
-  // probs(N,Vp) are replaced by dlogits = (probs - onehot(target)) * dloss
-  virtual void softmax_crossentropy_backward(DPtr probs, const int32_t* targets, float dloss,
-                                             int64_t N, int V, int Vp) = 0;
+  // --- softmax + cross-entropy over a slice of the vocabulary, in three phases ---------------
+  // logits(N, width) hold this rank's columns. Between the phases the caller combines the
+  // per-row statistics across the ranks that share the vocabulary (max, then sum), so the full
+  // logits are never gathered; on one rank there is nothing to combine.
+  // 1. rowmax(N) = max over the slice's real columns (lowest float when it has none).
+  virtual void crossentropy_max(DPtr rowmax, DPtr logits, int64_t N, VocabSlice vocab) = 0;
+  // 2. With the global rowmax: logits become exp(logit - rowmax) (padding columns 0);
+  //    sumexp(N) = their row sums; target_logit(N) = the target's logit if this slice holds it,
+  //    else 0.
+  virtual void crossentropy_sumexp(DPtr sumexp, DPtr target_logit, DPtr logits, DPtr rowmax,
+                                   const int32_t* targets, int64_t N, VocabSlice vocab) = 0;
+  // 3. With the global sums: logits become probabilities, losses(N) = log(sumexp) + rowmax -
+  //    target_logit. Returns the mean loss over the N rows, accumulated in double.
+  virtual double crossentropy_finish(DPtr losses, DPtr probs, DPtr rowmax, DPtr sumexp,
+                                     DPtr target_logit, int64_t N, VocabSlice vocab) = 0;
+  // probs(N, width) are replaced by dlogits = (probs - onehot(target)) * dloss
+  virtual void crossentropy_backward(DPtr probs, const int32_t* targets, float dloss, int64_t N,
+                                     VocabSlice vocab) = 0;
 
   // --- optimizer -----------------------------------------------------------------------------
   // Sum of squares of x in double, in a fixed reduction order (deterministic).

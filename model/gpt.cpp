@@ -12,32 +12,53 @@ static int64_t round16(int64_t elems) {
   return (elems + 15) / 16 * 16;
 }  // 64-byte aligned f32
 
-// Views of one block's saved activations (shapes for the planned max_B x max_T).
+// Views of one block's saved activations (shapes for the planned max_B x max_T; Cl and NHl are
+// this rank's slices of C and NH).
 struct GPT::LayerActs {
   DPtr ln1, ln1_mean, ln1_rstd;  // (B,T,C), (B,T), (B,T)
-  DPtr qkv;                      // (B,T,3C)
-  DPtr att;                      // (B,NH,T,T) softmax
-  DPtr atty;                     // (B,T,C) attention output before the projection
+  DPtr qkv;                      // (B,T,3Cl)
+  DPtr att;                      // (B,NHl,T,T) softmax
+  DPtr atty;                     // (B,T,Cl) attention output before the projection
   DPtr res2;                     // (B,T,C) residual after attention
   DPtr ln2, ln2_mean, ln2_rstd;
-  DPtr fch, fch_gelu;  // (B,T,4C)
+  DPtr fch, fch_gelu;  // (B,T,4Cl)
   DPtr res3;           // (B,T,C) residual after the MLP: the block's output
 };
 
-GPT::GPT(const GPTConfig& cfg, Kernels& kernels, DType dtype, int max_B, int max_T)
+// One micro-batch's activations outside the blocks.
+struct GPT::SlotActs {
+  DPtr encoded;  // (B,T,C): the embedding, or the input received from the previous stage
+  DPtr lnf, lnf_mean, lnf_rstd, logits, losses;
+  DPtr rowmax, sumexp, target_logit;  // (B,T) each: the loss's per-row statistics
+};
+
+GPT::GPT(const GPTConfig& cfg, Kernels& kernels, DType dtype, int max_B, int max_T,
+         const GPTOptions& o)
     : cfg_(cfg),
       k_(kernels),
       dtype_(dtype),
-      table_(gpt2_param_table(cfg)),
+      shard_(o.shard ? *o.shard : ModelShard::whole(cfg)),
+      tp_(o.tp),
+      slots_(o.slots),
+      table_(gpt2_param_table(cfg, shard_, o.total_multiple)),
       max_B_(max_B),
       max_T_(max_T) {
   if (max_T > cfg.seq_len) throw std::invalid_argument("max_T exceeds seq_len");
+  if ((tp_ ? tp_->size() : 1) != shard_.tp_size)
+    throw std::invalid_argument("the tp communicator does not match the shard");
+  const int tp = shard_.tp_size, Vp = cfg.padded_vocab();
+  if (cfg.n_head % tp || Vp % tp) throw std::invalid_argument("tp must divide n_head and Vp");
+  C_local_ = cfg.d_model / tp;
+  NH_local_ = cfg.n_head / tp;
+  const int width = Vp / tp, start = shard_.tp_rank * width;
+  vocab_ = {start, std::clamp(cfg.vocab_size - start, 0, width), width};
+
+  wte_ = table_.find("wte.weight");
+  wpe_ = table_.find("wpe.weight");
+  lnf_w_ = table_.find("ln_f.weight");
+  lnf_b_ = table_.find("ln_f.bias");
   auto at = [&](const std::string& name) { return &table_.at(name); };
-  wte_ = at("wte.weight");
-  wpe_ = at("wpe.weight");
-  lnf_w_ = at("ln_f.weight");
-  lnf_b_ = at("ln_f.bias");
-  for (int l = 0; l < cfg.n_layer; l++) {
+  for (int l = shard_.first_layer; l < shard_.end_layer; l++) {
     const std::string h = "h." + std::to_string(l) + ".";
     blocks_.push_back({at(h + "ln1.weight"), at(h + "ln1.bias"), at(h + "attn.qkv.weight"),
                        at(h + "attn.qkv.bias"), at(h + "attn.proj.weight"),
@@ -48,33 +69,39 @@ GPT::GPT(const GPTConfig& cfg, Kernels& kernels, DType dtype, int max_B, int max
   params_ = k_.alloc(table_.total, dtype);
   grads_ = k_.alloc(table_.total, dtype);
 
-  const int64_t BT = int64_t(max_B) * max_T, C = cfg.d_model, NH = cfg.n_head;
-  const int64_t att = int64_t(max_B) * NH * max_T * max_T;
+  const int64_t BT = int64_t(max_B) * max_T, C = cfg.d_model, Cl = C_local_;
+  const int64_t att = int64_t(max_B) * NH_local_ * max_T * max_T;
+  const bool last = shard_.last_stage();
   int64_t cursor = 0;
   auto take = [&](int64_t elems) {
     int64_t at = cursor;
     cursor += round16(elems);
     return at;
   };
+  // Per slot: offsets relative to the slot's start.
   off_.encoded = take(BT * C);
   off_.layer_stride = 0;
   for (int64_t elems : layer_sizes()) off_.layer_stride += round16(elems);
-  off_.layers = take(off_.layer_stride * cfg.n_layer);
-  off_.lnf = take(BT * C);
-  off_.lnf_mean = take(BT);
-  off_.lnf_rstd = take(BT);
-  off_.logits = take(BT * cfg.padded_vocab());
-  off_.losses = take(BT);
+  off_.layers = take(off_.layer_stride * int64_t(blocks_.size()));
+  off_.lnf = take(last ? BT * C : 0);
+  off_.lnf_mean = take(last ? BT : 0);
+  off_.lnf_rstd = take(last ? BT : 0);
+  off_.logits = take(last ? BT * width : 0);
+  off_.losses = take(last ? BT : 0);
+  off_.ce_stats = take(last ? 3 * BT : 0);
+  off_.slot_stride = cursor;
+  cursor = off_.slot_stride * slots_;
+  // Backward scratch, shared by the slots.
   off_.d_res = take(BT * C);
   off_.d_ln = take(BT * C);
-  off_.d_qkv = take(BT * 3 * C);
+  off_.d_qkv = take(BT * 3 * Cl);
   off_.d_att = take(att);
-  off_.d_atty = take(BT * C);
-  off_.d_fch = take(BT * 4 * C);
-  acts_elems_ = cursor;
-  acts_ = k_.alloc(acts_elems_, dtype);
-  tokens_.resize(BT);
-  targets_.resize(BT);
+  off_.d_atty = take(BT * Cl);
+  off_.d_fch = take(BT * 4 * Cl);
+  acts_ = k_.alloc(cursor, dtype);
+  have_probs_.assign(slots_, 0);
+  tokens_.assign(slots_, std::vector<int32_t>(BT));
+  targets_.assign(slots_, std::vector<int32_t>(BT));
 }
 
 GPT::~GPT() {
@@ -85,14 +112,15 @@ GPT::~GPT() {
 
 // Sizes of LayerActs' fields, in declaration order.
 std::array<int64_t, 13> GPT::layer_sizes() const {
-  const int64_t BT = int64_t(max_B_) * max_T_, C = cfg_.d_model;
-  const int64_t att = int64_t(max_B_) * cfg_.n_head * max_T_ * max_T_;
-  return {BT * C, BT, BT, BT * 3 * C, att,        BT * C, BT * C,
-          BT * C, BT, BT, BT * 4 * C, BT * 4 * C, BT * C};
+  const int64_t BT = int64_t(max_B_) * max_T_, C = cfg_.d_model, Cl = C_local_;
+  const int64_t att = int64_t(max_B_) * NH_local_ * max_T_ * max_T_;
+  return {BT * C, BT, BT, BT * 3 * Cl, att,         BT * Cl, BT * C,
+          BT * C, BT, BT, BT * 4 * Cl, BT * 4 * Cl, BT * C};
 }
 
-GPT::LayerActs GPT::layer(int l) const {
-  int64_t cursor = off_.layers + l * off_.layer_stride;
+GPT::LayerActs GPT::layer(int slot, int l) const {
+  int64_t cursor =
+      slot * off_.slot_stride + off_.layers + (l - shard_.first_layer) * off_.layer_stride;
   std::array<DPtr, 13> views;
   auto sizes = layer_sizes();
   for (size_t i = 0; i < sizes.size(); i++) {
@@ -105,16 +133,32 @@ GPT::LayerActs GPT::layer(int l) const {
           ln2, ln2_mean, ln2_rstd, fch, fch_gelu, res3};
 }
 
+GPT::SlotActs GPT::slot_acts(int slot) const {
+  if (slot < 0 || slot >= slots_) throw std::out_of_range("activation slot out of range");
+  DPtr base = acts_ + slot * off_.slot_stride;
+  const int64_t BT = int64_t(max_B_) * max_T_;
+  DPtr stats = base + off_.ce_stats;
+  return {base + off_.encoded,
+          base + off_.lnf,
+          base + off_.lnf_mean,
+          base + off_.lnf_rstd,
+          base + off_.logits,
+          base + off_.losses,
+          stats,
+          stats + BT,
+          stats + 2 * BT};
+}
+
 void GPT::init_parameters(uint64_t seed) {
   for (const auto& p : table_.params) {
-    std::vector<double> values(p.logical_numel());
+    std::vector<double> values(p.local_numel());
     const uint64_t stream = hash_name(p.name);
     if (p.kind == ParamKind::norm) {
       std::fill(values.begin(), values.end(), 1.0);
     } else if (p.kind != ParamKind::bias) {
 #pragma omp parallel for schedule(static)
       for (int64_t i = 0; i < int64_t(values.size()); i++)
-        values[i] = p.init_std * normal_at(seed, stream, i);
+        values[i] = p.init_std * normal_at(seed, stream, p.logical_index(i));
     }
     write(p, params_, values);
   }
@@ -122,7 +166,7 @@ void GPT::init_parameters(uint64_t seed) {
 
 template <class H>
 std::vector<H> GPT::read(const ParamInfo& p, DPtr buffer) const {
-  const int64_t n = p.logical_numel();
+  const int64_t n = p.local_numel();
   std::vector<H> out(n);
   if (buffer.dtype == dtype_of<H>()) {
     k_.copy_to_host(out.data(), buffer + p.offset, n);
@@ -140,7 +184,7 @@ std::vector<H> GPT::read(const ParamInfo& p, DPtr buffer) const {
 
 template <class H>
 void GPT::write(const ParamInfo& p, DPtr buffer, const std::vector<H>& values) {
-  const int64_t n = p.logical_numel();
+  const int64_t n = p.local_numel();
   if (int64_t(values.size()) != n) throw std::invalid_argument("size mismatch for " + p.name);
   if (buffer.dtype == dtype_of<H>()) {
     k_.copy_from_host(buffer + p.offset, values.data(), n);
@@ -158,94 +202,139 @@ template std::vector<double> GPT::read<double>(const ParamInfo&, DPtr) const;
 template void GPT::write<float>(const ParamInfo&, DPtr, const std::vector<float>&);
 template void GPT::write<double>(const ParamInfo&, DPtr, const std::vector<double>&);
 
-DPtr GPT::logits() const {
-  return acts_ + off_.logits;
+DPtr GPT::input(int slot) const {
+  return slot_acts(slot).encoded;
 }
-DPtr GPT::losses() const {
-  return acts_ + off_.losses;
+DPtr GPT::output(int slot) const {
+  return layer(slot, shard_.end_layer - 1).res3;
+}
+DPtr GPT::grad_io() const {
+  return acts_ + off_.d_res;
+}
+DPtr GPT::logits(int slot) const {
+  return slot_acts(slot).logits;
+}
+DPtr GPT::losses(int slot) const {
+  return slot_acts(slot).losses;
 }
 
 void GPT::zero_grad() {
   k_.zero(grads_, table_.total);
 }
 
-double GPT::forward(const int32_t* tokens, const int32_t* targets, int B, int T) {
+void GPT::tp_sum(DPtr buf, int64_t n) {
+  if (tp_ && tp_->size() > 1) tp_->all_reduce(buf, n, ReduceOp::sum);
+}
+
+// Vocab-parallel softmax + cross-entropy: only the per-row max, exp-sum and target logit cross
+// the tensor-parallel group, never the logits.
+double GPT::cross_entropy(int slot, int64_t BT) {
+  const SlotActs s = slot_acts(slot);
+  const int32_t* targets = targets_[slot].data();
+  k_.crossentropy_max(s.rowmax, s.logits, BT, vocab_);
+  const bool tp = tp_ && tp_->size() > 1;
+  if (tp) tp_->all_reduce(s.rowmax, BT, ReduceOp::max);
+  k_.crossentropy_sumexp(s.sumexp, s.target_logit, s.logits, s.rowmax, targets, BT, vocab_);
+  if (tp) tp_->all_reduce(s.sumexp, 2 * BT, ReduceOp::sum);  // sumexp and target_logit
+  return k_.crossentropy_finish(s.losses, s.logits, s.rowmax, s.sumexp, s.target_logit, BT, vocab_);
+}
+
+double GPT::forward(int slot, const int32_t* tokens, const int32_t* targets, int B, int T) {
   if (B > max_B_ || T > max_T_) throw std::invalid_argument("batch larger than planned");
   B_ = B;
   T_ = T;
   const int64_t BT = int64_t(B) * T;
-  const int C = cfg_.d_model, NH = cfg_.n_head, V = cfg_.vocab_size, Vp = cfg_.padded_vocab();
-  std::copy(tokens, tokens + BT, tokens_.begin());
+  const int C = cfg_.d_model, Cl = C_local_, NHl = NH_local_;
+  const SlotActs s = slot_acts(slot);
   auto P = [&](const ParamInfo* p) { return param(*p); };
+  // Row-parallel projections: partial sums are all-reduced; the bias is added once.
+  const bool bias_here = shard_.tp_rank == 0;
+  auto row_bias = [&](const ParamInfo* p) { return bias_here ? P(p) : DPtr{}; };
 
-  DPtr x = acts_ + off_.encoded;
-  k_.encoder_forward(x, tokens_.data(), P(wte_), P(wpe_), B, T, C);
-  for (int l = 0; l < cfg_.n_layer; l++) {
-    const BlockParams& w = blocks_[l];
-    LayerActs a = layer(l);
+  DPtr x = s.encoded;
+  if (shard_.first_stage()) {
+    std::copy(tokens, tokens + BT, tokens_[slot].begin());
+    k_.encoder_forward(x, tokens_[slot].data(), P(wte_), bias_here ? P(wpe_) : DPtr{}, B, T, C,
+                       vocab_);
+    tp_sum(x, BT * C);
+  }
+  for (int l = shard_.first_layer; l < shard_.end_layer; l++) {
+    const BlockParams& w = blocks_[l - shard_.first_layer];
+    LayerActs a = layer(slot, l);
     k_.layernorm_forward(a.ln1, a.ln1_mean, a.ln1_rstd, x, P(w.ln1_w), P(w.ln1_b), BT, C);
-    k_.matmul_forward(a.qkv, a.ln1, P(w.qkv_w), P(w.qkv_b), BT, C, 3 * C);
-    k_.attention_forward(a.atty, a.att, a.qkv, B, T, C, NH);
-    k_.matmul_forward(a.res2, a.atty, P(w.proj_w), P(w.proj_b), BT, C, C);
+    k_.matmul_forward(a.qkv, a.ln1, P(w.qkv_w), P(w.qkv_b), BT, C, 3 * Cl);
+    k_.attention_forward(a.atty, a.att, a.qkv, B, T, Cl, NHl);
+    k_.matmul_forward(a.res2, a.atty, P(w.proj_w), row_bias(w.proj_b), BT, Cl, C);
+    tp_sum(a.res2, BT * C);
     k_.residual_forward(a.res2, a.res2, x, BT * C);
     k_.layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, P(w.ln2_w), P(w.ln2_b), BT, C);
-    k_.matmul_forward(a.fch, a.ln2, P(w.fc_w), P(w.fc_b), BT, C, 4 * C);
-    k_.gelu_forward(a.fch_gelu, a.fch, BT * 4 * C);
-    k_.matmul_forward(a.res3, a.fch_gelu, P(w.fcproj_w), P(w.fcproj_b), BT, 4 * C, C);
+    k_.matmul_forward(a.fch, a.ln2, P(w.fc_w), P(w.fc_b), BT, C, 4 * Cl);
+    k_.gelu_forward(a.fch_gelu, a.fch, BT * 4 * Cl);
+    k_.matmul_forward(a.res3, a.fch_gelu, P(w.fcproj_w), row_bias(w.fcproj_b), BT, 4 * Cl, C);
+    tp_sum(a.res3, BT * C);
     k_.residual_forward(a.res3, a.res3, a.res2, BT * C);
     x = a.res3;
   }
-  DPtr lnf = acts_ + off_.lnf;
-  k_.layernorm_forward(lnf, acts_ + off_.lnf_mean, acts_ + off_.lnf_rstd, x, P(lnf_w_), P(lnf_b_),
-                       BT, C);
-  // LM head tied to the token embedding: logits(BT, Vp) = lnf @ wte^T.
-  k_.matmul_forward(logits(), lnf, P(wte_), DPtr{}, BT, C, Vp);
-  have_probs_ = targets != nullptr;
+  have_probs_[slot] = false;
+  if (!shard_.last_stage()) return 0.0;
+  k_.layernorm_forward(s.lnf, s.lnf_mean, s.lnf_rstd, x, P(lnf_w_), P(lnf_b_), BT, C);
+  // LM head tied to the token embedding: logits(BT, width) = lnf @ wte_slice^T.
+  k_.matmul_forward(s.logits, s.lnf, P(wte_), DPtr{}, BT, C, vocab_.width);
   if (!targets) return 0.0;
-  std::copy(targets, targets + BT, targets_.begin());
-  return k_.softmax_crossentropy_forward(losses(), logits(), targets_.data(), BT, V, Vp);
+  have_probs_[slot] = true;
+  std::copy(targets, targets + BT, targets_[slot].begin());
+  return cross_entropy(slot, BT);
 }
 
-void GPT::backward(float loss_scale) {
-  if (!have_probs_) throw std::logic_error("backward() needs a forward() with targets");
-  const int B = B_, T = T_, C = cfg_.d_model, NH = cfg_.n_head, Vp = cfg_.padded_vocab();
+void GPT::backward(int slot, float loss_scale) {
+  const int B = B_, T = T_, C = cfg_.d_model, Cl = C_local_, NHl = NH_local_;
   const int64_t BT = int64_t(B) * T;
+  const SlotActs s = slot_acts(slot);
   auto P = [&](const ParamInfo* p) { return param(*p); };
   auto G = [&](const ParamInfo* p) { return grad(*p); };
   DPtr d_res = acts_ + off_.d_res, d_ln = acts_ + off_.d_ln, d_qkv = acts_ + off_.d_qkv;
   DPtr d_att = acts_ + off_.d_att, d_atty = acts_ + off_.d_atty, d_fch = acts_ + off_.d_fch;
+  auto ready = [&](const ParamInfo* first) {
+    if (grads_ready_) grads_ready_(first->offset);
+  };
 
-  // The mean over B*T tokens: each token's loss has weight loss_scale / (B*T).
-  DPtr dlogits = logits();
-  k_.softmax_crossentropy_backward(dlogits, targets_.data(), loss_scale / float(BT), BT,
-                                   cfg_.vocab_size, Vp);
-  have_probs_ = false;  // the probabilities are now gradients
-  DPtr lnf = acts_ + off_.lnf;
-  k_.matmul_backward(d_ln, G(wte_), DPtr{}, dlogits, lnf, P(wte_), BT, C, Vp);
-  const int L = cfg_.n_layer;
-  DPtr x_last = L > 0 ? layer(L - 1).res3 : acts_ + off_.encoded;
-  k_.zero(d_res, BT * C);
-  k_.layernorm_backward(d_res, G(lnf_w_), G(lnf_b_), d_ln, x_last, P(lnf_w_), acts_ + off_.lnf_mean,
-                        acts_ + off_.lnf_rstd, BT, C);
-  for (int l = L - 1; l >= 0; l--) {
-    const BlockParams& w = blocks_[l];
-    LayerActs a = layer(l);
-    DPtr x = l == 0 ? acts_ + off_.encoded : layer(l - 1).res3;
+  const int first = shard_.first_layer, end = shard_.end_layer;
+  DPtr x_last = end > first ? layer(slot, end - 1).res3 : s.encoded;
+  if (shard_.last_stage()) {
+    if (!have_probs_[slot]) throw std::logic_error("backward() needs a forward() with targets");
+    have_probs_[slot] = false;  // the probabilities become gradients
+    // The mean over B*T tokens: each token's loss has weight loss_scale / (B*T).
+    k_.crossentropy_backward(s.logits, targets_[slot].data(), loss_scale / float(BT), BT, vocab_);
+    k_.matmul_backward(d_ln, G(wte_), DPtr{}, s.logits, s.lnf, P(wte_), BT, C, vocab_.width);
+    tp_sum(d_ln, BT * C);
+    k_.zero(d_res, BT * C);
+    k_.layernorm_backward(d_res, G(lnf_w_), G(lnf_b_), d_ln, x_last, P(lnf_w_), s.lnf_mean,
+                          s.lnf_rstd, BT, C);
+    ready(lnf_w_);
+  }  // else d_res holds the output's gradient, received from the next stage
+  for (int l = end - 1; l >= first; l--) {
+    const BlockParams& w = blocks_[l - first];
+    LayerActs a = layer(slot, l);
+    DPtr x = l == first ? s.encoded : layer(slot, l - 1).res3;
     // res3 = res2 + proj(gelu(fc(ln2(res2)))): d_res is the gradient w.r.t. res3 and res2.
     k_.matmul_backward(d_fch, G(w.fcproj_w), G(w.fcproj_b), d_res, a.fch_gelu, P(w.fcproj_w), BT,
-                       4 * C, C);
-    k_.gelu_backward(d_fch, a.fch, d_fch, BT * 4 * C);
-    k_.matmul_backward(d_ln, G(w.fc_w), G(w.fc_b), d_fch, a.ln2, P(w.fc_w), BT, C, 4 * C);
+                       4 * Cl, C);
+    k_.gelu_backward(d_fch, a.fch, d_fch, BT * 4 * Cl);
+    k_.matmul_backward(d_ln, G(w.fc_w), G(w.fc_b), d_fch, a.ln2, P(w.fc_w), BT, C, 4 * Cl);
+    tp_sum(d_ln, BT * C);
     k_.layernorm_backward(d_res, G(w.ln2_w), G(w.ln2_b), d_ln, a.res2, P(w.ln2_w), a.ln2_mean,
                           a.ln2_rstd, BT, C);
     // res2 = x + proj(attention(qkv(ln1(x)))).
-    k_.matmul_backward(d_atty, G(w.proj_w), G(w.proj_b), d_res, a.atty, P(w.proj_w), BT, C, C);
-    k_.attention_backward(d_qkv, d_att, d_atty, a.qkv, a.att, B, T, C, NH);
-    k_.matmul_backward(d_ln, G(w.qkv_w), G(w.qkv_b), d_qkv, a.ln1, P(w.qkv_w), BT, C, 3 * C);
+    k_.matmul_backward(d_atty, G(w.proj_w), G(w.proj_b), d_res, a.atty, P(w.proj_w), BT, Cl, C);
+    k_.attention_backward(d_qkv, d_att, d_atty, a.qkv, a.att, B, T, Cl, NHl);
+    k_.matmul_backward(d_ln, G(w.qkv_w), G(w.qkv_b), d_qkv, a.ln1, P(w.qkv_w), BT, C, 3 * Cl);
+    tp_sum(d_ln, BT * C);
     k_.layernorm_backward(d_res, G(w.ln1_w), G(w.ln1_b), d_ln, x, P(w.ln1_w), a.ln1_mean,
                           a.ln1_rstd, BT, C);
+    ready(w.ln1_w);
   }
-  k_.encoder_backward(G(wte_), G(wpe_), d_res, tokens_.data(), B, T, C);
+  if (shard_.first_stage())
+    k_.encoder_backward(G(wte_), G(wpe_), d_res, tokens_[slot].data(), B, T, C, vocab_);
 }
 
 }  // namespace trainer

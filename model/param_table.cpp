@@ -1,14 +1,55 @@
 #include "model/param_table.h"
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 
 namespace trainer {
 
+ModelShard ModelShard::make(const GPTConfig& cfg, int tp_rank, int tp_size, int stage, int stages) {
+  if (tp_size < 1 || tp_rank < 0 || tp_rank >= tp_size || stages < 1 || stage < 0 ||
+      stage >= stages || stages > cfg.n_layer)
+    throw std::invalid_argument("ModelShard: bad tensor or pipeline coordinates");
+  ModelShard s{tp_rank, tp_size, stage, stages};
+  s.first_layer = int(int64_t(stage) * cfg.n_layer / stages);
+  s.end_layer = int(int64_t(stage + 1) * cfg.n_layer / stages);
+  return s;
+}
+
 int64_t ParamInfo::logical_numel() const {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
   return n;
+}
+
+std::vector<int64_t> ParamInfo::local_shape() const {
+  std::vector<int64_t> s = shape;
+  if (split_dim < 0) return s;
+  const int64_t piece = split_extent / split_parts / tp_size;
+  // Only the embedding's split dimension is padded (to the padded vocab), and it has one part:
+  // the rows of this rank's piece that fall below the real length are real.
+  const int64_t start = tp_rank * piece;
+  s[split_dim] = split_parts > 1 ? piece * split_parts
+                                 : std::clamp<int64_t>(shape[split_dim] - start, 0, piece);
+  return s;
+}
+
+int64_t ParamInfo::local_numel() const {
+  int64_t n = 1;
+  for (int64_t d : local_shape()) n *= d;
+  return n;
+}
+
+int64_t ParamInfo::logical_index(int64_t i) const {
+  if (split_dim < 0) return i;
+  const std::vector<int64_t> local = local_shape();
+  int64_t inner = 1;
+  for (size_t d = split_dim + 1; d < shape.size(); d++) inner *= shape[d];
+  const int64_t len = local[split_dim];
+  const int64_t outer = i / (len * inner), j = i / inner % len, k = i % inner;
+  const int64_t part_len = split_extent / split_parts, piece = part_len / tp_size;
+  const int64_t global_j = j / piece * part_len + tp_rank * piece + j % piece;
+  return (outer * shape[split_dim] + global_j) * inner + k;
 }
 
 const ParamInfo& ParamTable::at(const std::string& name) const {
@@ -17,39 +58,65 @@ const ParamInfo& ParamTable::at(const std::string& name) const {
   return params[it->second];
 }
 
-ParamTable gpt2_param_table(const GPTConfig& cfg) {
+const ParamInfo* ParamTable::find(const std::string& name) const {
+  auto it = index.find(name);
+  return it == index.end() ? nullptr : &params[it->second];
+}
+
+ParamTable gpt2_param_table(const GPTConfig& cfg, const ModelShard& shard, int64_t total_multiple) {
   const int64_t C = cfg.d_model, V = cfg.vocab_size, Vp = cfg.padded_vocab(), T = cfg.seq_len;
   const float std_matrix = 0.02f;
   // GPT-2 scales the projections that write into the residual stream by 1/sqrt(2 L).
   const float std_residual = 0.02f / std::sqrt(2.0f * cfg.n_layer);
   ParamTable table;
+  struct Split {
+    int dim = -1, parts = 1;
+    int64_t extent = 0;
+  };
   auto add = [&](std::string name, std::vector<int64_t> shape, ParamKind kind, int layer,
-                 float init_std, int64_t numel = 0) {
+                 float init_std, Split split = {}) {
     ParamInfo p{std::move(name), std::move(shape), table.total, 0, kind, layer, init_std};
-    p.numel = numel ? numel : p.logical_numel();
+    if (split.dim >= 0) {
+      p.split_dim = split.dim;
+      p.split_parts = split.parts;
+      p.split_extent = split.extent ? split.extent : p.shape[split.dim];
+    }
+    p.tp_rank = shard.tp_rank;
+    p.tp_size = shard.tp_size;
+    std::vector<int64_t> allocated = p.shape;
+    if (split.dim >= 0) allocated[split.dim] = p.split_extent / shard.tp_size;
+    p.numel = 1;
+    for (int64_t d : allocated) p.numel *= d;
     table.total += (p.numel + 15) / 16 * 16;  // 64-byte aligned views for vectorised loops
     table.index[p.name] = table.params.size();
     table.params.push_back(std::move(p));
   };
-  add("wte.weight", {V, C}, ParamKind::embedding, -1, std_matrix, Vp * C);
-  add("wpe.weight", {T, C}, ParamKind::embedding, -1, 0.01f);
-  for (int l = 0; l < cfg.n_layer; l++) {
+  const Split rows{0}, cols{1};
+  if (shard.first_stage() || shard.last_stage()) {
+    add("wte.weight", {V, C}, ParamKind::embedding, -1, std_matrix, {0, 1, Vp});
+    table.params.back().tied_copy = !shard.first_stage();
+  }
+  if (shard.first_stage()) add("wpe.weight", {T, C}, ParamKind::embedding, -1, 0.01f);
+  for (int l = shard.first_layer; l < shard.end_layer; l++) {
     const std::string h = "h." + std::to_string(l) + ".";
     add(h + "ln1.weight", {C}, ParamKind::norm, l, 0);
     add(h + "ln1.bias", {C}, ParamKind::bias, l, 0);
-    add(h + "attn.qkv.weight", {3 * C, C}, ParamKind::matrix, l, std_matrix);
-    add(h + "attn.qkv.bias", {3 * C}, ParamKind::bias, l, 0);
-    add(h + "attn.proj.weight", {C, C}, ParamKind::matrix, l, std_residual);
+    add(h + "attn.qkv.weight", {3 * C, C}, ParamKind::matrix, l, std_matrix, {0, 3});
+    add(h + "attn.qkv.bias", {3 * C}, ParamKind::bias, l, 0, {0, 3});
+    add(h + "attn.proj.weight", {C, C}, ParamKind::matrix, l, std_residual, cols);
     add(h + "attn.proj.bias", {C}, ParamKind::bias, l, 0);
     add(h + "ln2.weight", {C}, ParamKind::norm, l, 0);
     add(h + "ln2.bias", {C}, ParamKind::bias, l, 0);
-    add(h + "mlp.fc.weight", {4 * C, C}, ParamKind::matrix, l, std_matrix);
-    add(h + "mlp.fc.bias", {4 * C}, ParamKind::bias, l, 0);
-    add(h + "mlp.proj.weight", {C, 4 * C}, ParamKind::matrix, l, std_residual);
+    add(h + "mlp.fc.weight", {4 * C, C}, ParamKind::matrix, l, std_matrix, rows);
+    add(h + "mlp.fc.bias", {4 * C}, ParamKind::bias, l, 0, rows);
+    add(h + "mlp.proj.weight", {C, 4 * C}, ParamKind::matrix, l, std_residual, cols);
     add(h + "mlp.proj.bias", {C}, ParamKind::bias, l, 0);
   }
-  add("ln_f.weight", {C}, ParamKind::norm, -1, 0);
-  add("ln_f.bias", {C}, ParamKind::bias, -1, 0);
+  if (shard.last_stage()) {
+    add("ln_f.weight", {C}, ParamKind::norm, -1, 0);
+    add("ln_f.bias", {C}, ParamKind::bias, -1, 0);
+  }
+  table.total = (table.total + total_multiple - 1) / total_multiple * total_multiple;
   return table;
 }
 

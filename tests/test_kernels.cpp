@@ -20,7 +20,7 @@ TEST(Kernels, EncoderForwardBackward) {
   auto wte = random_vector(V * C, 1), wpe = random_vector(T * C, 2);
   auto dout = random_vector(B * T * C, 3);
   DPtr out = d.upload(std::vector<float>(B * T * C));
-  d.k->encoder_forward(out, tokens.data(), d.upload(wte), d.upload(wpe), B, T, C);
+  d.k->encoder_forward(out, tokens.data(), d.upload(wte), d.upload(wpe), B, T, C, {0, V, V});
   std::vector<double> want(B * T * C), dwte_want(V * C, 0.5), dwpe_want(T * C, 0.5);
   for (int b = 0; b < B; b++)
     for (int t = 0; t < T; t++)
@@ -34,7 +34,7 @@ TEST(Kernels, EncoderForwardBackward) {
   // Backward accumulates into existing gradients (here 0.5 everywhere).
   DPtr dwte = d.upload(std::vector<float>(V * C, 0.5f)),
        dwpe = d.upload(std::vector<float>(T * C, 0.5f));
-  d.k->encoder_backward(dwte, dwpe, d.upload(dout), tokens.data(), B, T, C);
+  d.k->encoder_backward(dwte, dwpe, d.upload(dout), tokens.data(), B, T, C, {0, V, V});
   EXPECT_TRUE(all_close(d.download<float>(dwte, V * C), dwte_want, kRtol, kAtol));
   EXPECT_TRUE(all_close(d.download<float>(dwpe, T * C), dwpe_want, kRtol, kAtol));
 }
@@ -246,12 +246,70 @@ TEST(Kernels, SoftmaxCrossEntropyOverPaddedVocab) {
     mean += losses[n] / N;
   }
   DPtr ld = d.upload(logits), lossd = d.upload(std::vector<float>(N));
-  const double got_mean = d.k->softmax_crossentropy_forward(lossd, ld, targets.data(), N, V, Vp);
+  const double got_mean = softmax_crossentropy<float>(d, lossd, ld, targets, V, Vp);
   EXPECT_NEAR(got_mean, mean, 1e-5 * mean);
   EXPECT_TRUE(all_close(d.download<float>(lossd, N), losses, kRtol, kAtol));
   EXPECT_TRUE(all_close(d.download<float>(ld, N * Vp), probs, kRtol, 1e-7));
-  d.k->softmax_crossentropy_backward(ld, targets.data(), dloss, N, V, Vp);
+  d.k->crossentropy_backward(ld, targets.data(), dloss, N, {0, V, Vp});
   EXPECT_TRUE(all_close(d.download<float>(ld, N * Vp), grad, kRtol, 1e-7));
+
+  // Vocab-parallel: two slices of 32 columns each (the second with 18 real ones), combining
+  // only the per-row statistics as the tensor-parallel ranks do, give the same loss and
+  // gradients as one rank holding every column.
+  std::vector<VocabSlice> slices = {{0, 32, 32}, {32, V - 32, 32}};
+  std::vector<std::vector<float>> rowmax(2), sumexp(2), target(2);
+  std::vector<DPtr> parts, stats;
+  for (int r = 0; r < 2; r++) {
+    std::vector<float> part(N * 32);
+    for (int n = 0; n < N; n++)
+      for (int i = 0; i < 32; i++) part[n * 32 + i] = logits[n * Vp + 32 * r + i];
+    parts.push_back(d.upload(part));
+    DPtr m = d.upload(std::vector<float>(N));
+    d.k->crossentropy_max(m, parts[r], N, slices[r]);
+    rowmax[r] = d.download<float>(m, N);
+  }
+  std::vector<float> gmax(N), gsum(N, 0), gtarget(N, 0);
+  for (int n = 0; n < N; n++) gmax[n] = std::max(rowmax[0][n], rowmax[1][n]);
+  for (int r = 0; r < 2; r++) {
+    DPtr se = d.upload(std::vector<float>(N)), tl = d.upload(std::vector<float>(N));
+    d.k->crossentropy_sumexp(se, tl, parts[r], d.upload(gmax), targets.data(), N, slices[r]);
+    auto se_h = d.download<float>(se, N), tl_h = d.download<float>(tl, N);
+    for (int n = 0; n < N; n++) {
+      gsum[n] += se_h[n];
+      gtarget[n] += tl_h[n];
+    }
+  }
+  for (int r = 0; r < 2; r++) {
+    DPtr part_losses = d.upload(std::vector<float>(N));
+    const double part_mean = d.k->crossentropy_finish(
+        part_losses, parts[r], d.upload(gmax), d.upload(gsum), d.upload(gtarget), N, slices[r]);
+    EXPECT_NEAR(part_mean, mean, 1e-5 * mean);
+    d.k->crossentropy_backward(parts[r], targets.data(), dloss, N, slices[r]);
+    auto got = d.download<float>(parts[r], N * 32);
+    std::vector<double> want_part(N * 32);
+    for (int n = 0; n < N; n++)
+      for (int i = 0; i < 32; i++) want_part[n * 32 + i] = grad[n * Vp + 32 * r + i];
+    EXPECT_TRUE(all_close(got, want_part, kRtol, 1e-7)) << "slice " << r;
+  }
+}
+
+TEST(Kernels, VocabParallelEncoderSumsToTheWholeEmbedding) {
+  Device d;
+  const int B = 2, T = 3, C = 4, V = 7, Vp = 8;
+  std::vector<int32_t> tokens = {0, 3, 4, 6, 6, 1};
+  auto wte = random_vector(Vp * C, 31), wpe = random_vector(T * C, 32);
+  DPtr whole = d.upload(std::vector<float>(B * T * C));
+  d.k->encoder_forward(whole, tokens.data(), d.upload(wte), d.upload(wpe), B, T, C, {0, V, Vp});
+  std::vector<float> sum(B * T * C, 0.0f);
+  for (int r = 0; r < 2; r++) {  // rows [0, 4) with the position embedding, [4, 8) without
+    std::vector<float> rows(wte.begin() + r * 4 * C, wte.begin() + (r + 1) * 4 * C);
+    DPtr out = d.upload(std::vector<float>(B * T * C));
+    d.k->encoder_forward(out, tokens.data(), d.upload(rows), r == 0 ? d.upload(wpe) : DPtr{}, B, T,
+                         C, {4 * r, std::min(4, V - 4 * r), 4});
+    auto part = d.download<float>(out, B * T * C);
+    for (size_t i = 0; i < sum.size(); i++) sum[i] += part[i];
+  }
+  EXPECT_EQ(sum, d.download<float>(whole, B * T * C));
 }
 
 TEST(Kernels, SumSquaresIsDeterministicAndExact) {

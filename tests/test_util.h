@@ -56,6 +56,20 @@ class Device {
   std::vector<DPtr> owned_;
 };
 
+// The three cross-entropy phases on one rank holding the whole vocabulary {0, V, Vp}; the
+// logits become probabilities. Returns the mean loss.
+template <class T>
+double softmax_crossentropy(Device& d, DPtr losses, DPtr logits,
+                            const std::vector<int32_t>& targets, int V, int Vp) {
+  const int64_t N = int64_t(targets.size());
+  const VocabSlice all{0, V, Vp};
+  DPtr rowmax = d.upload(std::vector<T>(N)), sumexp = d.upload(std::vector<T>(N)),
+       target = d.upload(std::vector<T>(N));
+  d.k->crossentropy_max(rowmax, logits, N, all);
+  d.k->crossentropy_sumexp(sumexp, target, logits, rowmax, targets.data(), N, all);
+  return d.k->crossentropy_finish(losses, logits, rowmax, sumexp, target, N, all);
+}
+
 template <class T = float>
 std::vector<T> random_vector(size_t n, uint64_t seed, double scale = 1.0) {
   std::mt19937_64 rng(seed);

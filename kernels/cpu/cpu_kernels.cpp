@@ -42,16 +42,18 @@ class CpuKernels final : public Kernels {
     std::memcpy(dst.p, src, elems * dtype_size(dst.dtype));
   }
 
-  void encoder_forward(DPtr out, const int32_t* tokens, DPtr wte, DPtr wpe, int B, int T,
-                       int C) override {
+  void encoder_forward(DPtr out, const int32_t* tokens, DPtr wte, DPtr wpe, int B, int T, int C,
+                       VocabSlice v) override {
     dispatch(out.dtype, [&]<class S>(S) {
-      cpu::encoder_forward(out.as<S>(), tokens, wte.as<S>(), wpe.as<S>(), B, T, C);
+      cpu::encoder_forward(out.as<S>(), tokens, wte.as<S>(), wpe ? wpe.as<S>() : nullptr, B, T, C,
+                           v);
     });
   }
-  void encoder_backward(DPtr dwte, DPtr dwpe, DPtr dout, const int32_t* tokens, int B, int T,
-                        int C) override {
+  void encoder_backward(DPtr dwte, DPtr dwpe, DPtr dout, const int32_t* tokens, int B, int T, int C,
+                        VocabSlice v) override {
     dispatch(dout.dtype, [&]<class S>(S) {
-      cpu::encoder_backward(dwte.as<S>(), dwpe.as<S>(), dout.as<S>(), tokens, B, T, C);
+      cpu::encoder_backward(dwte.as<S>(), dwpe ? dwpe.as<S>() : nullptr, dout.as<S>(), tokens, B, T,
+                            C, v);
     });
   }
   void layernorm_forward(DPtr out, DPtr mean, DPtr rstd, DPtr inp, DPtr weight, DPtr bias,
@@ -107,17 +109,28 @@ class CpuKernels final : public Kernels {
     dispatch(out.dtype,
              [&]<class S>(S) { cpu::residual_forward(out.as<S>(), a.as<S>(), b.as<S>(), n); });
   }
-  double softmax_crossentropy_forward(DPtr losses, DPtr logits, const int32_t* targets, int64_t N,
-                                      int V, int Vp) override {
-    return dispatch(logits.dtype, [&]<class S>(S) {
-      return cpu::softmax_crossentropy_forward(losses.as<S>(), logits.as<S>(), targets, N, V, Vp);
+  void crossentropy_max(DPtr rowmax, DPtr logits, int64_t N, VocabSlice v) override {
+    dispatch(logits.dtype,
+             [&]<class S>(S) { cpu::crossentropy_max(rowmax.as<S>(), logits.as<S>(), N, v); });
+  }
+  void crossentropy_sumexp(DPtr sumexp, DPtr target_logit, DPtr logits, DPtr rowmax,
+                           const int32_t* targets, int64_t N, VocabSlice v) override {
+    dispatch(logits.dtype, [&]<class S>(S) {
+      cpu::crossentropy_sumexp(sumexp.as<S>(), target_logit.as<S>(), logits.as<S>(), rowmax.as<S>(),
+                               targets, N, v);
     });
   }
-  void softmax_crossentropy_backward(DPtr probs, const int32_t* targets, float dloss, int64_t N,
-                                     int V, int Vp) override {
-    dispatch(probs.dtype, [&]<class S>(S) {
-      cpu::softmax_crossentropy_backward(probs.as<S>(), targets, dloss, N, V, Vp);
+  double crossentropy_finish(DPtr losses, DPtr probs, DPtr rowmax, DPtr sumexp, DPtr target_logit,
+                             int64_t N, VocabSlice v) override {
+    return dispatch(probs.dtype, [&]<class S>(S) {
+      return cpu::crossentropy_finish(losses.as<S>(), probs.as<S>(), rowmax.as<S>(), sumexp.as<S>(),
+                                      target_logit.as<S>(), N, v);
     });
+  }
+  void crossentropy_backward(DPtr probs, const int32_t* targets, float dloss, int64_t N,
+                             VocabSlice v) override {
+    dispatch(probs.dtype,
+             [&]<class S>(S) { cpu::crossentropy_backward(probs.as<S>(), targets, dloss, N, v); });
   }
   double sum_squares(DPtr x, int64_t n) override {
     return dispatch(x.dtype, [&]<class S>(S) { return cpu::sum_squares(x.as<S>(), n); });

@@ -15,9 +15,10 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, 
 
 template <class T>
 void encoder_forward(T* out, const int32_t* tokens, const T* wte, const T* wpe, int B, int T_,
-                     int C);
+                     int C, VocabSlice v);
 template <class T>
-void encoder_backward(T* dwte, T* dwpe, const T* dout, const int32_t* tokens, int B, int T_, int C);
+void encoder_backward(T* dwte, T* dwpe, const T* dout, const int32_t* tokens, int B, int T_, int C,
+                      VocabSlice v);
 
 // `scratch` holds per-thread partial sums for the parameter gradients.
 template <class T>
@@ -48,11 +49,15 @@ template <class T>
 void residual_forward(T* out, const T* a, const T* b, int64_t n);
 
 template <class T>
-double softmax_crossentropy_forward(T* losses, T* logits, const int32_t* targets, int64_t N, int V,
-                                    int Vp);
+void crossentropy_max(T* rowmax, const T* logits, int64_t N, VocabSlice v);
 template <class T>
-void softmax_crossentropy_backward(T* probs, const int32_t* targets, float dloss, int64_t N, int V,
-                                   int Vp);
+void crossentropy_sumexp(T* sumexp, T* target_logit, T* logits, const T* rowmax,
+                         const int32_t* targets, int64_t N, VocabSlice v);
+template <class T>
+double crossentropy_finish(T* losses, T* probs, const T* rowmax, const T* sumexp,
+                           const T* target_logit, int64_t N, VocabSlice v);
+template <class T>
+void crossentropy_backward(T* probs, const int32_t* targets, float dloss, int64_t N, VocabSlice v);
 
 template <class T>
 double sum_squares(const T* x, int64_t n);

@@ -1,7 +1,10 @@
-// Fused softmax + cross-entropy over the padded vocabulary: the probabilities overwrite the
-// logits in place and become the logit gradients in backward, so the (N, Vp) tensor exists once.
+// Softmax + cross-entropy over one slice of the (padded) vocabulary, in three phases so that
+// vocab-parallel ranks combine only per-row statistics. The exponentials overwrite the logits in
+// place, become probabilities, and in backward the logit gradients: the (N, width) tensor exists
+// once.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/fast_math.h"
@@ -9,26 +12,46 @@
 namespace trainer::cpu {
 
 template <class T>
-double softmax_crossentropy_forward(T* losses, T* logits, const int32_t* targets, int64_t N, int V,
-                                    int Vp) {
+void crossentropy_max(T* rowmax, const T* logits, int64_t N, VocabSlice v) {
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; n++) {
-    T* row = logits + n * Vp;
-    T mx = row[0];
+    const T* row = logits + n * v.width;
+    T mx = std::numeric_limits<T>::lowest();
 #pragma omp simd reduction(max : mx)
-    for (int v = 1; v < V; v++) mx = std::max(mx, row[v]);
-    const T target_logit = row[targets[n]];
+    for (int i = 0; i < v.valid; i++) mx = std::max(mx, row[i]);
+    rowmax[n] = mx;
+  }
+}
+
+template <class T>
+void crossentropy_sumexp(T* sumexp, T* target_logit, T* logits, const T* rowmax,
+                         const int32_t* targets, int64_t N, VocabSlice v) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; n++) {
+    T* row = logits + n * v.width;
+    const T mx = rowmax[n];
+    target_logit[n] = v.holds(targets[n]) ? row[targets[n] - v.start] : T(0);
     T sum = 0;
 #pragma omp simd reduction(+ : sum)
-    for (int v = 0; v < V; v++) {
-      row[v] = fast_exp(row[v] - mx);
-      sum += row[v];
+    for (int i = 0; i < v.valid; i++) {
+      row[i] = fast_exp(row[i] - mx);
+      sum += row[i];
     }
-    const T inv = T(1) / sum;
+    std::fill(row + v.valid, row + v.width, T(0));
+    sumexp[n] = sum;
+  }
+}
+
+template <class T>
+double crossentropy_finish(T* losses, T* probs, const T* rowmax, const T* sumexp,
+                           const T* target_logit, int64_t N, VocabSlice v) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; n++) {
+    T* row = probs + n * v.width;
+    const T inv = T(1) / sumexp[n];
 #pragma omp simd
-    for (int v = 0; v < V; v++) row[v] *= inv;
-    std::fill(row + V, row + Vp, T(0));
-    losses[n] = std::log(sum) + mx - target_logit;
+    for (int i = 0; i < v.valid; i++) row[i] *= inv;
+    losses[n] = std::log(sumexp[n]) + rowmax[n] - target_logit[n];
   }
   double total = 0;
   for (int64_t n = 0; n < N; n++) total += double(losses[n]);
@@ -36,25 +59,24 @@ double softmax_crossentropy_forward(T* losses, T* logits, const int32_t* targets
 }
 
 template <class T>
-void softmax_crossentropy_backward(T* probs, const int32_t* targets, float dloss, int64_t N, int V,
-                                   int Vp) {
+void crossentropy_backward(T* probs, const int32_t* targets, float dloss, int64_t N, VocabSlice v) {
   const T d = T(dloss);
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; n++) {
-    T* row = probs + n * Vp;
+    T* row = probs + n * v.width;
 #pragma omp simd
-    for (int v = 0; v < V; v++) row[v] *= d;
-    row[targets[n]] -= d;
+    for (int i = 0; i < v.valid; i++) row[i] *= d;
+    if (v.holds(targets[n])) row[targets[n] - v.start] -= d;
   }
 }
 
-template double softmax_crossentropy_forward<float>(float*, float*, const int32_t*, int64_t, int,
-                                                    int);
-template double softmax_crossentropy_forward<double>(double*, double*, const int32_t*, int64_t, int,
-                                                     int);
-template void softmax_crossentropy_backward<float>(float*, const int32_t*, float, int64_t, int,
-                                                   int);
-template void softmax_crossentropy_backward<double>(double*, const int32_t*, float, int64_t, int,
-                                                    int);
+#define INSTANTIATE(T)                                                                             \
+  template void crossentropy_max<T>(T*, const T*, int64_t, VocabSlice);                            \
+  template void crossentropy_sumexp<T>(T*, T*, T*, const T*, const int32_t*, int64_t, VocabSlice); \
+  template double crossentropy_finish<T>(T*, T*, const T*, const T*, const T*, int64_t,            \
+                                         VocabSlice);                                              \
+  template void crossentropy_backward<T>(T*, const int32_t*, float, int64_t, VocabSlice);
+INSTANTIATE(float)
+INSTANTIATE(double)
 
 }  // namespace trainer::cpu
