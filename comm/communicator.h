@@ -57,12 +57,22 @@ class Communicator {
   virtual Request iall_reduce(DPtr buf, int64_t n, ReduceOp op) = 0;
   // send(size * count) summed over ranks; this rank keeps block rank(): recv(count).
   virtual Request ireduce_scatter(DPtr send, DPtr recv, int64_t count) = 0;
-  // recv(size * count) = the send(count) blocks of all ranks, in rank order.
+  // recv(size * count) = the send(count) blocks of all ranks, in rank order. send may be this
+  // rank's block of recv (in place).
   virtual Request iall_gather(DPtr send, DPtr recv, int64_t count) = 0;
   virtual Request ibroadcast(DPtr buf, int64_t n, int root) = 0;
   virtual Request isend(DPtr buf, int64_t n, int peer, int tag) = 0;
   virtual Request irecv(DPtr buf, int64_t n, int peer, int tag) = 0;
   virtual void barrier() = 0;
+
+  // What this rank sent (bytes a ring or tree algorithm moves out of it) and how long it was
+  // blocked in wait(), since the communicator was made: the communication cost that compute
+  // did not hide.
+  struct Traffic {
+    int64_t bytes_sent = 0;
+    double wait_s = 0;
+  };
+  virtual Traffic traffic() const = 0;
 
   void all_reduce(DPtr buf, int64_t n, ReduceOp op) { iall_reduce(buf, n, op).wait(); }
   void reduce_scatter(DPtr send, DPtr recv, int64_t count) {
@@ -83,7 +93,12 @@ class World {
   virtual const std::string& host() const = 0;
   virtual int local_rank() const = 0;  // rank among the processes on this node
   virtual int local_size() const = 0;
+  // The node (shared-memory domain) of each world rank, numbered from 0 in rank order.
+  virtual int node_of(int rank) const = 0;
+  virtual const std::string& host_of(int rank) const = 0;
   virtual Communicator& comm() = 0;  // all ranks
+  // Ends every process of the job with `code` (after an error on one rank, so none hangs).
+  [[noreturn]] virtual void abort(int code) = 0;
   // Collective over all ranks: each rank passes the members of its own group (world ranks,
   // in group-rank order); returns this rank's communicator for it.
   virtual std::unique_ptr<Communicator> group(const std::vector<int>& members) = 0;

@@ -2,6 +2,8 @@
 #include <fmt/format.h>
 #include <mpi.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 
@@ -33,18 +35,25 @@ int count_of(int64_t n) {
 
 class MpiRequest final : public Request::Impl {
  public:
+  explicit MpiRequest(double* wait_s) : wait_s_(wait_s) {}
   MPI_Request req = MPI_REQUEST_NULL;
   ~MpiRequest() override {  // must not throw: complete it, ignoring errors
     if (req != MPI_REQUEST_NULL) MPI_Wait(&req, MPI_STATUS_IGNORE);
   }
   void wait() override {
-    if (req != MPI_REQUEST_NULL) MPI_CHECK(MPI_Wait(&req, MPI_STATUS_IGNORE));
+    if (req == MPI_REQUEST_NULL) return;
+    const double t0 = MPI_Wtime();
+    MPI_CHECK(MPI_Wait(&req, MPI_STATUS_IGNORE));
+    *wait_s_ += MPI_Wtime() - t0;
   }
   bool test() override {
     int done = 1;
     if (req != MPI_REQUEST_NULL) MPI_CHECK(MPI_Test(&req, &done, MPI_STATUS_IGNORE));
     return done != 0;
   }
+
+ private:
+  double* wait_s_;
 };
 
 class MpiCommunicator final : public Communicator {
@@ -61,46 +70,55 @@ class MpiCommunicator final : public Communicator {
 
   Request iall_reduce(DPtr buf, int64_t n, ReduceOp op) override {
     if (size_ == 1) return {};
-    auto r = std::make_unique<MpiRequest>();
+    auto r = std::make_unique<MpiRequest>(&traffic_.wait_s);
+    sent(2 * n * (size_ - 1) / size_, buf.dtype);
     MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf.p, count_of(n), mpi_type(buf.dtype), mpi_op(op),
                              comm_, &r->req));
     return Request(std::move(r));
   }
   Request ireduce_scatter(DPtr send, DPtr recv, int64_t count) override {
     if (size_ == 1) return local_copy(recv, send, count);
-    auto r = std::make_unique<MpiRequest>();
+    auto r = std::make_unique<MpiRequest>(&traffic_.wait_s);
+    sent(count * (size_ - 1), send.dtype);
     MPI_CHECK(MPI_Ireduce_scatter_block(send.p, recv.p, count_of(count), mpi_type(send.dtype),
                                         MPI_SUM, comm_, &r->req));
     return Request(std::move(r));
   }
   Request iall_gather(DPtr send, DPtr recv, int64_t count) override {
     if (size_ == 1) return local_copy(recv, send, count);
-    auto r = std::make_unique<MpiRequest>();
-    MPI_CHECK(MPI_Iallgather(send.p, count_of(count), mpi_type(send.dtype), recv.p, count_of(count),
-                             mpi_type(recv.dtype), comm_, &r->req));
+    auto r = std::make_unique<MpiRequest>(&traffic_.wait_s);
+    sent(count * (size_ - 1), send.dtype);
+    const bool in_place = send.p == (recv + int64_t(rank_) * count).p;
+    MPI_CHECK(MPI_Iallgather(in_place ? MPI_IN_PLACE : send.p, count_of(count),
+                             mpi_type(send.dtype), recv.p, count_of(count), mpi_type(recv.dtype),
+                             comm_, &r->req));
     return Request(std::move(r));
   }
   Request ibroadcast(DPtr buf, int64_t n, int root) override {
     if (size_ == 1) return {};
-    auto r = std::make_unique<MpiRequest>();
+    auto r = std::make_unique<MpiRequest>(&traffic_.wait_s);
+    if (rank_ == root) sent(n, buf.dtype);
     MPI_CHECK(MPI_Ibcast(buf.p, count_of(n), mpi_type(buf.dtype), root, comm_, &r->req));
     return Request(std::move(r));
   }
   Request isend(DPtr buf, int64_t n, int peer, int tag) override {
-    auto r = std::make_unique<MpiRequest>();
+    auto r = std::make_unique<MpiRequest>(&traffic_.wait_s);
+    sent(n, buf.dtype);
     MPI_CHECK(MPI_Isend(buf.p, count_of(n), mpi_type(buf.dtype), peer, tag, comm_, &r->req));
     return Request(std::move(r));
   }
   Request irecv(DPtr buf, int64_t n, int peer, int tag) override {
-    auto r = std::make_unique<MpiRequest>();
+    auto r = std::make_unique<MpiRequest>(&traffic_.wait_s);
     MPI_CHECK(MPI_Irecv(buf.p, count_of(n), mpi_type(buf.dtype), peer, tag, comm_, &r->req));
     return Request(std::move(r));
   }
   void barrier() override {
     if (size_ > 1) MPI_CHECK(MPI_Barrier(comm_));
   }
+  Traffic traffic() const override { return traffic_; }
 
  private:
+  void sent(int64_t elems, DType t) { traffic_.bytes_sent += elems * dtype_size(t); }
   static Request local_copy(DPtr dst, DPtr src, int64_t n) {
     if (dst.p != src.p) std::memmove(dst.p, src.p, n * dtype_size(src.dtype));
     return {};
@@ -109,6 +127,7 @@ class MpiCommunicator final : public Communicator {
   MPI_Comm comm_;
   bool owned_;
   int rank_ = 0, size_ = 1;
+  Traffic traffic_;
 };
 
 class MpiWorld final : public World {
@@ -128,11 +147,30 @@ class MpiWorld final : public World {
                                   MPI_INFO_NULL, &node));
     MPI_CHECK(MPI_Comm_rank(node, &local_rank_));
     MPI_CHECK(MPI_Comm_size(node, &local_size_));
+    // Every rank learns every rank's node: the world rank of the node's first process, then
+    // numbered densely in order of appearance.
+    int leader = world_->rank();
+    MPI_CHECK(MPI_Bcast(&leader, 1, MPI_INT, 0, node));
     MPI_Comm_free(&node);
-    char name[MPI_MAX_PROCESSOR_NAME];
+    std::vector<int> leaders(world_->size());
+    MPI_CHECK(MPI_Allgather(&leader, 1, MPI_INT, leaders.data(), 1, MPI_INT, MPI_COMM_WORLD));
+    std::vector<int> seen;
+    for (int l : leaders) {
+      auto it = std::find(seen.begin(), seen.end(), l);
+      nodes_.push_back(int(it - seen.begin()));
+      if (it == seen.end()) seen.push_back(l);
+    }
+    char name[MPI_MAX_PROCESSOR_NAME] = {};
     int len = 0;
     MPI_CHECK(MPI_Get_processor_name(name, &len));
     host_.assign(name, len);
+    std::vector<char> all(size_t(world_->size()) * MPI_MAX_PROCESSOR_NAME);
+    MPI_CHECK(MPI_Allgather(name, MPI_MAX_PROCESSOR_NAME, MPI_CHAR, all.data(),
+                            MPI_MAX_PROCESSOR_NAME, MPI_CHAR, MPI_COMM_WORLD));
+    for (int r = 0; r < world_->size(); r++) {
+      const char* h = all.data() + size_t(r) * MPI_MAX_PROCESSOR_NAME;
+      hosts_.emplace_back(h, strnlen(h, MPI_MAX_PROCESSOR_NAME));
+    }
   }
   ~MpiWorld() override {
     world_.reset();
@@ -144,6 +182,12 @@ class MpiWorld final : public World {
   int local_rank() const override { return local_rank_; }
   int local_size() const override { return local_size_; }
   Communicator& comm() override { return *world_; }
+  int node_of(int rank) const override { return nodes_.at(rank); }
+  const std::string& host_of(int rank) const override { return hosts_.at(rank); }
+  [[noreturn]] void abort(int code) override {
+    MPI_Abort(MPI_COMM_WORLD, code);
+    std::_Exit(code);
+  }
 
   std::unique_ptr<Communicator> group(const std::vector<int>& members) override {
     int index = -1;
@@ -162,6 +206,8 @@ class MpiWorld final : public World {
   bool owns_mpi_ = false;
   std::string host_;
   int local_rank_ = 0, local_size_ = 1;
+  std::vector<int> nodes_;
+  std::vector<std::string> hosts_;
 };
 
 }  // namespace

@@ -78,6 +78,8 @@ class SectionReader {
     return file_;
   }
 
+  bool has(const std::string& key) const { return table_ && table_->get(key); }
+
   void finish() {
     if (!table_) return;
     for (auto& [k, v] : *table_)
@@ -230,17 +232,20 @@ Config parse_config(const std::string& text, const std::string& origin,
   Origins origins;
   for (const auto& item : overrides) apply_override(root, item, origins);
 
-  static const std::set<std::string> sections = {"run", "model", "data", "train", "optim"};
+  static const std::set<std::string> sections = {"run",   "model", "data",
+                                                 "train", "optim", "parallel"};
   for (auto& [k, v] : root)
     if (!sections.count(std::string(k.str()))) {
       std::string at = where(k.source(), origin);
       for (const auto& [key, o] : origins)
         if (key.starts_with(std::string(k.str()) + ".")) at = o;
       throw ConfigError(fmt::format(
-          "{}: unknown section [{}] (expected run, model, data, train or optim)", at, k.str()));
+          "{}: unknown section [{}] (expected run, model, data, train, optim or parallel)", at,
+          k.str()));
     }
 
   Config c;
+  bool grad_accum_set = false;
   {
     SectionReader r(root, "run", origin, origins);
     r.field("name", c.run.name);
@@ -274,6 +279,7 @@ Config parse_config(const std::string& text, const std::string& origin,
     TrainConfig& t = c.train;
     r.field("micro_batch", t.micro_batch, in_range(1, 1 << 16));
     r.field("grad_accum", t.grad_accum, in_range(1, 1 << 16));
+    grad_accum_set = r.has("grad_accum");
     r.field("steps", t.steps, at_least(0));
     r.field("log_every", t.log_every, at_least(1));
     r.field("val_every", t.val_every, at_least(0));
@@ -312,6 +318,32 @@ Config parse_config(const std::string& text, const std::string& origin,
     if (o.min_lr > o.lr)
       throw ConfigError(fmt::format("{}: [optim] min_lr: min_lr = {} must not exceed lr = {}",
                                     r.origin("min_lr"), o.min_lr, o.lr));
+  }
+  {
+    SectionReader r(root, "parallel", origin, origins);
+    ParallelConfig& p = c.parallel;
+    r.field("dp", p.dp, in_range(0, 1 << 20));
+    r.field("tp", p.tp, in_range(1, 1 << 16));
+    r.field("pp", p.pp, in_range(1, 1 << 16));
+    r.field("order", p.order,
+            one_of({"tp-pp-dp", "tp-dp-pp", "pp-tp-dp", "pp-dp-tp", "dp-tp-pp", "dp-pp-tp"}));
+    r.field("micro_batches", p.micro_batches, in_range(0, 1 << 16));
+    r.field("zero", p.zero, in_range(0, 1));
+    r.field("bucket_mb", p.bucket_mb, in_range(1e-3, 1 << 16));
+    r.field("overlap", p.overlap);
+    r.field("allreduce", p.allreduce, one_of({"flat", "hierarchical"}));
+    r.field("ranks_per_node", p.ranks_per_node, in_range(0, 1 << 20));
+    r.finish();
+    // One knob for the micro-batches of a step: the pipeline's micro_batches and gradient
+    // accumulation are the same thing, so setting both differently is a contradiction.
+    if (p.micro_batches > 0) {
+      if (grad_accum_set && c.train.grad_accum != p.micro_batches)
+        throw ConfigError(fmt::format(
+            "{}: [parallel] micro_batches: micro_batches = {} contradicts train.grad_accum = {} "
+            "(they are the same: set one)",
+            r.origin("micro_batches"), p.micro_batches, c.train.grad_accum));
+      c.train.grad_accum = p.micro_batches;
+    }
   }
   return c;
 }
@@ -370,6 +402,16 @@ std::string config_to_toml(const Config& c) {
                             {"schedule", c.optim.schedule},
                             {"decay_embeddings", c.optim.decay_embeddings},
                             {"decay_norms_and_biases", c.optim.decay_norms_and_biases}}},
+      {"parallel", toml::table{{"dp", c.parallel.dp},
+                               {"tp", c.parallel.tp},
+                               {"pp", c.parallel.pp},
+                               {"order", c.parallel.order},
+                               {"micro_batches", c.parallel.micro_batches},
+                               {"zero", c.parallel.zero},
+                               {"bucket_mb", c.parallel.bucket_mb},
+                               {"overlap", c.parallel.overlap},
+                               {"allreduce", c.parallel.allreduce},
+                               {"ranks_per_node", c.parallel.ranks_per_node}}},
   };
   std::stringstream ss;
   // Basic strings only: toml++ writes "\n" as a multi-line literal that does not read back.

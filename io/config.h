@@ -56,12 +56,28 @@ struct OptimConfig {
   bool decay_norms_and_biases = false;
 };
 
+// How the job's processes split the work (see comm/parallel_dims.h). dp x tp x pp must be the
+// world size; dp = 0 derives it.
+struct ParallelConfig {
+  int dp = 0;
+  int tp = 1;
+  int pp = 1;
+  std::string order = "tp-pp-dp";  // fastest- to slowest-varying rank
+  int micro_batches = 0;           // per step and pipeline; 0 = train.grad_accum
+  int zero = 0;                    // 1: shard optimizer state across data-parallel ranks
+  double bucket_mb = 25;           // gradient all-reduce bucket size
+  bool overlap = true;             // reduce buckets while backward goes on
+  std::string allreduce = "flat";  // flat | hierarchical (inside nodes first)
+  int ranks_per_node = 0;          // hierarchical node grouping; 0 = detect
+};
+
 struct Config {
   RunConfig run;
   GPTConfig model;
   DataConfig data;
   TrainConfig train;
   OptimConfig optim;
+  ParallelConfig parallel;
 };
 
 // Reads `path` (empty: defaults only) and applies `overrides` ("section.key=value", TOML

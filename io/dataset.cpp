@@ -43,11 +43,13 @@ int64_t SampleOrder::window(int64_t sample) {
 }
 
 DataLoader::DataLoader(const Dataset& data, int B, int T, int grad_accum, uint64_t seed,
-                       int prefetch, int64_t first_step)
+                       int prefetch, int64_t first_step, int dp_rank, int dp_size)
     : data_(data),
       B_(B),
       T_(T),
       accum_(grad_accum),
+      dp_rank_(dp_rank),
+      dp_size_(dp_size),
       order_(data.windows(), seed),
       next_step_(first_step) {
   for (int i = 0; i < prefetch; i++) {
@@ -81,7 +83,10 @@ void DataLoader::produce() {
     b.step = next_step_;
     b.micro = next_micro_;
     for (int r = 0; r < B_; r++) {
-      const int64_t sample = (b.step * accum_ + b.micro) * B_ + r;
+      // Global micro-batch g of the run; data-parallel rank d reads every dp-th one, so dp = k
+      // with one micro-batch per step reads what dp = 1 with k accumulated micro-batches does.
+      const int64_t g = (b.step * accum_ + b.micro) * dp_size_ + dp_rank_;
+      const int64_t sample = g * B_ + r;
       data_.window(order_.window(sample), b.inputs.data() + int64_t(r) * T_,
                    b.targets.data() + int64_t(r) * T_);
     }

@@ -53,8 +53,9 @@ struct Batch {
 // Fills batches in a background thread into a bounded queue; next() only pops.
 class DataLoader {
  public:
+  // Data-parallel rank dp_rank of dp_size reads its own, disjoint part of every global batch.
   DataLoader(const Dataset& data, int B, int T, int grad_accum, uint64_t seed, int prefetch,
-             int64_t first_step);
+             int64_t first_step, int dp_rank = 0, int dp_size = 1);
   ~DataLoader();
   DataLoader(const DataLoader&) = delete;
   DataLoader& operator=(const DataLoader&) = delete;
@@ -68,7 +69,7 @@ class DataLoader {
   void produce();
 
   const Dataset& data_;
-  int B_, T_, accum_;
+  int B_, T_, accum_, dp_rank_, dp_size_;
   SampleOrder order_;
   int64_t next_step_;
   int next_micro_ = 0;

@@ -45,7 +45,7 @@ class GPT {
   const ModelShard& shard() const { return shard_; }
   const ParamTable& table() const { return table_; }
   DType dtype() const { return dtype_; }
-  Kernels& kernels() { return k_; }
+  Kernels& kernels() const { return k_; }
   VocabSlice vocab() const { return vocab_; }  // the vocabulary rows this rank holds
 
   DPtr params() const { return params_; }  // flat (table().total)

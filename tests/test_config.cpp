@@ -49,7 +49,8 @@ TEST(Config, UnknownKeyNamesFileLineColumnAndKey) {
 
 TEST(Config, UnknownSection) {
   EXPECT_EQ(error_of("[modle]\nn_layer = 2\n"),
-            "run.toml:1:2: unknown section [modle] (expected run, model, data, train or optim)");
+            "run.toml:1:2: unknown section [modle] (expected run, model, data, train, optim or "
+            "parallel)");
 }
 
 TEST(Config, WrongType) {
@@ -104,8 +105,8 @@ TEST(Config, OverridesUseTheSameRules) {
             "--set model.n_layers=2: [model] n_layers: unknown key");
   EXPECT_EQ(error_of("", {"nolayers"}), "--set nolayers: expected section.key=value");
   EXPECT_EQ(error_of("", {"modle.n_layer=2"}),
-            "--set modle.n_layer=2: unknown section [modle] (expected run, model, data, train or "
-            "optim)");
+            "--set modle.n_layer=2: unknown section [modle] (expected run, model, data, train, "
+            "optim or parallel)");
   EXPECT_EQ(error_of("[model]\nd_model = 64\n", {"model.n_head=5"}),
             "--set model.n_head=5: [model] n_head: n_head = 5 must divide d_model = 64");
 }

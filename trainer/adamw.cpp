@@ -2,9 +2,25 @@
 
 namespace trainer {
 
-AdamW::AdamW(GPT& model, const OptimConfig& cfg) : model_(model), cfg_(cfg) {
-  m_ = model.kernels().alloc(model.table().total, model.dtype());
-  v_ = model.kernels().alloc(model.table().total, model.dtype());
+static std::vector<AdamW::Segment> whole_model(const GPT& model, const OptimConfig& cfg) {
+  std::vector<AdamW::Segment> segments;
+  for (const ParamInfo& p : model.table().params)
+    segments.push_back({p.offset, p.numel, p.offset, AdamW::weight_decay(cfg, p)});
+  return segments;
+}
+
+AdamW::AdamW(GPT& model, const OptimConfig& cfg)
+    : AdamW(model, cfg, whole_model(model, cfg), model.grads(), model.table().total) {}
+
+AdamW::AdamW(GPT& model, const OptimConfig& cfg, std::vector<Segment> segments, DPtr grads,
+             int64_t state_elems)
+    : model_(model),
+      cfg_(cfg),
+      segments_(std::move(segments)),
+      grads_(grads),
+      state_elems_(state_elems) {
+  m_ = model.kernels().alloc(state_elems, model.dtype());
+  v_ = model.kernels().alloc(state_elems, model.dtype());
 }
 
 AdamW::~AdamW() {
@@ -12,30 +28,30 @@ AdamW::~AdamW() {
   model_.kernels().free(v_);
 }
 
-float AdamW::weight_decay(const ParamInfo& p) const {
+float AdamW::weight_decay(const OptimConfig& cfg, const ParamInfo& p) {
   switch (p.kind) {
     case ParamKind::matrix:
-      return float(cfg_.weight_decay);
+      return float(cfg.weight_decay);
     case ParamKind::embedding:
-      return cfg_.decay_embeddings ? float(cfg_.weight_decay) : 0.0f;
+      return cfg.decay_embeddings ? float(cfg.weight_decay) : 0.0f;
     case ParamKind::bias:
     case ParamKind::norm:
-      return cfg_.decay_norms_and_biases ? float(cfg_.weight_decay) : 0.0f;
+      return cfg.decay_norms_and_biases ? float(cfg.weight_decay) : 0.0f;
   }
   return 0.0f;
 }
 
 void AdamW::update(float lr, float grad_scale, int64_t step) {
-  for (const ParamInfo& p : model_.table().params) {
+  for (const Segment& s : segments_) {
     AdamWArgs args{lr,
                    float(cfg_.betas[0]),
                    float(cfg_.betas[1]),
                    float(cfg_.eps),
-                   weight_decay(p),
+                   s.weight_decay,
                    step,
                    grad_scale};
-    model_.kernels().adamw_update(model_.param(p), model_.grad(p), m_ + p.offset, v_ + p.offset,
-                                  p.numel, args);
+    model_.kernels().adamw_update(model_.params() + s.offset, grads_ + s.state_offset,
+                                  m_ + s.state_offset, v_ + s.state_offset, s.count, args);
   }
 }
 

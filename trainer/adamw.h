@@ -1,6 +1,11 @@
 #pragma once
-// AdamW over the model's flat buffers: first and second moments use the parameter table's
-// offsets, so the update is one kernel call per parameter with its own weight decay.
+// AdamW over spans of the model's flat buffers. Each segment is a run of elements with one
+// weight decay: the parameter at `offset`, its gradient and its moments at `state_offset` in
+// the gradient and state buffers. Without ZeRO the segments are the parameters and the state
+// offsets are their own; with ZeRO-1 they are this rank's pieces of the data-parallel shard,
+// whose gradients the reducer leaves in a buffer of the shard's size.
+#include <vector>
+
 #include "io/config.h"
 #include "model/gpt.h"
 
@@ -8,7 +13,15 @@ namespace trainer {
 
 class AdamW {
  public:
+  struct Segment {
+    int64_t offset, count, state_offset;
+    float weight_decay;
+  };
+  // Every parameter of the model, gradients in model.grads().
   AdamW(GPT& model, const OptimConfig& cfg);
+  // The given segments; grads and the moments hold state_elems elements.
+  AdamW(GPT& model, const OptimConfig& cfg, std::vector<Segment> segments, DPtr grads,
+        int64_t state_elems);
   ~AdamW();
   AdamW(const AdamW&) = delete;
   AdamW& operator=(const AdamW&) = delete;
@@ -16,15 +29,20 @@ class AdamW {
   // One update with learning rate lr; gradients are multiplied by grad_scale first (clipping).
   // `step` is the 1-based count of updates, for bias correction.
   void update(float lr, float grad_scale, int64_t step);
-  float weight_decay(const ParamInfo& p) const;
+  static float weight_decay(const OptimConfig& cfg, const ParamInfo& p);
 
+  const std::vector<Segment>& segments() const { return segments_; }
+  DPtr grads() const { return grads_; }
   DPtr m() const { return m_; }
   DPtr v() const { return v_; }
+  int64_t state_elems() const { return state_elems_; }
 
  private:
   GPT& model_;
   OptimConfig cfg_;
-  DPtr m_, v_;
+  std::vector<Segment> segments_;
+  DPtr grads_, m_, v_;
+  int64_t state_elems_;
 };
 
 }  // namespace trainer

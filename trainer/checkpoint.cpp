@@ -25,8 +25,62 @@ constexpr ModelDims kDims[] = {{"vocab_size", &GPTConfig::vocab_size},
 
 }  // namespace
 
-std::string save_checkpoint(const std::string& out_dir, const Config& cfg, const GPT& model,
-                            const AdamW* optimizer, const TrainState& state) {
+ModelState collect_state(const GPT& model, const AdamW* optimizer, Communicator* world,
+                         bool replica_leader, bool sharded_optimizer) {
+  const ParamTable full = gpt2_param_table(model.config());
+  ModelState out;
+  auto tensors = [&] {
+    std::vector<NamedTensor> t;
+    for (const ParamInfo& q : full.params)
+      t.push_back({q.name, q.shape, std::vector<float>(q.logical_numel(), 0.0f)});
+    return t;
+  };
+  out.params = tensors();
+  const int64_t total = model.table().total;
+  if (replica_leader)
+    for (const ParamInfo& p : model.table().params) {
+      if (!p.owned()) continue;
+      const std::vector<float> values = model.read<float>(p, model.params());
+      std::vector<float>& dst = out.params[full.index.at(p.name)].values;
+      for (int64_t i = 0; i < int64_t(values.size()); i++) dst[p.logical_index(i)] = values[i];
+    }
+  if (optimizer) {
+    out.m = tensors();
+    out.v = tensors();
+    // The moments in the flat layout of the parameters, and which elements this rank holds.
+    std::vector<float> m_state(optimizer->state_elems()), v_state(optimizer->state_elems());
+    Kernels& k = model.kernels();
+    k.copy_to_host(m_state.data(), optimizer->m(), optimizer->state_elems());
+    k.copy_to_host(v_state.data(), optimizer->v(), optimizer->state_elems());
+    std::vector<float> m_flat(total), v_flat(total);
+    std::vector<char> held(total, 0);
+    if (sharded_optimizer || replica_leader)
+      for (const AdamW::Segment& s : optimizer->segments())
+        for (int64_t i = 0; i < s.count; i++) {
+          m_flat[s.offset + i] = m_state[s.state_offset + i];
+          v_flat[s.offset + i] = v_state[s.state_offset + i];
+          held[s.offset + i] = 1;
+        }
+    for (const ParamInfo& p : model.table().params) {
+      if (!p.owned()) continue;
+      const size_t at = full.index.at(p.name);
+      for (int64_t i = 0; i < p.local_numel(); i++)
+        if (held[p.offset + i]) {
+          out.m[at].values[p.logical_index(i)] = m_flat[p.offset + i];
+          out.v[at].values[p.logical_index(i)] = v_flat[p.offset + i];
+        }
+    }
+  }
+  if (world && world->size() > 1)
+    for (auto* group : {&out.params, &out.m, &out.v})
+      for (NamedTensor& t : *group)
+        world->all_reduce(DPtr{reinterpret_cast<std::byte*>(t.values.data()), DType::f32},
+                          int64_t(t.values.size()), ReduceOp::sum);
+  return out;
+}
+
+std::string save_checkpoint(const std::string& out_dir, const Config& cfg, const ModelState& model,
+                            const TrainState& state) {
   const fs::path root = fs::path(out_dir) / "checkpoints";
   const std::string name = fmt::format("step_{:08d}", state.step);
   const fs::path final_dir = root / name, tmp_dir = root / (name + ".tmp");
@@ -40,14 +94,10 @@ std::string save_checkpoint(const std::string& out_dir, const Config& cfg, const
     f.set_attr("step", state.step);
     f.set_attr("tokens", state.tokens);
     f.set_attr("config", config_text);
-    for (const auto& d : kDims) f.set_attr(d.name, int64_t(model.config().*d.field));
-    for (const ParamInfo& p : model.table().params) {
-      f.write("params/" + p.name, p.shape, model.read<float>(p, model.params()).data());
-      if (optimizer) {
-        f.write("optim/m/" + p.name, p.shape, model.read<float>(p, optimizer->m()).data());
-        f.write("optim/v/" + p.name, p.shape, model.read<float>(p, optimizer->v()).data());
-      }
-    }
+    for (const auto& d : kDims) f.set_attr(d.name, int64_t(cfg.model.*d.field));
+    for (const NamedTensor& t : model.params) f.write("params/" + t.name, t.shape, t.values.data());
+    for (const NamedTensor& t : model.m) f.write("optim/m/" + t.name, t.shape, t.values.data());
+    for (const NamedTensor& t : model.v) f.write("optim/v/" + t.name, t.shape, t.values.data());
     f.flush();
   }
   write_file_atomic((tmp_dir / "config.toml").string(), config_text);

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "io/config.h"
 #include "io/errors.h"
@@ -24,9 +25,33 @@ struct TrainState {
   int64_t tokens = 0;  // tokens consumed
 };
 
-// Returns the step directory written.
-std::string save_checkpoint(const std::string& out_dir, const Config& cfg, const GPT& model,
-                            const AdamW* optimizer, const TrainState& state);
+// Full logical tensors by parameter name, in table order.
+struct NamedTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::vector<float> values;
+};
+struct ModelState {
+  std::vector<NamedTensor> params, m, v;  // m, v empty without optimizer state
+};
+
+// Assembles the full logical tensors from every rank's shard: each element comes from exactly
+// one rank (the replica leader, dp rank 0, for parameters and unsharded moments; the owner of
+// the ZeRO piece for sharded ones; tp rank 0 for replicated parameters; the first stage for the
+// tied embedding), and a sum over `world` (null: a single process) puts them together. The
+// result is complete on every rank.
+ModelState collect_state(const GPT& model, const AdamW* optimizer, Communicator* world,
+                         bool replica_leader, bool sharded_optimizer);
+
+// Writes `state` (params, and moments when present); returns the step directory written.
+std::string save_checkpoint(const std::string& out_dir, const Config& cfg, const ModelState& model,
+                            const TrainState& state);
+// A single process's model and optimizer.
+inline std::string save_checkpoint(const std::string& out_dir, const Config& cfg, const GPT& model,
+                                   const AdamW* optimizer, const TrainState& state) {
+  return save_checkpoint(out_dir, cfg, collect_state(model, optimizer, nullptr, true, false),
+                         state);
+}
 
 // Accepts a step directory, a checkpoints/ directory or a run directory (via `latest`), or
 // the state.h5 file itself; returns the path of state.h5.

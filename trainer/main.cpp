@@ -9,18 +9,18 @@
 #include <cstdio>
 #include <filesystem>
 
+#include "comm/communicator.h"
 #include "io/config.h"
 #include "io/token_shard.h"
 #include "io/tokenizer.h"
 #include "trainer/blas_setup.h"
 #include "trainer/checkpoint.h"
 #include "trainer/prepare.h"
+#include "trainer/report_error.h"
 #include "trainer/sampler.h"
 #include "trainer/train.h"
 
 namespace {
-
-constexpr int kExitBadInput = 2;
 
 int generate(const std::string& checkpoint, const std::string& prompt, int tokens,
              trainer::SampleOptions opts) {
@@ -91,27 +91,27 @@ int main(int argc, char** argv) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
     fmt::print(stderr, "trainer: error: {} (see trainer --help)\n", e.what());
-    return kExitBadInput;
+    return trainer::kExitBadInput;
   }
 
+  if (*train) {
+    // Under mpirun every process is a rank of one world; a plain process is a world of one.
+    std::unique_ptr<trainer::World> world = trainer::make_mpi_world(&argc, &argv);
+    try {
+      return trainer::train(config_path, overrides, *world);
+    } catch (...) {
+      // An error that not every rank shares (they agree on set-up errors inside train()):
+      // the other ranks may be waiting for this one, so end them all.
+      const int code = trainer::report_error(std::current_exception());
+      if (world->size() > 1) world->abort(code);
+      return code;
+    }
+  }
   try {
-    if (*train) return trainer::train(trainer::load_config(config_path, overrides));
     if (*gen) return generate(checkpoint, prompt, tokens, sample);
     if (*pre) return trainer::prepare(prep);
-  } catch (const trainer::InputError& e) {
-    fmt::print(stderr, "trainer: {} error: {}\n", e.category(), e.what());
-    return kExitBadInput;
-  } catch (const std::filesystem::filesystem_error& e) {
-    fmt::print(stderr, "trainer: file error: {}\n", e.what());
-    return kExitBadInput;
-  } catch (const std::bad_alloc&) {
-    fmt::print(stderr,
-               "trainer: out of memory: the model, batch and optimizer state do not fit "
-               "(reduce train.micro_batch, model.seq_len or the model size)\n");
-    return kExitBadInput;
-  } catch (const std::exception& e) {  // a bug, not bad input: still one line, no abort
-    fmt::print(stderr, "trainer: internal error: {}\n", e.what());
-    return 1;
+  } catch (...) {
+    return trainer::report_error(std::current_exception());
   }
   return 0;
 }

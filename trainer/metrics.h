@@ -15,6 +15,12 @@ struct StepStats {
   // Seconds per phase: waiting for data, forward, backward, norm + optimizer, and the total.
   double data_s = 0, forward_s = 0, backward_s = 0, optimizer_s = 0, total_s = 0;
   double tokens_per_s = 0, mfu = 0;
+  // Communication: time blocked on collectives that compute did not hide (data-parallel buckets
+  // still in flight after backward, tensor-parallel all-reduces, the tied-embedding sync, ZeRO's
+  // gather), bytes this rank sent, and the time its pipeline stage waited for its neighbours
+  // (the measured bubble, with the transfers) as seconds and as a fraction of the step.
+  double comm_s = 0, pipe_wait_s = 0, bubble = 0;
+  int64_t bytes_sent = 0;
 };
 
 class MetricsLog {

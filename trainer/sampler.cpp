@@ -13,8 +13,18 @@ namespace trainer {
 
 std::vector<int32_t> sample_tokens(GPT& model, int max_T, std::vector<int32_t> prompt,
                                    const SampleOptions& opts) {
-  const int V = model.config().vocab_size, Vp = model.config().padded_vocab();
   if (model.dtype() != DType::f32) throw std::invalid_argument("sampling needs an f32 model");
+  const int Vp = model.config().padded_vocab();
+  auto next_logits = [&](const int32_t* context, int T, std::vector<float>& logits) {
+    model.forward(context, nullptr, 1, T);
+    logits.resize(Vp);
+    model.kernels().copy_to_host(logits.data(), model.logits() + int64_t(T - 1) * Vp, Vp);
+  };
+  return sample_tokens(next_logits, model.config().vocab_size, max_T, std::move(prompt), opts);
+}
+
+std::vector<int32_t> sample_tokens(const NextLogits& next_logits, int V, int max_T,
+                                   std::vector<int32_t> prompt, const SampleOptions& opts) {
   for (size_t i = 0; i < prompt.size(); i++)
     if (prompt[i] < 0 || prompt[i] >= V)
       throw ConfigError(fmt::format(
@@ -22,14 +32,13 @@ std::vector<int32_t> sample_tokens(GPT& model, int max_T, std::vector<int32_t> p
           prompt[i], i, V));
   if (prompt.empty()) prompt.push_back(0);
   std::mt19937_64 rng(opts.seed);
-  std::vector<float> logits(Vp);
+  std::vector<float> logits;
   std::vector<double> probs(V);
   std::vector<int32_t> out;
   for (int i = 0; i < opts.tokens; i++) {
     const int T = std::min<int>(int(prompt.size()), max_T);
     const int32_t* context = prompt.data() + prompt.size() - T;
-    model.forward(context, nullptr, 1, T);
-    model.kernels().copy_to_host(logits.data(), model.logits() + int64_t(T - 1) * Vp, Vp);
+    next_logits(context, T, logits);
     double mx = *std::max_element(logits.begin(), logits.begin() + V);
     double cutoff = -INFINITY;
     if (opts.top_k > 0 && opts.top_k < V) {

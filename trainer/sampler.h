@@ -1,5 +1,6 @@
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -18,5 +19,11 @@ struct SampleOptions {
 // context window (the last min(len, max_T) tokens). Deterministic in (weights, prompt, opts).
 std::vector<int32_t> sample_tokens(GPT& model, int max_T, std::vector<int32_t> prompt,
                                    const SampleOptions& opts);
+
+// The same with the model behind a function that gives the (padded) vocabulary's logits of the
+// token after context[0, T): a pipeline of model shards, say.
+using NextLogits = std::function<void(const int32_t* context, int T, std::vector<float>& logits)>;
+std::vector<int32_t> sample_tokens(const NextLogits& next_logits, int vocab_size, int max_T,
+                                   std::vector<int32_t> prompt, const SampleOptions& opts);
 
 }  // namespace trainer

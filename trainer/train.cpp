@@ -3,11 +3,15 @@
 #include <fmt/format.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
+#include <map>
+#include <optional>
 
+#include "comm/grad_reducer.h"
+#include "comm/parallel_dims.h"
 #include "io/atomic_file.h"
 #include "io/dataset.h"
 #include "io/tokenizer.h"
@@ -18,6 +22,8 @@
 #include "trainer/lr_schedule.h"
 #include "trainer/metrics.h"
 #include "trainer/peak_flops.h"
+#include "trainer/pipeline.h"
+#include "trainer/report_error.h"
 #include "trainer/sampler.h"
 
 namespace trainer {
@@ -27,54 +33,233 @@ using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
+DPtr host(double* x) {
+  return {reinterpret_cast<std::byte*>(x), DType::f64};
+}
+
+// This rank's communicators, one per group it belongs to.
+struct Groups {
+  std::unique_ptr<Communicator> dp, tp, pp;
+  std::unique_ptr<Communicator> emb;           // first and last stage: the tied embedding
+  std::unique_ptr<Communicator> intra, inter;  // hierarchical reduction: dp split by node
+};
+
+// The data-parallel peers split by node: those on this rank's node, and those on other nodes
+// at the same position within theirs. Every node must hold the same number of peers.
+std::pair<std::vector<int>, std::vector<int>> split_by_node(const std::vector<int>& peers, int rank,
+                                                            const std::function<int(int)>& node) {
+  std::map<int, std::vector<int>> by_node;
+  std::vector<int> node_order;
+  for (int r : peers) {
+    if (!by_node.count(node(r))) node_order.push_back(node(r));
+    by_node[node(r)].push_back(r);
+  }
+  const std::vector<int>& mine = by_node[node(rank)];
+  for (const auto& [n, members] : by_node)
+    if (members.size() != mine.size())
+      throw ConfigError(fmt::format(
+          "[parallel] allreduce = \"hierarchical\" needs the same number of data-parallel ranks "
+          "on every node, found {} on node {} and {} on node {} (set ranks_per_node)",
+          mine.size(), node(rank), members.size(), n));
+  const size_t position = std::find(mine.begin(), mine.end(), rank) - mine.begin();
+  std::vector<int> across;
+  for (int n : node_order) across.push_back(by_node[n][position]);
+  return {mine, across};
+}
+
+Groups make_groups(World& world, const ParallelDims& dims, const ParallelConfig& pc) {
+  const int rank = world.rank();
+  Groups g;
+  g.dp = world.group(dims.group(Axis::dp, rank));
+  g.tp = world.group(dims.group(Axis::tp, rank));
+  g.pp = world.group(dims.group(Axis::pp, rank));
+  const std::vector<int> stages = dims.group(Axis::pp, rank);
+  const RankCoords me = dims.coords(rank);
+  const bool ends = me.pp == 0 || me.pp == dims.pp() - 1;
+  g.emb = world.group(dims.pp() > 1 && ends ? std::vector<int>{stages.front(), stages.back()}
+                                            : std::vector<int>{rank});
+  if (pc.allreduce == "hierarchical") {
+    auto node = [&](int r) {
+      return pc.ranks_per_node > 0 ? r / pc.ranks_per_node : world.node_of(r);
+    };
+    auto [intra, inter] = split_by_node(dims.group(Axis::dp, rank), rank, node);
+    g.intra = world.group(intra);
+    g.inter = world.group(inter);
+  }
+  return g;
+}
+
+// A run of elements of one parameter in this rank's part of the flat buffers: all of them, or
+// (ZeRO-1) the pieces of the data-parallel shard. Its gradient and optimizer state live at
+// shard_offset.
+struct Span {
+  int64_t offset, count, shard_offset;
+  const ParamInfo* param;
+};
+
+std::vector<Span> whole_spans(const ParamTable& table) {
+  std::vector<Span> spans;
+  for (const ParamInfo& p : table.params) spans.push_back({p.offset, p.numel, p.offset, &p});
+  return spans;
+}
+
+std::vector<Span> shard_spans(const ParamTable& table,
+                              const std::vector<GradReducer::Piece>& pieces) {
+  std::vector<Span> spans;
+  for (const GradReducer::Piece& piece : pieces)
+    for (const ParamInfo& p : table.params) {
+      const int64_t lo = std::max(piece.offset, p.offset);
+      const int64_t hi = std::min(piece.offset + piece.count, p.offset + p.numel);
+      if (lo < hi) spans.push_back({lo, hi - lo, piece.shard_offset + (lo - piece.offset), &p});
+    }
+  return spans;
+}
+
+std::vector<AdamW::Segment> optimizer_segments(const std::vector<Span>& spans,
+                                               const OptimConfig& cfg) {
+  std::vector<AdamW::Segment> segments;
+  for (const Span& s : spans)
+    segments.push_back({s.offset, s.count, s.shard_offset, AdamW::weight_decay(cfg, *s.param)});
+  return segments;
+}
+
+int threads_per_rank(const Config& cfg, const World& world) {
+  if (cfg.run.threads > 0) return cfg.run.threads;
+  return std::max(1, omp_get_num_procs() / world.local_size());
+}
 
 // Everything a step touches, built once.
 struct Run {
   const Config& cfg;
+  World& world;
+  ParallelDims dims;
+  RankCoords me;
+  Groups groups;
   std::unique_ptr<Kernels> kernels;
   Dataset train_data, val_data;
   GPT model;
+  GradReducer reducer;
+  std::vector<Span> spans;  // what this rank updates and sums into the gradient norm
   AdamW optimizer;
   DataLoader loader;
+  Pipeline pipe;
   double flops_per_token;  // 6N + 12 L C T, as PaLM/nanoGPT count them
-  double peak_flops;
+  double peak_flops = 0;   // per rank
 
-  Run(const Config& c, std::unique_ptr<Kernels> k)
+  static GPTOptions model_options(const Config& c, const RankCoords& me, const ParallelDims& dims,
+                                  Communicator* tp) {
+    GPTOptions o;
+    o.shard = ModelShard::make(c.model, me.tp, dims.tp(), me.pp, dims.pp());
+    o.tp = tp;
+    o.slots = Pipeline::slots(me.pp, dims.pp(), c.train.grad_accum);
+    o.total_multiple = 16 * int64_t(dims.dp());
+    return o;
+  }
+
+  Run(const Config& c, World& w)
       : cfg(c),
-        kernels(std::move(k)),
+        world(w),
+        dims(ParallelDims::make(w.size(), c.parallel.dp, c.parallel.tp, c.parallel.pp,
+                                c.parallel.order, c.model)),
+        me(dims.coords(w.rank())),
+        groups(make_groups(w, dims, c.parallel)),
+        kernels(make_cpu_kernels()),
         train_data(c.data.train, c.model.vocab_size, c.model.seq_len),
         val_data(c.data.val, c.model.vocab_size, c.model.seq_len),
-        model(c.model, *kernels, DType::f32, c.train.micro_batch, c.model.seq_len),
-        optimizer(model, c.optim),
+        model(c.model, *kernels, DType::f32, c.train.micro_batch, c.model.seq_len,
+              model_options(c, me, dims, groups.tp.get())),
+        reducer(*kernels, model.grads(), model.params(), model.table().total, *groups.dp,
+                groups.intra.get(), groups.inter.get(),
+                {int64_t(c.parallel.bucket_mb * (1 << 20) / 4), c.parallel.overlap,
+                 c.parallel.zero == 1}),
+        spans(c.parallel.zero ? shard_spans(model.table(), reducer.pieces())
+                              : whole_spans(model.table())),
+        optimizer(model, c.optim, optimizer_segments(spans, c.optim),
+                  c.parallel.zero ? reducer.shard_grads() : model.grads(),
+                  c.parallel.zero ? reducer.shard_elems() : model.table().total),
         loader(train_data, c.train.micro_batch, c.model.seq_len, c.train.grad_accum, c.run.seed,
-               c.data.prefetch, 0),
+               c.data.prefetch, 0, me.dp, dims.dp()),
+        pipe(model, *groups.pp, groups.tp.get(), c.train.grad_accum, c.train.micro_batch,
+             c.model.seq_len),
         flops_per_token(6.0 * double(gpt2_flop_params(c.model)) +
-                        12.0 * c.model.n_layer * c.model.d_model * c.model.seq_len),
-        peak_flops(c.run.peak_tflops > 0 ? c.run.peak_tflops * 1e12 : measure_sgemm_flops()) {}
+                        12.0 * c.model.n_layer * c.model.d_model * c.model.seq_len) {}
+
+  bool replica_leader() const { return me.dp == 0; }
+  std::vector<Communicator*> hidden_groups() const {  // whose blocked time is exposed comm
+    std::vector<Communicator*> v = {groups.dp.get(), groups.tp.get(), groups.emb.get()};
+    if (groups.intra) v.insert(v.end(), {groups.intra.get(), groups.inter.get()});
+    return v;
+  }
 };
 
-// One optimizer step: micro-batches forward and backward, then norm, clip, update.
+// Runs the set-up on every rank. If it fails anywhere, every rank learns it, the first failing
+// rank prints its error, and all return its exit code: no rank is left waiting in a collective.
+template <class F>
+std::optional<int> agree_on_setup(World& world, F&& setup) {
+  std::exception_ptr error;
+  try {
+    setup();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  if (world.size() == 1) {
+    if (error) return report_error(error);
+    return std::nullopt;
+  }
+  double first_failed = error ? world.size() - world.rank() : 0;  // max = lowest failing rank
+  world.comm().all_reduce(host(&first_failed), 1, ReduceOp::max);
+  if (first_failed == 0) return std::nullopt;
+  const int failed_rank = world.size() - int(first_failed);
+  double code = 0;
+  if (world.rank() == failed_rank) code = report_error(error);
+  world.comm().broadcast(host(&code), 1, failed_rank);
+  return int(code);
+}
+
+// One optimizer step: the micro-batches through the pipeline, gradient reduction, the global
+// norm, clipping and the update.
 StepStats train_step(Run& run, int64_t step) {
   const Config& cfg = run.cfg;
-  const int B = cfg.train.micro_batch, T = cfg.model.seq_len, accum = cfg.train.grad_accum;
+  const int B = cfg.train.micro_batch, T = cfg.model.seq_len, M = cfg.train.grad_accum;
+  const int dp = run.dims.dp();
   StepStats s;
   s.step = step;
   const auto t_step = Clock::now();
+  std::vector<Communicator::Traffic> before;
+  std::vector<Communicator*> all = run.hidden_groups();
+  all.push_back(run.groups.pp.get());
+  for (Communicator* c : all) before.push_back(c->traffic());
 
   run.model.zero_grad();
-  for (int micro = 0; micro < accum; micro++) {
-    const Batch& batch = run.loader.next();
-    auto t0 = Clock::now();
-    s.loss += run.model.forward(batch.inputs.data(), batch.targets.data(), B, T) / accum;
-    s.forward_s += seconds_since(t0);
-    t0 = Clock::now();
-    run.model.backward(1.0f / float(accum));
-    s.backward_s += seconds_since(t0);
-  }
+  PipeTimes times;
+  const double loss_sum = run.pipe.step([&]() -> const Batch& { return run.loader.next(); },
+                                        1.0f / float(M * dp), [&] { run.reducer.arm(); }, times);
+  s.forward_s = times.forward_s;
+  s.backward_s = times.backward_s;
   s.data_s = run.loader.take_wait_seconds();
 
+  // The tied embedding's two copies (first and last stage) get the sum of both gradients.
+  if (run.groups.emb->size() > 1) {
+    const ParamInfo& wte = run.model.table().at("wte.weight");
+    run.groups.emb->all_reduce(run.model.grad(wte), wte.numel, ReduceOp::sum);
+  }
+  run.reducer.ready(0);
+  run.reducer.finish();
+
   const auto t_opt = Clock::now();
-  s.grad_norm = std::sqrt(run.kernels->sum_squares(run.model.grads(), run.model.table().total));
+  // The step's mean loss and squared gradient norm, summed over the world: each loss once per
+  // data-parallel replica, each gradient element once.
+  const bool zero = cfg.parallel.zero == 1;
+  const DPtr grads = run.optimizer.grads();
+  double sums[2] = {0, 0};
+  if (run.model.shard().last_stage() && run.me.tp == 0) sums[0] = loss_sum / M / dp;
+  if (zero || run.replica_leader())
+    for (const Span& span : run.spans)
+      if (span.param->owned())
+        sums[1] += run.kernels->sum_squares(grads + span.shard_offset, span.count);
+  run.world.comm().all_reduce(host(sums), 2, ReduceOp::sum);
+  s.loss = sums[0];
+  s.grad_norm = std::sqrt(sums[1]);
   s.lr = lr_at(cfg.optim, step, cfg.train.steps);
   s.skipped = !std::isfinite(s.loss) || !std::isfinite(s.grad_norm);
   if (!s.skipped) {
@@ -82,13 +267,21 @@ StepStats train_step(Run& run, int64_t step) {
     const float clip =
         max_norm > 0 && s.grad_norm > max_norm ? float(max_norm / s.grad_norm) : 1.0f;
     run.optimizer.update(float(s.lr), clip, step + 1);
+    run.reducer.gather_params();
   }
   s.optimizer_s = seconds_since(t_opt);
 
+  for (size_t i = 0; i < all.size(); i++) {
+    const Communicator::Traffic now = all[i]->traffic();
+    s.bytes_sent += now.bytes_sent - before[i].bytes_sent;
+    const double waited = now.wait_s - before[i].wait_s;
+    (all[i] == run.groups.pp.get() ? s.pipe_wait_s : s.comm_s) += waited;
+  }
   s.total_s = seconds_since(t_step);
-  const double tokens = double(B) * T * accum;
+  s.bubble = s.pipe_wait_s / s.total_s;
+  const double tokens = double(B) * T * M * dp;
   s.tokens_per_s = tokens / s.total_s;
-  s.mfu = run.flops_per_token * s.tokens_per_s / run.peak_flops;
+  s.mfu = run.flops_per_token * s.tokens_per_s / (run.peak_flops * run.world.size());
   return s;
 }
 
@@ -98,7 +291,7 @@ double validation_loss(Run& run) {
   double total = 0;
   for (int i = 0; i < run.cfg.train.val_batches; i++) {
     validation_batch(run.val_data, i, B, T, batch);
-    total += run.model.forward(batch.inputs.data(), batch.targets.data(), B, T);
+    total += run.pipe.evaluate(batch.inputs.data(), batch.targets.data(), B, T);
   }
   return total / run.cfg.train.val_batches;
 }
@@ -106,64 +299,124 @@ double validation_loss(Run& run) {
 std::string sample_text(Run& run, int64_t step) {
   SampleOptions opts{run.cfg.train.sample_tokens, run.cfg.train.sample_temperature,
                      run.cfg.train.sample_top_k, run.cfg.run.seed + uint64_t(step)};
-  return byte_decode(sample_tokens(run.model, run.cfg.model.seq_len,
+  auto next_logits = [&](const int32_t* context, int T, std::vector<float>& logits) {
+    run.pipe.next_logits(context, T, logits);
+  };
+  return byte_decode(sample_tokens(next_logits, run.cfg.model.vocab_size, run.cfg.model.seq_len,
                                    byte_encode(run.cfg.train.sample_prompt), opts));
+}
+
+double megabytes(int64_t elems) {
+  return double(elems) * 4 / (1 << 20);
+}
+
+void print_start(const Run& run) {
+  const Config& cfg = run.cfg;
+  const ParallelDims& dims = run.dims;
+  fmt::print("trainer {} | run {} | device cpu, {} ranks x {} threads, OpenBLAS {} kernels\n",
+             TRAINER_VERSION, cfg.run.name, run.world.size(), omp_get_max_threads(),
+             blas_core_name());
+  fmt::print(
+      "model: {} layers, {} heads, d_model {}, seq_len {}, vocab {} (padded {}), {:.2f}M params\n",
+      cfg.model.n_layer, cfg.model.n_head, cfg.model.d_model, cfg.model.seq_len,
+      cfg.model.vocab_size, cfg.model.padded_vocab(),
+      double(gpt2_param_table(cfg.model).total) / 1e6);
+  const int64_t tokens_per_step =
+      int64_t(cfg.train.micro_batch) * cfg.model.seq_len * cfg.train.grad_accum * dims.dp();
+  fmt::print(
+      "data: {} train tokens ({} windows), {} val tokens | batch {} x {} x {} micro-batches x dp "
+      "{} = {} tokens/step\n",
+      run.train_data.tokens(), run.train_data.windows(), run.val_data.tokens(),
+      cfg.train.micro_batch, cfg.model.seq_len, cfg.train.grad_accum, dims.dp(), tokens_per_step);
+  fmt::print(
+      "parallel: dp {} x tp {} x pp {} (order {}), zero {}, {} all-reduce, {} buckets of "
+      "{} MB, overlap {}, 1F1B bubble {:.1f}% ({} stages, {} micro-batches)\n",
+      dims.dp(), dims.tp(), dims.pp(), cfg.parallel.order, cfg.parallel.zero,
+      cfg.parallel.allreduce, run.reducer.buckets(), cfg.parallel.bucket_mb,
+      cfg.parallel.overlap ? "on" : "off", 100 * pipeline_bubble(dims.pp(), cfg.train.grad_accum),
+      dims.pp(), cfg.train.grad_accum);
+  fmt::print("{}", dims.describe());
+  for (int r = 0; r < dims.world(); r++) {
+    const RankCoords c = dims.coords(r);
+    fmt::print("  rank {}: dp {} tp {} pp {} on {} (node {})\n", r, c.dp, c.tp, c.pp,
+               run.world.host_of(r), run.world.node_of(r));
+  }
+  const int64_t params = run.model.table().total;
+  fmt::print(
+      "memory per rank (rank 0): params {:.2f} MB, grads {:.2f} MB, optimizer state {:.2f} MB"
+      "{}\n",
+      megabytes(params), megabytes(params), megabytes(2 * run.optimizer.state_elems()),
+      cfg.parallel.zero
+          ? fmt::format(" (ZeRO-1: 1/{} of {:.2f} MB, + {:.2f} MB gradient shard)", dims.dp(),
+                        megabytes(2 * params), megabytes(run.reducer.shard_elems()))
+          : "");
+  fmt::print("MFU peak: {:.1f} GFLOP/s per rank ({}), {:.1f} MFLOP/token\n", run.peak_flops / 1e9,
+             cfg.run.peak_tflops > 0 ? "configured" : "measured sgemm", run.flops_per_token / 1e6);
 }
 
 }  // namespace
 
-int train(const Config& cfg) {
-  if (cfg.run.threads > 0) omp_set_num_threads(cfg.run.threads);
-  // Inputs are validated (data files opened and checked) before anything is written.
-  Run run(cfg, make_cpu_kernels());
+int train(const std::string& config_path, const std::vector<std::string>& overrides, World& world) {
+  // Inputs are validated (config, layout, data files) before anything is written.
+  Config cfg;
+  std::unique_ptr<Run> run_ptr;
+  if (auto failed = agree_on_setup(world, [&] {
+        cfg = load_config(config_path, overrides);
+        omp_set_num_threads(threads_per_rank(cfg, world));
+        run_ptr = std::make_unique<Run>(cfg, world);
+      }))
+    return *failed;
+  Run& run = *run_ptr;
+  const bool leader = world.rank() == 0;
+
+  // One rank measures the sgemm peak while the others wait, so that they do not compete.
+  double peak = cfg.run.peak_tflops * 1e12;
+  if (peak <= 0) {
+    if (leader) peak = measure_sgemm_flops();
+    world.comm().broadcast(host(&peak), 1, 0);
+  }
+  run.peak_flops = peak;
 
   namespace fs = std::filesystem;
-  fs::create_directories(cfg.run.out_dir);
-  write_file_atomic((fs::path(cfg.run.out_dir) / "config.toml").string(), config_to_toml(cfg));
-  MetricsLog log((fs::path(cfg.run.out_dir) / "metrics.jsonl").string());
-
-  const int64_t params = run.model.table().total;
-  fmt::print("trainer {} | run {} | device cpu, {} threads, OpenBLAS {} kernels\n", TRAINER_VERSION,
-             cfg.run.name, omp_get_max_threads(), blas_core_name());
-  fmt::print(
-      "model: {} layers, {} heads, d_model {}, seq_len {}, vocab {} (padded {}), {:.2f}M params\n",
-      cfg.model.n_layer, cfg.model.n_head, cfg.model.d_model, cfg.model.seq_len,
-      cfg.model.vocab_size, cfg.model.padded_vocab(), double(params) / 1e6);
-  fmt::print(
-      "data: {} train tokens ({} windows), {} val tokens | batch {} x {} x accum {} = {} "
-      "tokens/step\n",
-      run.train_data.tokens(), run.train_data.windows(), run.val_data.tokens(),
-      cfg.train.micro_batch, cfg.model.seq_len, cfg.train.grad_accum,
-      int64_t(cfg.train.micro_batch) * cfg.model.seq_len * cfg.train.grad_accum);
-  fmt::print("MFU peak: {:.1f} GFLOP/s ({}), {:.1f} MFLOP/token\n", run.peak_flops / 1e9,
-             cfg.run.peak_tflops > 0 ? "configured" : "measured sgemm", run.flops_per_token / 1e6);
+  std::optional<MetricsLog> log;
+  if (leader) {
+    fs::create_directories(cfg.run.out_dir);
+    write_file_atomic((fs::path(cfg.run.out_dir) / "config.toml").string(), config_to_toml(cfg));
+    log.emplace((fs::path(cfg.run.out_dir) / "metrics.jsonl").string());
+    print_start(run);
+  }
 
   run.model.init_parameters(cfg.run.seed);
   const int64_t tokens_per_step =
-      int64_t(cfg.train.micro_batch) * cfg.model.seq_len * cfg.train.grad_accum;
+      int64_t(cfg.train.micro_batch) * cfg.model.seq_len * cfg.train.grad_accum * run.dims.dp();
   auto evaluate = [&](int64_t step) {
     const double val = validation_loss(run);
+    if (!leader) return;
     fmt::print("step {:6d} | val loss {:.4f}\n", step, val);
-    log.event({{"step", step}, {"val_loss", val}});
+    log->event({{"step", step}, {"val_loss", val}});
   };
   auto sample = [&](int64_t step) {
     const std::string text = sample_text(run, step);
+    if (!leader) return;
     fmt::print("step {:6d} | sample:\n{}{}\n---\n", step, cfg.train.sample_prompt, text);
-    log.event({{"step", step}, {"sample", text}});
+    log->event({{"step", step}, {"sample", text}});
   };
   auto checkpoint = [&](int64_t step) {
     const auto t0 = Clock::now();
-    const std::string dir = save_checkpoint(cfg.run.out_dir, cfg, run.model, &run.optimizer,
-                                            {step, step * tokens_per_step});
+    const ModelState state = collect_state(run.model, &run.optimizer, &world.comm(),
+                                           run.replica_leader(), cfg.parallel.zero == 1);
+    if (!leader) return;
+    const std::string dir =
+        save_checkpoint(cfg.run.out_dir, cfg, state, {step, step * tokens_per_step});
     fmt::print("step {:6d} | checkpoint {} ({:.0f} ms)\n", step, dir, seconds_since(t0) * 1e3);
-    log.event({{"step", step}, {"checkpoint", dir}});
+    log->event({{"step", step}, {"checkpoint", dir}});
   };
 
   for (int64_t step = 0; step < cfg.train.steps; step++) {
     if (cfg.train.val_every > 0 && step % cfg.train.val_every == 0) evaluate(step);
     if (cfg.train.sample_every > 0 && step % cfg.train.sample_every == 0) sample(step);
     const StepStats stats = train_step(run, step);
-    log.step(stats, step % cfg.train.log_every == 0 || step + 1 == cfg.train.steps);
+    if (leader) log->step(stats, step % cfg.train.log_every == 0 || step + 1 == cfg.train.steps);
     if (cfg.train.checkpoint_every > 0 && (step + 1) % cfg.train.checkpoint_every == 0 &&
         step + 1 < cfg.train.steps)
       checkpoint(step + 1);

@@ -1,10 +1,16 @@
 #pragma once
+#include <string>
+#include <vector>
+
+#include "comm/communicator.h"
 #include "io/config.h"
 
 namespace trainer {
 
-// Trains the model `cfg` describes; writes config.toml, metrics.jsonl and checkpoints to
-// cfg.run.out_dir. Returns the process exit code.
-int train(const Config& cfg);
+// Trains the model the config at `config_path` (with `overrides`) describes, on every rank of
+// `world`, in the [parallel] layout. Rank 0 writes config.toml, metrics.jsonl and checkpoints
+// to run.out_dir and prints the log. Set-up errors (config, data, layout) are agreed on: every
+// rank returns exit code 2 and the first failing rank prints the error. Returns the exit code.
+int train(const std::string& config_path, const std::vector<std::string>& overrides, World& world);
 
 }  // namespace trainer

@@ -1,0 +1,84 @@
+#pragma once
+// Data-parallel gradient reduction in buckets, overlapped with backward.
+//
+// The flat gradient buffer is cut, from its end, into buckets of about bucket_elems: backward
+// produces gradients from the last layer to the first, so the buckets fill in that order. As
+// backward reports that every gradient above an offset is final (ready()), each bucket it
+// completes is started as a non-blocking collective, and the ones in flight are driven on
+// (MPI progresses non-blocking collectives only inside MPI calls). finish() waits for the rest.
+//
+// Plain data parallelism all-reduces each bucket. ZeRO-1 (shard = true) reduce-scatters it
+// instead: every rank keeps one dp-th of each bucket, updates those elements only, and
+// gather_params() all-gathers the updated parameters. Hierarchically (intra and inter given),
+// a bucket is first reduce-scattered among the ranks of one node, the parts are reduced across
+// nodes between the ranks that hold the same part, and gathered back inside the node: the
+// traffic between nodes shrinks by the ranks-per-node factor.
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "kernels/kernels.h"
+
+namespace trainer {
+
+struct ReducerOptions {
+  int64_t bucket_elems = 1 << 20;
+  bool overlap = true;  // start buckets during backward; else all at finish()
+  bool shard = false;   // ZeRO-1
+};
+
+class GradReducer {
+ public:
+  // grads and params: the flat buffers, `total` elements, a multiple of 16 x dp.size().
+  // intra and inter: the data-parallel group split by node (both or neither).
+  GradReducer(Kernels& k, DPtr grads, DPtr params, int64_t total, Communicator& dp,
+              Communicator* intra, Communicator* inter, const ReducerOptions& options);
+  ~GradReducer();
+  GradReducer(const GradReducer&) = delete;
+  GradReducer& operator=(const GradReducer&) = delete;
+
+  // The next backward produces the gradients to reduce (the last micro-batch of a step).
+  void arm() { armed_ = true; }
+  // Every gradient at or above `frontier` is final: start the buckets that completes.
+  void ready(int64_t frontier);
+  // Starts what is left and waits for all of it. Afterwards the gradients are summed over the
+  // data-parallel group: in place, or (shard) in shard_grads().
+  void finish();
+
+  // ZeRO-1: this rank's part of each bucket, where it lives in the flat buffers and in the
+  // shard buffers (shard_grads(), and the optimizer's state).
+  struct Piece {
+    int64_t offset, count, shard_offset;
+  };
+  const std::vector<Piece>& pieces() const { return pieces_; }
+  int64_t shard_elems() const { return shard_elems_; }
+  DPtr shard_grads() const { return shard_; }
+  // All-gathers each bucket's pieces of the parameters (after the update of this rank's).
+  void gather_params();
+
+  int buckets() const { return int(buckets_.size()); }
+
+ private:
+  using Step = std::function<Request()>;
+  struct Bucket {
+    int64_t begin, count;
+    std::vector<Step> reduce, gather;
+    size_t next = 0;  // steps of the running chain started so far
+    Request pending;
+    bool launched = false;
+  };
+  void launch(Bucket& b);
+  void progress();
+  static void run_chain(Bucket& b, const std::vector<Step>& chain);
+
+  Kernels& k_;
+  ReducerOptions opts_;
+  std::vector<Bucket> buckets_;  // from the end of the buffer to its start
+  std::vector<Piece> pieces_;
+  DPtr scratch_, shard_;
+  int64_t shard_elems_ = 0;
+  bool armed_ = false;
+};
+
+}  // namespace trainer

@@ -1,0 +1,106 @@
+#include "trainer/pipeline.h"
+
+#include <algorithm>
+#include <chrono>
+
+namespace trainer {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+// Activations and gradients of micro-batch m travel under their own tags.
+int forward_tag(int m) {
+  return 2 * m;
+}
+int backward_tag(int m) {
+  return 2 * m + 1;
+}
+DPtr host(double* x) {
+  return {reinterpret_cast<std::byte*>(x), DType::f64};
+}
+DPtr host(float* x) {
+  return {reinterpret_cast<std::byte*>(x), DType::f32};
+}
+
+}  // namespace
+
+int Pipeline::slots(int stage, int stages, int micro_batches) {
+  return std::max(1, std::min(stages - stage, micro_batches));
+}
+
+Pipeline::Pipeline(GPT& model, Communicator& pp, Communicator* tp, int micro_batches, int B, int T)
+    : model_(model),
+      pp_(pp),
+      tp_(tp),
+      micro_batches_(micro_batches),
+      B_(B),
+      T_(T),
+      slots_(slots(pp.rank(), pp.size(), micro_batches)),
+      actions_(one_f_one_b(pp.rank(), pp.size(), micro_batches)),
+      output_sends_(slots_) {}
+
+double Pipeline::step(const std::function<const Batch&()>& next_batch, float loss_scale,
+                      const std::function<void()>& before_last_backward, PipeTimes& times) {
+  const int64_t activation = int64_t(B_) * T_ * model_.config().d_model;
+  double loss = 0;
+  for (const PipeAction& a : actions_) {
+    const int slot = a.micro % slots_;
+    if (a.kind == PipeAction::forward) {
+      const Batch& batch = next_batch();
+      output_sends_[slot].wait();  // its buffer is about to be rewritten
+      if (a.recv >= 0) pp_.recv(model_.input(slot), activation, a.recv, forward_tag(a.micro));
+      const auto t0 = Clock::now();
+      loss += model_.forward(slot, batch.inputs.data(), batch.targets.data(), B_, T_);
+      times.forward_s += seconds_since(t0);
+      if (a.send >= 0)
+        output_sends_[slot] =
+            pp_.isend(model_.output(slot), activation, a.send, forward_tag(a.micro));
+    } else {
+      grad_send_.wait();
+      if (a.recv >= 0) pp_.recv(model_.grad_io(), activation, a.recv, backward_tag(a.micro));
+      if (a.micro == micro_batches_ - 1) before_last_backward();
+      const auto t0 = Clock::now();
+      model_.backward(slot, loss_scale);
+      times.backward_s += seconds_since(t0);
+      if (a.send >= 0)
+        grad_send_ = pp_.isend(model_.grad_io(), activation, a.send, backward_tag(a.micro));
+    }
+  }
+  for (Request& r : output_sends_) r.wait();
+  grad_send_.wait();
+  return loss;
+}
+
+double Pipeline::evaluate(const int32_t* tokens, const int32_t* targets, int B, int T) {
+  const int64_t activation = int64_t(B) * T * model_.config().d_model;
+  const int stage = pp_.rank(), last = pp_.size() - 1;
+  if (stage > 0) pp_.recv(model_.input(0), activation, stage - 1, 0);
+  double loss = model_.forward(0, tokens, targets, B, T);
+  if (stage < last) pp_.send(model_.output(0), activation, stage + 1, 0);
+  pp_.broadcast(host(&loss), 1, last);
+  return loss;
+}
+
+void Pipeline::next_logits(const int32_t* context, int T, std::vector<float>& out) {
+  const int64_t activation = int64_t(T) * model_.config().d_model;
+  const int stage = pp_.rank(), last = pp_.size() - 1;
+  const VocabSlice vocab = model_.vocab();
+  out.resize(size_t(vocab.width) * (tp_ ? tp_->size() : 1));
+  if (stage > 0) pp_.recv(model_.input(0), activation, stage - 1, 0);
+  model_.forward(0, context, nullptr, 1, T);
+  if (stage < last) pp_.send(model_.output(0), activation, stage + 1, 0);
+  if (stage == last) {
+    std::vector<float> mine(vocab.width);
+    model_.kernels().copy_to_host(mine.data(), model_.logits(0) + int64_t(T - 1) * vocab.width,
+                                  vocab.width);
+    if (tp_)
+      tp_->all_gather(host(mine.data()), host(out.data()), vocab.width);
+    else
+      out = mine;
+  }
+  pp_.broadcast(host(out.data()), int64_t(out.size()), last);
+}
+
+}  // namespace trainer

@@ -1,0 +1,52 @@
+#pragma once
+// Runs one model stage through a step: the 1F1B action list of pipeline_schedule.h, executed
+// with activations and their gradients passed to the neighbouring stages by send/recv. With
+// one stage it is plain gradient accumulation: forward, backward, forward, backward, ...
+#include <functional>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "io/dataset.h"
+#include "model/gpt.h"
+#include "trainer/pipeline_schedule.h"
+
+namespace trainer {
+
+struct PipeTimes {
+  double forward_s = 0, backward_s = 0;
+};
+
+class Pipeline {
+ public:
+  // Activation slots the stage needs: at most stages - stage micro-batches are in flight.
+  static int slots(int stage, int stages, int micro_batches);
+
+  // pp: the pipeline group (stage = rank); tp: the tensor-parallel group, or null.
+  Pipeline(GPT& model, Communicator& pp, Communicator* tp, int micro_batches, int B, int T);
+
+  // One step's forwards and backwards over the micro-batches. next_batch() is called once per
+  // micro-batch, in order; before_last_backward() just before this stage's last backward
+  // (whose gradients are final for the step). Returns the sum of the micro-batches' mean
+  // losses on the last stage, 0 elsewhere.
+  double step(const std::function<const Batch&()>& next_batch, float loss_scale,
+              const std::function<void()>& before_last_backward, PipeTimes& times);
+
+  // Forward only: the mean loss of (tokens, targets), on every stage.
+  double evaluate(const int32_t* tokens, const int32_t* targets, int B, int T);
+  // The padded-vocab logits of the token after context(T), on every rank of the pipeline and
+  // tensor-parallel groups (a sampler's input).
+  void next_logits(const int32_t* context, int T, std::vector<float>& out);
+
+  const std::vector<PipeAction>& actions() const { return actions_; }
+
+ private:
+  GPT& model_;
+  Communicator& pp_;
+  Communicator* tp_;
+  int micro_batches_, B_, T_, slots_;
+  std::vector<PipeAction> actions_;
+  std::vector<Request> output_sends_;  // per slot
+  Request grad_send_;
+};
+
+}  // namespace trainer

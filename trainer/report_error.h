@@ -1,0 +1,13 @@
+#pragma once
+// Every failure ends with one line on stderr and an exit code: 2 for bad input (config, data,
+// checkpoint, files, memory), 1 for internal errors.
+#include <exception>
+
+namespace trainer {
+
+constexpr int kExitBadInput = 2;
+
+// Prints the error's line and returns its exit code.
+int report_error(const std::exception_ptr& error);
+
+}  // namespace trainer
