@@ -64,6 +64,9 @@ class Communicator {
   virtual Request isend(DPtr buf, int64_t n, int peer, int tag) = 0;
   virtual Request irecv(DPtr buf, int64_t n, int peer, int tag) = 0;
   virtual void barrier() = 0;
+  // A new communicator over the same ranks (collective): collectives issued on it are ordered
+  // independently of this one's.
+  virtual std::unique_ptr<Communicator> dup() = 0;
 
   // What this rank sent (bytes a ring or tree algorithm moves out of it) and how long it was
   // blocked in wait(), since the communicator was made: the communication cost that compute

@@ -22,6 +22,8 @@ GradReducer::GradReducer(Kernels& k, DPtr grads, DPtr params, int64_t total, Com
   shard_elems_ = total / P;
   shard_ = k.alloc(shard_elems_, grads.dtype);
   if (hier) scratch_ = k.alloc(total / L, grads.dtype);
+  if (hier && !options.shard) intra_gather_ = intra->dup();
+  Communicator* gather = intra_gather_.get();
   for (int64_t end = total; end > 0; end -= bucket) {
     const int64_t begin = std::max<int64_t>(0, end - bucket), n = end - begin;
     Bucket b;
@@ -48,7 +50,7 @@ GradReducer::GradReducer(Kernels& k, DPtr grads, DPtr params, int64_t total, Com
                     [=] { return intra->iall_gather(block, p, n / L); }};
       } else {
         b.reduce.push_back([=] { return inter->iall_reduce(node_part, n / L, ReduceOp::sum); });
-        b.reduce.push_back([=] { return intra->iall_gather(node_part, g, n / L); });
+        b.reduce.push_back([=] { return gather->iall_gather(node_part, g, n / L); });
       }
     }
     buckets_.push_back(std::move(b));
@@ -71,9 +73,12 @@ void GradReducer::launch(Bucket& b) {
 
 // Starts the next step of each launched chain whose current step has completed.
 void GradReducer::progress() {
+  size_t issued_before = SIZE_MAX;  // steps the previous bucket has started
   for (Bucket& b : buckets_) {
-    if (!b.launched) continue;
-    while (b.pending.test() && b.next < b.reduce.size()) b.pending = b.reduce[b.next++]();
+    if (!b.launched) break;
+    while (b.next < b.reduce.size() && b.next < issued_before && b.pending.test())
+      b.pending = b.reduce[b.next++]();
+    issued_before = b.next;
   }
 }
 
@@ -95,10 +100,9 @@ void GradReducer::run_chain(Bucket& b, const std::vector<Step>& chain) {
 void GradReducer::finish() {
   for (Bucket& b : buckets_)
     if (!b.launched) launch(b);
-  for (Bucket& b : buckets_) {
-    run_chain(b, b.reduce);
-    b.launched = false;
-  }
+  // In bucket order, so that every step kind stays in bucket order.
+  for (Bucket& b : buckets_) run_chain(b, b.reduce);
+  for (Bucket& b : buckets_) b.launched = false;
   armed_ = false;
 }
 

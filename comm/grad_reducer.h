@@ -69,11 +69,15 @@ class GradReducer {
     bool launched = false;
   };
   void launch(Bucket& b);
-  void progress();
+  void progress();  // starts each chain's next step, keeping every step kind in bucket order
   static void run_chain(Bucket& b, const std::vector<Step>& chain);
 
   Kernels& k_;
   ReducerOptions opts_;
+  // The hierarchical all-reduce's gather inside the node, on its own communicator: collectives
+  // on one communicator must be issued in the same order on every rank, and each chain step
+  // kind is issued in bucket order on its own communicator.
+  std::unique_ptr<Communicator> intra_gather_;
   std::vector<Bucket> buckets_;  // from the end of the buffer to its start
   std::vector<Piece> pieces_;
   DPtr scratch_, shard_;

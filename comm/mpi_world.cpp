@@ -116,6 +116,11 @@ class MpiCommunicator final : public Communicator {
     if (size_ > 1) MPI_CHECK(MPI_Barrier(comm_));
   }
   Traffic traffic() const override { return traffic_; }
+  std::unique_ptr<Communicator> dup() override {
+    MPI_Comm copy;
+    MPI_CHECK(MPI_Comm_dup(comm_, &copy));
+    return std::make_unique<MpiCommunicator>(copy, true);
+  }
 
  private:
   void sent(int64_t elems, DType t) { traffic_.bytes_sent += elems * dtype_size(t); }

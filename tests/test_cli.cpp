@@ -1,7 +1,6 @@
 // The binary as a user runs it: subcommands, exit codes and one-line errors, end-to-end
 // training on real text, determinism across runs, and generation from the checkpoint.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
 #include <algorithm>
 #include <array>
@@ -18,19 +17,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct Result {
-  int code;
-  std::string output;  // stdout and stderr together
-};
-
+using Result = test::CommandResult;
 Result run(const std::string& args) {
-  const std::string cmd = std::string(TRAINER_BIN) + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  std::string out;
-  std::array<char, 4096> buf;
-  while (size_t n = fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
-  const int status = pclose(p);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+  return test::run_command(std::string(TRAINER_BIN) + " " + args);
 }
 
 class Cli : public test::TempDirTest {

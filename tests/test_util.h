@@ -2,9 +2,12 @@
 // Helpers shared by the unit tests: backend buffers from host vectors, seeded random data,
 // and tolerance checks that report the worst element.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <array>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <memory>
 #include <random>
@@ -14,6 +17,20 @@
 #include "kernels/kernels.h"
 
 namespace trainer::test {
+
+// Runs a shell command; returns its exit code (-1 if killed) and stdout + stderr together.
+struct CommandResult {
+  int code;
+  std::string output;
+};
+inline CommandResult run_command(const std::string& command) {
+  FILE* p = popen((command + " 2>&1").c_str(), "r");
+  std::string out;
+  std::array<char, 4096> buf;
+  while (size_t n = fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);
+  const int status = pclose(p);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
 
 // A fresh directory per test, removed afterwards.
 class TempDirTest : public ::testing::Test {
