@@ -6,6 +6,7 @@
 
 #include "comm/parallel_dims.h"
 #include "io/errors.h"
+#include "model/param_table.h"
 #include "trainer/pipeline_schedule.h"
 
 namespace trainer {
@@ -155,6 +156,71 @@ TEST(PipelineSchedule, RunsWithoutDeadlockAndTheKnownBubble) {
     for (int M = 1; M <= 12; M++)
       EXPECT_NEAR(pipeline_bubble(S, M), double(S - 1) / (M + S - 1), 1e-12)
           << "S=" << S << " M=" << M;
+}
+
+// The shards of every (tp, pp) layout tile the whole model: each logical element of each
+// parameter is held by exactly one tp rank (or every one, when replicated), the stages hold
+// contiguous, balanced layer ranges, and exactly one copy of each element is "owned".
+TEST(ModelShard, TablesTileTheWholeModel) {
+  GPTConfig cfg = model(5, 4, 250, 64);  // Vp 256: the last vocab slice is part padding
+  const ParamTable whole = gpt2_param_table(cfg);
+  for (int tp : {1, 2, 4})
+    for (int pp : {1, 2, 3, 5}) {
+      SCOPED_TRACE(testing::Message() << "tp " << tp << " pp " << pp);
+      std::map<std::string, std::vector<int>> held, owned;
+      for (const ParamInfo& q : whole.params) {
+        held[q.name].assign(q.logical_numel(), 0);
+        owned[q.name].assign(q.logical_numel(), 0);
+      }
+      int layers = 0;
+      for (int stage = 0; stage < pp; stage++)
+        for (int t = 0; t < tp; t++) {
+          const ModelShard shard = ModelShard::make(cfg, t, tp, stage, pp);
+          if (t == 0) {
+            EXPECT_EQ(shard.first_layer, layers);
+            EXPECT_GE(shard.end_layer - shard.first_layer, cfg.n_layer / pp);
+            EXPECT_LE(shard.end_layer - shard.first_layer, (cfg.n_layer + pp - 1) / pp);
+            layers = shard.end_layer;
+          }
+          const ParamTable table = gpt2_param_table(cfg, shard, 16 * 3);
+          EXPECT_EQ(table.total % 48, 0);
+          for (const ParamInfo& p : table.params) {
+            ASSERT_LE(p.local_numel(), p.numel) << p.name;
+            EXPECT_EQ(p.offset % 16, 0);
+            for (int64_t i = 0; i < p.local_numel(); i++) {
+              const int64_t g = p.logical_index(i);
+              ASSERT_GE(g, 0);
+              ASSERT_LT(g, p.logical_numel()) << p.name;
+              if (!p.tied_copy) held[p.name][g]++;
+              owned[p.name][g] += p.owned();
+            }
+          }
+        }
+      EXPECT_EQ(layers, cfg.n_layer);
+      for (const ParamInfo& q : whole.params) {
+        const int copies = q.split_dim < 0 ? tp : 1;
+        for (int64_t g = 0; g < q.logical_numel(); g++) {
+          ASSERT_EQ(held[q.name][g], copies) << q.name << " element " << g;
+          ASSERT_EQ(owned[q.name][g], 1) << q.name << " element " << g;
+        }
+      }
+    }
+}
+
+TEST(ModelShard, QkvSlicesTakeTheSameHeadsOfQKAndV) {
+  GPTConfig cfg = model(1, 4);  // C = 64, head size 16
+  const ParamTable table = gpt2_param_table(cfg, ModelShard::make(cfg, 1, 2, 0, 1));
+  const ParamInfo& qkv = table.at("h.0.attn.qkv.bias");
+  // Rank 1 of 2 holds heads 2 and 3: rows [32, 64) of q, of k and of v.
+  EXPECT_EQ(qkv.local_shape(), std::vector<int64_t>{96});
+  EXPECT_EQ(qkv.logical_index(0), 32);
+  EXPECT_EQ(qkv.logical_index(31), 63);
+  EXPECT_EQ(qkv.logical_index(32), 64 + 32);
+  EXPECT_EQ(qkv.logical_index(95), 192 - 1);
+  const ParamInfo& proj = table.at("h.0.attn.proj.weight");
+  EXPECT_EQ(proj.local_shape(), (std::vector<int64_t>{64, 32}));  // input columns split
+  EXPECT_EQ(proj.logical_index(0), 32);
+  EXPECT_EQ(proj.logical_index(32), 64 + 32);
 }
 
 }  // namespace

@@ -208,3 +208,102 @@ INSTANTIATE_TEST_SUITE_P(Layouts, ParallelTraining, ::testing::ValuesIn(layouts(
 
 }  // namespace
 }  // namespace trainer
+
+namespace trainer {
+namespace {
+
+// The binary under mpirun when something is wrong: every rank stops, one line says why, the
+// exit code is 2, nothing is written, and nothing hangs (timeout would exit 124).
+class MpiCli : public test::TempDirTest {
+ protected:
+  void SetUp() override {
+    TempDirTest::SetUp();
+    const auto r = test::run_command(std::string(TRAINER_BIN) + " prepare --input " + SOURCE_DIR +
+                                     "/tests/data/pride_and_prejudice_opening.txt" + " --out-dir " +
+                                     path("data"));
+    ASSERT_EQ(r.code, 0) << r.output;
+    std::ofstream(path("run.toml"))
+        << "[run]\nout_dir = \"" << path("out") << "\"\nthreads = 1\npeak_tflops = 1.0\n"
+        << "[model]\nseq_len = 16\nn_layer = 2\nn_head = 2\nd_model = 16\n"
+        << "[data]\ntrain = \"" << path("data/train.bin") << "\"\nval = \"" << path("data/val.bin")
+        << "\"\n"
+        << "[train]\nmicro_batch = 2\nsteps = 2\nval_every = 0\nsample_every = 0\n";
+  }
+  test::CommandResult mpirun(int ranks, const std::string& settings) {
+    // -q: without Open MPI's own banner about the non-zero exit.
+    return test::run_command(
+        "timeout 60 " + std::string(MPIEXEC) + " -q --allow-run-as-root --oversubscribe -np " +
+        std::to_string(ranks) + " " + TRAINER_BIN + " train " + path("run.toml") + " " + settings);
+  }
+  static int count(const std::string& text, const std::string& what) {
+    int n = 0;
+    for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) n++;
+    return n;
+  }
+};
+
+TEST_F(MpiCli, BadLayoutsEndEveryRankWithOneLine) {
+  const std::string cfg = path("run.toml") + ": [parallel] ";
+  const std::vector<std::tuple<int, std::string, std::string>> cases = {
+      {3, "--set parallel.tp=2",
+       "world size 3 is not divisible by tp x pp = 2 x 1 = 2, so dp cannot be derived"},
+      {4, "--set parallel.tp=4", "tp = 4 must divide n_head = 2"},
+      {4, "--set parallel.pp=4",
+       "pp = 4 exceeds n_layer = 2: every stage needs at least one layer"},
+      {4, "--set parallel.dp=3", "dp x tp x pp = 3 x 1 x 1 = 3 does not match the world size 4"},
+      {4, "--set parallel.tp=2 --set model.vocab_multiple=1 --set model.vocab_size=255",
+       "tp = 2 must divide the padded vocabulary 255"},
+  };
+  for (const auto& [ranks, settings, message] : cases) {
+    const auto r = mpirun(ranks, settings);
+    EXPECT_EQ(r.code, 2) << settings << "\n" << r.output;
+    EXPECT_EQ(count(r.output, "trainer: config error: " + cfg + message), 1) << r.output;
+    EXPECT_EQ(count(r.output, "\n"), 1) << "one line only:\n" << r.output;
+    EXPECT_FALSE(fs::exists(path("out"))) << settings;
+  }
+  // Without mpirun the world is one process.
+  const auto r = test::run_command(std::string(TRAINER_BIN) + " train " + path("run.toml") +
+                                   " --set parallel.tp=2");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.output.find("world size 1 is not divisible by tp x pp = 2 x 1 = 2"),
+            std::string::npos)
+      << r.output;
+}
+
+TEST_F(MpiCli, BadInputOfOtherKindsUnderMpirun) {
+  auto r = mpirun(2, "--set parallel.zero=2");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_EQ(count(r.output, "[parallel] zero: must be in [0, 1], found 2"), 1) << r.output;
+  r = mpirun(4, "--set data.train=\\\"" + path("missing.bin") + "\\\"");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_EQ(count(r.output, path("missing.bin")), 1) << r.output;
+  r = mpirun(4, "--set parallel.allreduce=\\\"hierarchical\\\" --set parallel.ranks_per_node=3");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_EQ(count(r.output, "needs the same number of data-parallel ranks on every node"), 1)
+      << r.output;
+  EXPECT_FALSE(fs::exists(path("out")));
+  // An error on rank 0 alone (only it writes the run directory): it ends the other ranks,
+  // which are already waiting for it in a collective.
+  std::ofstream(path("a_file")) << "x";
+  r = mpirun(2, "--set run.out_dir=\\\"" + path("a_file/out") + "\\\"");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_EQ(count(r.output, "trainer: file error:"), 1) << r.output;
+}
+
+// ZeRO-1 divides the optimizer state per rank by dp; the start-up report says so.
+TEST_F(MpiCli, ZeroOneShardsTheOptimizerState) {
+  auto state_mb = [&](const std::string& settings) {
+    const auto r = mpirun(2, "--set parallel.dp=2 " + settings);
+    EXPECT_EQ(r.code, 0) << r.output;
+    const size_t at = r.output.find("optimizer state ");
+    EXPECT_NE(at, std::string::npos) << r.output;
+    return std::stod(r.output.substr(at + 16));
+  };
+  const double full = state_mb("--set parallel.zero=0"),
+               sharded = state_mb("--set parallel.zero=1");
+  EXPECT_GT(full, 0);
+  EXPECT_DOUBLE_EQ(sharded * 2, full);
+}
+
+}  // namespace
+}  // namespace trainer

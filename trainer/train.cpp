@@ -156,11 +156,20 @@ struct Run {
     return o;
   }
 
-  Run(const Config& c, World& w)
+  // The layout for this world; its errors name the config file they come from.
+  static ParallelDims layout(const Config& c, int world, const std::string& origin) {
+    try {
+      return ParallelDims::make(world, c.parallel.dp, c.parallel.tp, c.parallel.pp,
+                                c.parallel.order, c.model);
+    } catch (const ConfigError& e) {
+      throw ConfigError(origin + ": " + e.what());
+    }
+  }
+
+  Run(const Config& c, World& w, const std::string& origin)
       : cfg(c),
         world(w),
-        dims(ParallelDims::make(w.size(), c.parallel.dp, c.parallel.tp, c.parallel.pp,
-                                c.parallel.order, c.model)),
+        dims(layout(c, w.size(), origin)),
         me(dims.coords(w.rank())),
         groups(make_groups(w, dims, c.parallel)),
         kernels(make_cpu_kernels()),
@@ -363,7 +372,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   if (auto failed = agree_on_setup(world, [&] {
         cfg = load_config(config_path, overrides);
         omp_set_num_threads(threads_per_rank(cfg, world));
-        run_ptr = std::make_unique<Run>(cfg, world);
+        run_ptr = std::make_unique<Run>(cfg, world, config_path);
       }))
     return *failed;
   Run& run = *run_ptr;
