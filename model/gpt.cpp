@@ -294,8 +294,12 @@ void GPT::backward(int slot, float loss_scale) {
   auto G = [&](const ParamInfo* p) { return grad(*p); };
   DPtr d_res = acts_ + off_.d_res, d_ln = acts_ + off_.d_ln, d_qkv = acts_ + off_.d_qkv;
   DPtr d_att = acts_ + off_.d_att, d_atty = acts_ + off_.d_atty, d_fch = acts_ + off_.d_fch;
-  auto ready = [&](const ParamInfo* first) {
-    if (grads_ready_) grads_ready_(first->offset);
+  // Reports the gradients finished so far; called between kernels as well (with the same
+  // frontier) so that collectives already in flight are driven on while backward runs.
+  int64_t frontier = table_.total;
+  auto ready = [&](const ParamInfo* first = nullptr) {
+    if (first) frontier = first->offset;
+    if (grads_ready_) grads_ready_(frontier);
   };
 
   const int first = shard_.first_layer, end = shard_.end_layer;
@@ -320,13 +324,17 @@ void GPT::backward(int slot, float loss_scale) {
     k_.matmul_backward(d_fch, G(w.fcproj_w), G(w.fcproj_b), d_res, a.fch_gelu, P(w.fcproj_w), BT,
                        4 * Cl, C);
     k_.gelu_backward(d_fch, a.fch, d_fch, BT * 4 * Cl);
+    ready();
     k_.matmul_backward(d_ln, G(w.fc_w), G(w.fc_b), d_fch, a.ln2, P(w.fc_w), BT, C, 4 * Cl);
     tp_sum(d_ln, BT * C);
+    ready();
     k_.layernorm_backward(d_res, G(w.ln2_w), G(w.ln2_b), d_ln, a.res2, P(w.ln2_w), a.ln2_mean,
                           a.ln2_rstd, BT, C);
     // res2 = x + proj(attention(qkv(ln1(x)))).
     k_.matmul_backward(d_atty, G(w.proj_w), G(w.proj_b), d_res, a.atty, P(w.proj_w), BT, Cl, C);
+    ready();
     k_.attention_backward(d_qkv, d_att, d_atty, a.qkv, a.att, B, T, Cl, NHl);
+    ready();
     k_.matmul_backward(d_ln, G(w.qkv_w), G(w.qkv_b), d_qkv, a.ln1, P(w.qkv_w), BT, C, 3 * Cl);
     tp_sum(d_ln, BT * C);
     k_.layernorm_backward(d_res, G(w.ln1_w), G(w.ln1_b), d_ln, x, P(w.ln1_w), a.ln1_mean,

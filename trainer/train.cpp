@@ -7,8 +7,10 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <optional>
+#include <thread>
 
 #include "comm/grad_reducer.h"
 #include "comm/parallel_dims.h"
@@ -123,9 +125,14 @@ std::vector<AdamW::Segment> optimizer_segments(const std::vector<Span>& spans,
   return segments;
 }
 
+// 0 threads = this rank's share of the cores: all the cores mpirun bound it to, or, unbound,
+// the node's cores divided among its ranks.
 int threads_per_rank(const Config& cfg, const World& world) {
   if (cfg.run.threads > 0) return cfg.run.threads;
-  return std::max(1, omp_get_num_procs() / world.local_size());
+  const int allowed = omp_get_num_procs();  // the affinity mask
+  const int cores = int(std::thread::hardware_concurrency());
+  if (allowed < cores) return allowed;
+  return std::max(1, cores / world.local_size());
 }
 
 // Everything a step touches, built once.
@@ -319,6 +326,14 @@ double megabytes(int64_t elems) {
   return double(elems) * 4 / (1 << 20);
 }
 
+// This process's peak resident memory (VmHWM), in MB; 0 where /proc does not tell.
+double peak_rss_mb() {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);)
+    if (line.starts_with("VmHWM:")) return std::stod(line.substr(6)) / 1024;
+  return 0;
+}
+
 void print_start(const Run& run) {
   const Config& cfg = run.cfg;
   const ParallelDims& dims = run.dims;
@@ -429,6 +444,14 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     if (cfg.train.checkpoint_every > 0 && (step + 1) % cfg.train.checkpoint_every == 0 &&
         step + 1 < cfg.train.steps)
       checkpoint(step + 1);
+  }
+  // Peak memory of training proper (the final checkpoint gathers full tensors on top).
+  const double rss = peak_rss_mb();
+  double rss_max = rss;
+  world.comm().all_reduce(host(&rss_max), 1, ReduceOp::max);
+  if (leader) {
+    fmt::print("peak memory: {:.0f} MB on rank 0, {:.0f} MB on the largest rank\n", rss, rss_max);
+    log->event({{"peak_rss_mb_rank0", rss}, {"peak_rss_mb_max", rss_max}});
   }
   const int64_t done = cfg.train.steps;
   if (cfg.train.val_every > 0) evaluate(done);
