@@ -6,13 +6,44 @@
 
 namespace trainer {
 
+std::vector<int> pipeline_partition(const GPTConfig& cfg, int stages) {
+  const int L = cfg.n_layer;
+  if (stages < 1 || stages > L) throw std::invalid_argument("pipeline_partition: bad stages");
+  // Relative cost per token: a block's GEMMs (12 C^2 multiply-adds) and attention (about T C
+  // for the causal half of QK^T and AV, twice); the last stage also runs the LM head (C V).
+  const double C = cfg.d_model, block = 12 * C * C + 2.0 * cfg.seq_len * C;
+  const double head = C * cfg.padded_vocab();
+  auto stage_cost = [&](int first, int end, bool last) {
+    return (end - first) * block + (last ? head : 0.0);
+  };
+  // best[s][e]: the least possible maximum stage cost for blocks [0, e) on stages [0, s].
+  const double inf = 1e300;
+  std::vector<std::vector<double>> best(stages, std::vector<double>(L + 1, inf));
+  std::vector<std::vector<int>> cut(stages, std::vector<int>(L + 1, 0));
+  for (int e = 1; e <= L; e++) best[0][e] = stage_cost(0, e, stages == 1);
+  for (int s = 1; s < stages; s++)
+    for (int e = s + 1; e <= L; e++)
+      for (int b = s; b < e; b++) {  // stage s holds [b, e)
+        const double c = std::max(best[s - 1][b], stage_cost(b, e, s == stages - 1));
+        if (c < best[s][e] - 1e-9 * c) {  // ties keep the earliest cut: more layers later
+          best[s][e] = c;
+          cut[s][e] = b;
+        }
+      }
+  std::vector<int> bounds(stages + 1, L);
+  for (int s = stages - 1; s > 0; s--) bounds[s] = cut[s][bounds[s + 1]];
+  bounds[0] = 0;
+  return bounds;
+}
+
 ModelShard ModelShard::make(const GPTConfig& cfg, int tp_rank, int tp_size, int stage, int stages) {
   if (tp_size < 1 || tp_rank < 0 || tp_rank >= tp_size || stages < 1 || stage < 0 ||
       stage >= stages || stages > cfg.n_layer)
     throw std::invalid_argument("ModelShard: bad tensor or pipeline coordinates");
   ModelShard s{tp_rank, tp_size, stage, stages};
-  s.first_layer = int(int64_t(stage) * cfg.n_layer / stages);
-  s.end_layer = int(int64_t(stage + 1) * cfg.n_layer / stages);
+  const std::vector<int> bounds = pipeline_partition(cfg, stages);
+  s.first_layer = bounds[stage];
+  s.end_layer = bounds[stage + 1];
   return s;
 }
 

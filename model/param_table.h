@@ -27,11 +27,17 @@ struct ModelShard {
 
   // The whole model on one rank.
   static ModelShard whole(const GPTConfig& cfg) { return make(cfg, 0, 1, 0, 1); }
-  // Stage s of S holds blocks [s L / S, (s + 1) L / S): contiguous and balanced.
+  // Stage s of S holds the contiguous blocks [bounds[s], bounds[s + 1]) of pipeline_partition.
   static ModelShard make(const GPTConfig& cfg, int tp_rank, int tp_size, int stage, int stages);
   bool first_stage() const { return stage == 0; }          // holds the embeddings
   bool last_stage() const { return stage == stages - 1; }  // holds ln_f, the head and the loss
 };
+
+// Where the pipeline stages' contiguous ranges of blocks start (and the layer count, last):
+// every stage gets at least one block, and the largest stage cost (blocks, plus the LM head on
+// the last stage) is as small as it can be, so that a big vocabulary's head does not leave the
+// last stage the bottleneck of the pipeline.
+std::vector<int> pipeline_partition(const GPTConfig& cfg, int stages);
 
 struct ParamInfo {
   std::string name;

@@ -359,12 +359,23 @@ void print_start(const Run& run) {
       cfg.parallel.allreduce, run.reducer.buckets(), cfg.parallel.bucket_mb,
       cfg.parallel.overlap ? "on" : "off", 100 * pipeline_bubble(dims.pp(), cfg.train.grad_accum),
       dims.pp(), cfg.train.grad_accum);
+  if (dims.pp() > 1) {
+    const std::vector<int> bounds = pipeline_partition(cfg.model, dims.pp());
+    std::string stages;
+    for (int s = 0; s < dims.pp(); s++)
+      stages += fmt::format(" {}:[{}, {})", s, bounds[s], bounds[s + 1]);
+    fmt::print("pipeline stages (blocks; embedding on the first, head on the last):{}\n", stages);
+  }
   fmt::print("{}", dims.describe());
-  for (int r = 0; r < dims.world(); r++) {
+  constexpr int kRanksListed = 64;  // a thousand-rank job lists the first ones
+  for (int r = 0; r < std::min(dims.world(), kRanksListed); r++) {
     const RankCoords c = dims.coords(r);
     fmt::print("  rank {}: dp {} tp {} pp {} on {} (node {})\n", r, c.dp, c.tp, c.pp,
                run.world.host_of(r), run.world.node_of(r));
   }
+  if (dims.world() > kRanksListed)
+    fmt::print("  ... {} more ranks on {} nodes in all\n", dims.world() - kRanksListed,
+               run.world.node_of(dims.world() - 1) + 1);
   const int64_t params = run.model.table().total;
   fmt::print(
       "memory per rank (rank 0): params {:.2f} MB, grads {:.2f} MB, optimizer state {:.2f} MB"
