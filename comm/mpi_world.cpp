@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
+#include <type_traits>
 
 #include "comm/communicator.h"
 
@@ -22,11 +23,53 @@ void check(int rc, const char* call) {
 #define MPI_CHECK(call) check((call), #call)
 
 MPI_Datatype mpi_type(DType t) {
-  return t == DType::f64 ? MPI_DOUBLE : MPI_FLOAT;
+  switch (t) {
+    case DType::f64:
+      return MPI_DOUBLE;
+    case DType::f32:
+      return MPI_FLOAT;
+    case DType::bf16:
+    case DType::f16:
+      return MPI_UINT16_T;
+  }
+  return MPI_DATATYPE_NULL;
 }
-MPI_Op mpi_op(ReduceOp op) {
-  return op == ReduceOp::max ? MPI_MAX : MPI_SUM;
+
+// MPI has no 16-bit float types: sums and maxima of bf16/fp16 buffers are user-defined
+// operations that compute in fp32 and round each result (as a GPU's collective would).
+template <class H, bool kMax>
+void reduce_half(void* in, void* inout, int* len, MPI_Datatype*) {
+  const H* a = static_cast<const H*>(in);
+  H* b = static_cast<H*>(inout);
+  for (int i = 0; i < *len; i++) {
+    const float x = to_float(a[i]), y = to_float(b[i]);
+    const float r = kMax ? std::max(x, y) : x + y;
+    if constexpr (std::is_same_v<H, bf16>)
+      b[i] = to_bf16(r);
+    else
+      b[i] = to_f16(r);
+  }
 }
+
+// The MPI operations for each (dtype, ReduceOp), created once per process.
+struct MpiOps {
+  MPI_Op bf16_sum, bf16_max, f16_sum, f16_max;
+  MpiOps() {
+    MPI_Op_create(&reduce_half<bf16, false>, 1, &bf16_sum);
+    MPI_Op_create(&reduce_half<bf16, true>, 1, &bf16_max);
+    MPI_Op_create(&reduce_half<f16, false>, 1, &f16_sum);
+    MPI_Op_create(&reduce_half<f16, true>, 1, &f16_max);
+  }
+  ~MpiOps() {
+    for (MPI_Op* op : {&bf16_sum, &bf16_max, &f16_sum, &f16_max}) MPI_Op_free(op);
+  }
+  MPI_Op get(ReduceOp op, DType t) const {
+    const bool max = op == ReduceOp::max;
+    if (t == DType::bf16) return max ? bf16_max : bf16_sum;
+    if (t == DType::f16) return max ? f16_max : f16_sum;
+    return max ? MPI_MAX : MPI_SUM;
+  }
+};
 
 int count_of(int64_t n) {
   if (n > INT32_MAX) throw std::length_error("message larger than 2^31 elements");
@@ -58,7 +101,8 @@ class MpiRequest final : public Request::Impl {
 
 class MpiCommunicator final : public Communicator {
  public:
-  MpiCommunicator(MPI_Comm comm, bool owned) : comm_(comm), owned_(owned) {
+  MpiCommunicator(MPI_Comm comm, bool owned, const MpiOps& ops)
+      : comm_(comm), owned_(owned), ops_(ops) {
     MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
     MPI_CHECK(MPI_Comm_size(comm_, &size_));
   }
@@ -72,8 +116,8 @@ class MpiCommunicator final : public Communicator {
     if (size_ == 1) return {};
     auto r = std::make_unique<MpiRequest>(&traffic_.wait_s);
     sent(2 * n * (size_ - 1) / size_, buf.dtype);
-    MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf.p, count_of(n), mpi_type(buf.dtype), mpi_op(op),
-                             comm_, &r->req));
+    MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf.p, count_of(n), mpi_type(buf.dtype),
+                             ops_.get(op, buf.dtype), comm_, &r->req));
     return Request(std::move(r));
   }
   Request ireduce_scatter(DPtr send, DPtr recv, int64_t count) override {
@@ -81,7 +125,7 @@ class MpiCommunicator final : public Communicator {
     auto r = std::make_unique<MpiRequest>(&traffic_.wait_s);
     sent(count * (size_ - 1), send.dtype);
     MPI_CHECK(MPI_Ireduce_scatter_block(send.p, recv.p, count_of(count), mpi_type(send.dtype),
-                                        MPI_SUM, comm_, &r->req));
+                                        ops_.get(ReduceOp::sum, send.dtype), comm_, &r->req));
     return Request(std::move(r));
   }
   Request iall_gather(DPtr send, DPtr recv, int64_t count) override {
@@ -119,7 +163,7 @@ class MpiCommunicator final : public Communicator {
   std::unique_ptr<Communicator> dup() override {
     MPI_Comm copy;
     MPI_CHECK(MPI_Comm_dup(comm_, &copy));
-    return std::make_unique<MpiCommunicator>(copy, true);
+    return std::make_unique<MpiCommunicator>(copy, true, ops_);
   }
 
  private:
@@ -131,6 +175,7 @@ class MpiCommunicator final : public Communicator {
 
   MPI_Comm comm_;
   bool owned_;
+  const MpiOps& ops_;
   int rank_ = 0, size_ = 1;
   Traffic traffic_;
 };
@@ -146,7 +191,8 @@ class MpiWorld final : public World {
       MPI_CHECK(MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided));
       owns_mpi_ = true;
     }
-    world_ = std::make_unique<MpiCommunicator>(MPI_COMM_WORLD, false);
+    ops_ = std::make_unique<MpiOps>();
+    world_ = std::make_unique<MpiCommunicator>(MPI_COMM_WORLD, false, *ops_);
     MPI_Comm node;
     MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, world_->rank(),
                                   MPI_INFO_NULL, &node));
@@ -179,6 +225,7 @@ class MpiWorld final : public World {
   }
   ~MpiWorld() override {
     world_.reset();
+    ops_.reset();
     if (owns_mpi_) MPI_Finalize();
   }
   int rank() const override { return world_->rank(); }
@@ -203,10 +250,11 @@ class MpiWorld final : public World {
     MPI_Comm comm;
     // The group's first member names it; the position in `members` orders it.
     MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, members.front(), index, &comm));
-    return std::make_unique<MpiCommunicator>(comm, true);
+    return std::make_unique<MpiCommunicator>(comm, true, *ops_);
   }
 
  private:
+  std::unique_ptr<MpiOps> ops_;  // before the communicators that use it
   std::unique_ptr<MpiCommunicator> world_;
   bool owns_mpi_ = false;
   std::string host_;

@@ -6,18 +6,35 @@
 #include <cstdint>
 #include <string_view>
 
+#include "kernels/half.h"
+
 namespace trainer {
 
 enum class DType : uint8_t {
-  f32,  // the training dtype of the CPU backend
-  f64,  // reference precision for finite-difference tests
+  f32,   // master weights, optimizer state, fp32 training
+  f64,   // reference precision for finite-difference tests
+  bf16,  // mixed-precision storage (computed in fp32 on the CPU)
+  f16,
 };
 
 constexpr size_t dtype_size(DType t) {
-  return t == DType::f64 ? 8 : 4;
+  return t == DType::f64 ? 8 : t == DType::f32 ? 4 : 2;
 }
 constexpr std::string_view dtype_name(DType t) {
-  return t == DType::f64 ? "f64" : "f32";
+  switch (t) {
+    case DType::f32:
+      return "f32";
+    case DType::f64:
+      return "f64";
+    case DType::bf16:
+      return "bf16";
+    case DType::f16:
+      return "f16";
+  }
+  return "?";
+}
+constexpr bool is_half(DType t) {
+  return t == DType::bf16 || t == DType::f16;
 }
 
 template <class T>
@@ -29,6 +46,14 @@ constexpr DType dtype_of<float>() {
 template <>
 constexpr DType dtype_of<double>() {
   return DType::f64;
+}
+template <>
+constexpr DType dtype_of<bf16>() {
+  return DType::bf16;
+}
+template <>
+constexpr DType dtype_of<f16>() {
+  return DType::f16;
 }
 
 // A pointer into backend memory plus its element type. Arithmetic is in elements.

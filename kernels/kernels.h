@@ -96,6 +96,12 @@ class Kernels {
   virtual void crossentropy_backward(DPtr probs, const int32_t* targets, float dloss, int64_t N,
                                      VocabSlice vocab) = 0;
 
+  // --- precision -----------------------------------------------------------------------------
+  // dst(n) = src(n) converted to dst's dtype (fp32 -> bf16/fp16 rounds to nearest even). A
+  // non-zero stochastic_seed rounds fp32 -> bf16 stochastically instead, with random bits that
+  // are a function of (seed, index).
+  virtual void convert(DPtr dst, DPtr src, int64_t n, uint64_t stochastic_seed) = 0;
+
   // --- optimizer -----------------------------------------------------------------------------
   // Sum of squares of x in double, in a fixed reduction order (deterministic).
   virtual double sum_squares(DPtr x, int64_t n) = 0;

@@ -29,7 +29,8 @@ struct GPT::LayerActs {
 struct GPT::SlotActs {
   DPtr encoded;  // (B,T,C): the embedding, or the input received from the previous stage
   DPtr lnf, lnf_mean, lnf_rstd, logits, losses;
-  DPtr rowmax, sumexp, target_logit;  // (B,T) each: the loss's per-row statistics
+  DPtr rowmax, sumexp;  // the loss's per-row statistics: (B,T), and 2 x (B,T) for the sums
+                        // followed by the target logits
 };
 
 GPT::GPT(const GPTConfig& cfg, Kernels& kernels, DType dtype, int max_B, int max_T,
@@ -37,6 +38,8 @@ GPT::GPT(const GPTConfig& cfg, Kernels& kernels, DType dtype, int max_B, int max
     : cfg_(cfg),
       k_(kernels),
       dtype_(dtype),
+      grad_dtype_(o.grad_dtype ? *o.grad_dtype : dtype),
+      stats_dtype_(is_half(dtype) ? DType::f32 : dtype),
       shard_(o.shard ? *o.shard : ModelShard::whole(cfg)),
       tp_(o.tp),
       slots_(o.slots),
@@ -67,7 +70,7 @@ GPT::GPT(const GPTConfig& cfg, Kernels& kernels, DType dtype, int max_B, int max
                        at(h + "mlp.proj.bias")});
   }
   params_ = k_.alloc(table_.total, dtype);
-  grads_ = k_.alloc(table_.total, dtype);
+  grads_ = k_.alloc(table_.total, grad_dtype_);
 
   const int64_t BT = int64_t(max_B) * max_T, C = cfg.d_model, Cl = C_local_;
   const int64_t att = int64_t(max_B) * NH_local_ * max_T * max_T;
@@ -84,11 +87,7 @@ GPT::GPT(const GPTConfig& cfg, Kernels& kernels, DType dtype, int max_B, int max
   for (int64_t elems : layer_sizes()) off_.layer_stride += round16(elems);
   off_.layers = take(off_.layer_stride * int64_t(blocks_.size()));
   off_.lnf = take(last ? BT * C : 0);
-  off_.lnf_mean = take(last ? BT : 0);
-  off_.lnf_rstd = take(last ? BT : 0);
   off_.logits = take(last ? BT * width : 0);
-  off_.losses = take(last ? BT : 0);
-  off_.ce_stats = take(last ? 3 * BT : 0);
   off_.slot_stride = cursor;
   cursor = off_.slot_stride * slots_;
   // Backward scratch, shared by the slots.
@@ -99,6 +98,10 @@ GPT::GPT(const GPTConfig& cfg, Kernels& kernels, DType dtype, int max_B, int max
   off_.d_atty = take(BT * Cl);
   off_.d_fch = take(BT * 4 * Cl);
   acts_ = k_.alloc(cursor, dtype);
+  stats_off_.layer_stride = 4 * round16(BT);
+  stats_off_.lnf = stats_off_.layer_stride * int64_t(blocks_.size());
+  stats_off_.slot_stride = stats_off_.lnf + (last ? 6 * round16(BT) : 0);
+  stats_ = k_.alloc(stats_off_.slot_stride * slots_, stats_dtype_);
   have_probs_.assign(slots_, 0);
   tokens_.assign(slots_, std::vector<int32_t>(BT));
   targets_.assign(slots_, std::vector<int32_t>(BT));
@@ -108,45 +111,39 @@ GPT::~GPT() {
   k_.free(params_);
   k_.free(grads_);
   k_.free(acts_);
+  k_.free(stats_);
 }
 
-// Sizes of LayerActs' fields, in declaration order.
-std::array<int64_t, 13> GPT::layer_sizes() const {
+// Sizes of LayerActs' activation fields (the statistics aside), in declaration order.
+std::array<int64_t, 9> GPT::layer_sizes() const {
   const int64_t BT = int64_t(max_B_) * max_T_, C = cfg_.d_model, Cl = C_local_;
   const int64_t att = int64_t(max_B_) * NH_local_ * max_T_ * max_T_;
-  return {BT * C, BT, BT, BT * 3 * Cl, att,         BT * Cl, BT * C,
-          BT * C, BT, BT, BT * 4 * Cl, BT * 4 * Cl, BT * C};
+  return {BT * C, BT * 3 * Cl, att, BT * Cl, BT * C, BT * C, BT * 4 * Cl, BT * 4 * Cl, BT * C};
 }
 
 GPT::LayerActs GPT::layer(int slot, int l) const {
-  int64_t cursor =
-      slot * off_.slot_stride + off_.layers + (l - shard_.first_layer) * off_.layer_stride;
-  std::array<DPtr, 13> views;
+  const int local = l - shard_.first_layer;
+  int64_t cursor = slot * off_.slot_stride + off_.layers + local * off_.layer_stride;
+  std::array<DPtr, 9> views;
   auto sizes = layer_sizes();
   for (size_t i = 0; i < sizes.size(); i++) {
     views[i] = acts_ + cursor;
     cursor += round16(sizes[i]);
   }
-  auto [ln1, ln1_mean, ln1_rstd, qkv, att, atty, res2, ln2, ln2_mean, ln2_rstd, fch, fch_gelu,
-        res3] = views;
-  return {ln1, ln1_mean, ln1_rstd, qkv, att,      atty, res2,
-          ln2, ln2_mean, ln2_rstd, fch, fch_gelu, res3};
+  const int64_t row = round16(int64_t(max_B_) * max_T_);
+  DPtr st = stats_ + slot * stats_off_.slot_stride + local * stats_off_.layer_stride;
+  auto [ln1, qkv, att, atty, res2, ln2, fch, fch_gelu, res3] = views;
+  return {ln1, st,           st + row,     qkv, att,      atty, res2,
+          ln2, st + 2 * row, st + 3 * row, fch, fch_gelu, res3};
 }
 
 GPT::SlotActs GPT::slot_acts(int slot) const {
   if (slot < 0 || slot >= slots_) throw std::out_of_range("activation slot out of range");
   DPtr base = acts_ + slot * off_.slot_stride;
-  const int64_t BT = int64_t(max_B_) * max_T_;
-  DPtr stats = base + off_.ce_stats;
-  return {base + off_.encoded,
-          base + off_.lnf,
-          base + off_.lnf_mean,
-          base + off_.lnf_rstd,
-          base + off_.logits,
-          base + off_.losses,
-          stats,
-          stats + BT,
-          stats + 2 * BT};
+  const int64_t row = round16(int64_t(max_B_) * max_T_);
+  DPtr st = stats_ + slot * stats_off_.slot_stride + stats_off_.lnf;
+  return {base + off_.encoded, base + off_.lnf, st,           st + row,
+          base + off_.logits,  st + 2 * row,    st + 3 * row, st + 4 * row};
 }
 
 void GPT::init_parameters(uint64_t seed) {
@@ -164,21 +161,19 @@ void GPT::init_parameters(uint64_t seed) {
   }
 }
 
+// Host values in H to and from a buffer of any dtype, through a temporary in H's dtype.
 template <class H>
 std::vector<H> GPT::read(const ParamInfo& p, DPtr buffer) const {
   const int64_t n = p.local_numel();
   std::vector<H> out(n);
   if (buffer.dtype == dtype_of<H>()) {
     k_.copy_to_host(out.data(), buffer + p.offset, n);
-  } else if (buffer.dtype == DType::f32) {
-    std::vector<float> tmp(n);
-    k_.copy_to_host(tmp.data(), buffer + p.offset, n);
-    std::copy(tmp.begin(), tmp.end(), out.begin());
-  } else {
-    std::vector<double> tmp(n);
-    k_.copy_to_host(tmp.data(), buffer + p.offset, n);
-    std::copy(tmp.begin(), tmp.end(), out.begin());
+    return out;
   }
+  DPtr tmp = k_.alloc(n, dtype_of<H>());
+  k_.convert(tmp, buffer + p.offset, n, 0);
+  k_.copy_to_host(out.data(), tmp, n);
+  k_.free(tmp);
   return out;
 }
 
@@ -188,13 +183,12 @@ void GPT::write(const ParamInfo& p, DPtr buffer, const std::vector<H>& values) {
   if (int64_t(values.size()) != n) throw std::invalid_argument("size mismatch for " + p.name);
   if (buffer.dtype == dtype_of<H>()) {
     k_.copy_from_host(buffer + p.offset, values.data(), n);
-  } else if (buffer.dtype == DType::f32) {
-    std::vector<float> tmp(values.begin(), values.end());
-    k_.copy_from_host(buffer + p.offset, tmp.data(), n);
-  } else {
-    std::vector<double> tmp(values.begin(), values.end());
-    k_.copy_from_host(buffer + p.offset, tmp.data(), n);
+    return;
   }
+  DPtr tmp = k_.alloc(n, dtype_of<H>());
+  k_.copy_from_host(tmp, values.data(), n);
+  k_.convert(buffer + p.offset, tmp, n, 0);
+  k_.free(tmp);
 }
 
 template std::vector<float> GPT::read<float>(const ParamInfo&, DPtr) const;
@@ -231,12 +225,14 @@ void GPT::tp_sum(DPtr buf, int64_t n) {
 double GPT::cross_entropy(int slot, int64_t BT) {
   const SlotActs s = slot_acts(slot);
   const int32_t* targets = targets_[slot].data();
+  // The target logits right after the BT sums, so that one all-reduce carries both.
+  const DPtr target_logit = s.sumexp + BT;
   k_.crossentropy_max(s.rowmax, s.logits, BT, vocab_);
   const bool tp = tp_ && tp_->size() > 1;
   if (tp) tp_->all_reduce(s.rowmax, BT, ReduceOp::max);
-  k_.crossentropy_sumexp(s.sumexp, s.target_logit, s.logits, s.rowmax, targets, BT, vocab_);
-  if (tp) tp_->all_reduce(s.sumexp, 2 * BT, ReduceOp::sum);  // sumexp and target_logit
-  return k_.crossentropy_finish(s.losses, s.logits, s.rowmax, s.sumexp, s.target_logit, BT, vocab_);
+  k_.crossentropy_sumexp(s.sumexp, target_logit, s.logits, s.rowmax, targets, BT, vocab_);
+  if (tp) tp_->all_reduce(s.sumexp, 2 * BT, ReduceOp::sum);
+  return k_.crossentropy_finish(s.losses, s.logits, s.rowmax, s.sumexp, target_logit, BT, vocab_);
 }
 
 double GPT::forward(int slot, const int32_t* tokens, const int32_t* targets, int B, int T) {

@@ -30,6 +30,9 @@ struct GPTOptions {
   Communicator* tp = nullptr;       // the tensor-parallel group (null: tp_size 1)
   int slots = 1;                    // micro-batches whose activations are kept at once
   int64_t total_multiple = 16;
+  // Gradients' storage; default: the model's dtype. (Mixed precision: bf16/fp16 weights and
+  // activations with fp32 gradients, say.)
+  std::optional<DType> grad_dtype;
 };
 
 class GPT {
@@ -101,13 +104,16 @@ class GPT {
     const ParamInfo *ln1_w, *ln1_b, *qkv_w, *qkv_b, *proj_w, *proj_b;
     const ParamInfo *ln2_w, *ln2_b, *fc_w, *fc_b, *fcproj_w, *fcproj_b;
   };
-  std::array<int64_t, 13> layer_sizes() const;
+  std::array<int64_t, 9> layer_sizes() const;
   void tp_sum(DPtr buf, int64_t n);
   double cross_entropy(int slot, int64_t BT);
 
   GPTConfig cfg_;
   Kernels& k_;
-  DType dtype_;
+  DType dtype_, grad_dtype_;
+  // Per-row statistics (norm means and inverse deviations, losses, the softmax's max and sum)
+  // stay in fp32 when the activations are 16-bit, as on GPUs.
+  DType stats_dtype_;
   ModelShard shard_;
   Communicator* tp_;
   int slots_;
@@ -123,14 +129,19 @@ class GPT {
   std::function<void(int64_t)> grads_ready_;
 
   DPtr params_, grads_;
-  DPtr acts_;  // one slab for all activations and backward scratch
+  DPtr acts_;   // one slab for all activations and backward scratch
+  DPtr stats_;  // one slab for the per-row statistics
   // Offsets into acts_ (elements). Per-slot kinds are strided by slot_stride, per-layer kinds
   // by layer_stride inside a slot.
   struct {
-    int64_t slot_stride, encoded, layers, layer_stride, lnf, lnf_mean, lnf_rstd, logits, losses,
-        ce_stats;
+    int64_t slot_stride, encoded, layers, layer_stride, lnf, logits;
     int64_t d_res, d_ln, d_qkv, d_att, d_atty, d_fch;
   } off_{};
+  // Offsets into stats_: per slot, the blocks' (ln1 mean, rstd, ln2 mean, rstd), then ln_f's
+  // mean and rstd, the losses and the three softmax statistics, each (B, T).
+  struct {
+    int64_t slot_stride, layer_stride, lnf;
+  } stats_off_{};
 };
 
 }  // namespace trainer

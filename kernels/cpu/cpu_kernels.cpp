@@ -1,9 +1,13 @@
 // The CPU backend: dispatches each interface call to the template instantiation for the
 // dtype of its arguments.
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
+#include <memory>
 #include <new>
 #include <stdexcept>
+#include <vector>
 
 #include "kernels/cpu/cpu_ops.h"
 
@@ -18,9 +22,82 @@ decltype(auto) dispatch(DType t, F&& f) {
       return f(float{});
     case DType::f64:
       return f(double{});
+    case DType::bf16:
+    case DType::f16:
+      break;  // computed in fp32 through Staging
   }
-  throw std::logic_error("unknown dtype");
+  throw std::logic_error("kernel dispatched on a 16-bit dtype");
 }
+
+// fp32 views of kernel arguments stored in 16-bit formats, so that every kernel computes in fp32
+// while its inputs and outputs really are bf16/fp16 values: inputs are widened into scratch,
+// outputs are computed in scratch and rounded to their storage format (to nearest, ties to
+// even) when the views go away. Accumulating outputs start from their stored values.
+class Staging {
+ public:
+  Staging() = default;
+  Staging(const Staging&) = delete;
+  Staging& operator=(const Staging&) = delete;
+  ~Staging() {
+    for (const Output& o : outputs_) narrow(o.dst, o.scratch.get(), o.n);
+  }
+  static bool any_half(std::initializer_list<DPtr> args) {
+    for (DPtr a : args)
+      if (a && is_half(a.dtype)) return true;
+    return false;
+  }
+  DPtr in(DPtr p, int64_t n) {
+    if (!p || !is_half(p.dtype)) return p;
+    float* f = make(n);
+    widen(f, p, n);
+    return {reinterpret_cast<std::byte*>(f), DType::f32};
+  }
+  DPtr out(DPtr p, int64_t n, bool accumulate = false) {
+    if (!p || !is_half(p.dtype)) return p;
+    float* f = make(n);
+    if (accumulate) widen(f, p, n);
+    outputs_.push_back({p, n, std::move(scratch_.back())});
+    scratch_.pop_back();
+    return {reinterpret_cast<std::byte*>(f), DType::f32};
+  }
+  DPtr inout(DPtr p, int64_t n) { return out(p, n, true); }
+
+  static void widen(float* dst, DPtr src, int64_t n) {
+    if (src.dtype == DType::bf16) {
+      const bf16* s = src.as<bf16>();
+#pragma omp parallel for simd schedule(static)
+      for (int64_t i = 0; i < n; i++) dst[i] = to_float(s[i]);
+    } else {
+      const f16* s = src.as<f16>();
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < n; i++) dst[i] = to_float(s[i]);
+    }
+  }
+  static void narrow(DPtr dst, const float* src, int64_t n) {
+    if (dst.dtype == DType::bf16) {
+      bf16* d = dst.as<bf16>();
+#pragma omp parallel for simd schedule(static)
+      for (int64_t i = 0; i < n; i++) d[i] = to_bf16(src[i]);
+    } else {
+      f16* d = dst.as<f16>();
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < n; i++) d[i] = to_f16(src[i]);
+    }
+  }
+
+ private:
+  struct Output {
+    DPtr dst;
+    int64_t n;
+    std::unique_ptr<float[]> scratch;
+  };
+  float* make(int64_t n) {
+    scratch_.push_back(std::make_unique_for_overwrite<float[]>(size_t(std::max<int64_t>(n, 1))));
+    return scratch_.back().get();
+  }
+  std::vector<std::unique_ptr<float[]>> scratch_;
+  std::vector<Output> outputs_;
+};
 
 class CpuKernels final : public Kernels {
  public:
@@ -44,6 +121,12 @@ class CpuKernels final : public Kernels {
 
   void encoder_forward(DPtr out, const int32_t* tokens, DPtr wte, DPtr wpe, int B, int T, int C,
                        VocabSlice v) override {
+    if (Staging::any_half({out, wte, wpe})) {
+      Staging s;
+      return encoder_forward(s.out(out, int64_t(B) * T * C), tokens,
+                             s.in(wte, int64_t(v.width) * C), s.in(wpe, int64_t(T) * C), B, T, C,
+                             v);
+    }
     dispatch(out.dtype, [&]<class S>(S) {
       cpu::encoder_forward(out.as<S>(), tokens, wte.as<S>(), wpe ? wpe.as<S>() : nullptr, B, T, C,
                            v);
@@ -51,6 +134,11 @@ class CpuKernels final : public Kernels {
   }
   void encoder_backward(DPtr dwte, DPtr dwpe, DPtr dout, const int32_t* tokens, int B, int T, int C,
                         VocabSlice v) override {
+    if (Staging::any_half({dwte, dwpe, dout})) {
+      Staging s;
+      return encoder_backward(s.inout(dwte, int64_t(v.width) * C), s.inout(dwpe, int64_t(T) * C),
+                              s.in(dout, int64_t(B) * T * C), tokens, B, T, C, v);
+    }
     dispatch(dout.dtype, [&]<class S>(S) {
       cpu::encoder_backward(dwte.as<S>(), dwpe ? dwpe.as<S>() : nullptr, dout.as<S>(), tokens, B, T,
                             C, v);
@@ -58,6 +146,11 @@ class CpuKernels final : public Kernels {
   }
   void layernorm_forward(DPtr out, DPtr mean, DPtr rstd, DPtr inp, DPtr weight, DPtr bias,
                          int64_t N, int C) override {
+    if (Staging::any_half({out, mean, rstd, inp, weight, bias})) {
+      Staging s;
+      return layernorm_forward(s.out(out, N * C), s.out(mean, N), s.out(rstd, N), s.in(inp, N * C),
+                               s.in(weight, C), s.in(bias, C), N, C);
+    }
     dispatch(out.dtype, [&]<class S>(S) {
       cpu::layernorm_forward(out.as<S>(), mean.as<S>(), rstd.as<S>(), inp.as<S>(), weight.as<S>(),
                              bias.as<S>(), N, C);
@@ -65,6 +158,12 @@ class CpuKernels final : public Kernels {
   }
   void layernorm_backward(DPtr dinp, DPtr dweight, DPtr dbias, DPtr dout, DPtr inp, DPtr weight,
                           DPtr mean, DPtr rstd, int64_t N, int C) override {
+    if (Staging::any_half({dinp, dweight, dbias, dout, inp, weight, mean, rstd})) {
+      Staging s;
+      return layernorm_backward(s.inout(dinp, N * C), s.inout(dweight, C), s.inout(dbias, C),
+                                s.in(dout, N * C), s.in(inp, N * C), s.in(weight, C), s.in(mean, N),
+                                s.in(rstd, N), N, C);
+    }
     dispatch(dout.dtype, [&]<class S>(S) {
       cpu::layernorm_backward(dinp.as<S>(), dweight.as<S>(), dbias.as<S>(), dout.as<S>(),
                               inp.as<S>(), weight.as<S>(), mean.as<S>(), rstd.as<S>(), N, C,
@@ -73,6 +172,11 @@ class CpuKernels final : public Kernels {
   }
   void matmul_forward(DPtr out, DPtr inp, DPtr weight, DPtr bias, int64_t N, int IC,
                       int OC) override {
+    if (Staging::any_half({out, inp, weight, bias})) {
+      Staging s;
+      return matmul_forward(s.out(out, N * OC), s.in(inp, N * IC), s.in(weight, int64_t(OC) * IC),
+                            s.in(bias, OC), N, IC, OC);
+    }
     dispatch(out.dtype, [&]<class S>(S) {
       cpu::matmul_forward(out.as<S>(), inp.as<S>(), weight.as<S>(), bias ? bias.as<S>() : nullptr,
                           N, IC, OC);
@@ -80,6 +184,12 @@ class CpuKernels final : public Kernels {
   }
   void matmul_backward(DPtr dinp, DPtr dweight, DPtr dbias, DPtr dout, DPtr inp, DPtr weight,
                        int64_t N, int IC, int OC) override {
+    if (Staging::any_half({dinp, dweight, dbias, dout, inp, weight})) {
+      Staging s;
+      return matmul_backward(s.out(dinp, N * IC), s.inout(dweight, int64_t(OC) * IC),
+                             s.inout(dbias, OC), s.in(dout, N * OC), s.in(inp, N * IC),
+                             s.in(weight, int64_t(OC) * IC), N, IC, OC);
+    }
     dispatch(dout.dtype, [&]<class S>(S) {
       cpu::matmul_backward(dinp ? dinp.as<S>() : nullptr, dweight.as<S>(),
                            dbias ? dbias.as<S>() : nullptr, dout.as<S>(), inp.as<S>(),
@@ -87,34 +197,67 @@ class CpuKernels final : public Kernels {
     });
   }
   void attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH) override {
+    if (Staging::any_half({out, att, qkv})) {
+      Staging s;
+      return attention_forward(s.out(out, int64_t(B) * T * C), s.out(att, int64_t(B) * NH * T * T),
+                               s.in(qkv, int64_t(B) * T * 3 * C), B, T, C, NH);
+    }
     dispatch(out.dtype, [&]<class S>(S) {
       cpu::attention_forward(out.as<S>(), att.as<S>(), qkv.as<S>(), B, T, C, NH);
     });
   }
   void attention_backward(DPtr dqkv, DPtr datt, DPtr dout, DPtr qkv, DPtr att, int B, int T, int C,
                           int NH) override {
+    if (Staging::any_half({dqkv, datt, dout, qkv, att})) {
+      Staging s;
+      return attention_backward(s.out(dqkv, int64_t(B) * T * 3 * C),
+                                s.out(datt, int64_t(B) * NH * T * T),
+                                s.in(dout, int64_t(B) * T * C), s.in(qkv, int64_t(B) * T * 3 * C),
+                                s.in(att, int64_t(B) * NH * T * T), B, T, C, NH);
+    }
     dispatch(dout.dtype, [&]<class S>(S) {
       cpu::attention_backward(dqkv.as<S>(), datt.as<S>(), dout.as<S>(), qkv.as<S>(), att.as<S>(), B,
                               T, C, NH);
     });
   }
   void gelu_forward(DPtr out, DPtr inp, int64_t n) override {
+    if (Staging::any_half({out, inp})) {
+      Staging s;
+      return gelu_forward(s.out(out, n), s.in(inp, n), n);
+    }
     dispatch(out.dtype, [&]<class S>(S) { cpu::gelu_forward(out.as<S>(), inp.as<S>(), n); });
   }
   void gelu_backward(DPtr dinp, DPtr inp, DPtr dout, int64_t n) override {
+    if (Staging::any_half({dinp, inp, dout})) {
+      Staging s;
+      return gelu_backward(s.out(dinp, n), s.in(inp, n), s.in(dout, n), n);
+    }
     dispatch(dout.dtype,
              [&]<class S>(S) { cpu::gelu_backward(dinp.as<S>(), inp.as<S>(), dout.as<S>(), n); });
   }
   void residual_forward(DPtr out, DPtr a, DPtr b, int64_t n) override {
+    if (Staging::any_half({out, a, b})) {
+      Staging s;
+      return residual_forward(s.out(out, n), s.in(a, n), s.in(b, n), n);
+    }
     dispatch(out.dtype,
              [&]<class S>(S) { cpu::residual_forward(out.as<S>(), a.as<S>(), b.as<S>(), n); });
   }
   void crossentropy_max(DPtr rowmax, DPtr logits, int64_t N, VocabSlice v) override {
+    if (Staging::any_half({rowmax, logits})) {
+      Staging s;
+      return crossentropy_max(s.out(rowmax, N), s.in(logits, N * v.width), N, v);
+    }
     dispatch(logits.dtype,
              [&]<class S>(S) { cpu::crossentropy_max(rowmax.as<S>(), logits.as<S>(), N, v); });
   }
   void crossentropy_sumexp(DPtr sumexp, DPtr target_logit, DPtr logits, DPtr rowmax,
                            const int32_t* targets, int64_t N, VocabSlice v) override {
+    if (Staging::any_half({sumexp, target_logit, logits, rowmax})) {
+      Staging s;
+      return crossentropy_sumexp(s.out(sumexp, N), s.out(target_logit, N),
+                                 s.inout(logits, N * v.width), s.in(rowmax, N), targets, N, v);
+    }
     dispatch(logits.dtype, [&]<class S>(S) {
       cpu::crossentropy_sumexp(sumexp.as<S>(), target_logit.as<S>(), logits.as<S>(), rowmax.as<S>(),
                                targets, N, v);
@@ -122,6 +265,11 @@ class CpuKernels final : public Kernels {
   }
   double crossentropy_finish(DPtr losses, DPtr probs, DPtr rowmax, DPtr sumexp, DPtr target_logit,
                              int64_t N, VocabSlice v) override {
+    if (Staging::any_half({losses, probs, rowmax, sumexp, target_logit})) {
+      Staging s;
+      return crossentropy_finish(s.out(losses, N), s.inout(probs, N * v.width), s.in(rowmax, N),
+                                 s.in(sumexp, N), s.in(target_logit, N), N, v);
+    }
     return dispatch(probs.dtype, [&]<class S>(S) {
       return cpu::crossentropy_finish(losses.as<S>(), probs.as<S>(), rowmax.as<S>(), sumexp.as<S>(),
                                       target_logit.as<S>(), N, v);
@@ -129,14 +277,55 @@ class CpuKernels final : public Kernels {
   }
   void crossentropy_backward(DPtr probs, const int32_t* targets, float dloss, int64_t N,
                              VocabSlice v) override {
+    if (Staging::any_half({probs})) {
+      Staging s;
+      return crossentropy_backward(s.inout(probs, N * v.width), targets, dloss, N, v);
+    }
     dispatch(probs.dtype,
              [&]<class S>(S) { cpu::crossentropy_backward(probs.as<S>(), targets, dloss, N, v); });
   }
+  void convert(DPtr dst, DPtr src, int64_t n, uint64_t stochastic_seed) override {
+    if (dst.dtype == src.dtype) {
+      if (dst.p != src.p) std::memcpy(dst.p, src.p, n * dtype_size(dst.dtype));
+      return;
+    }
+    Staging s;
+    const DPtr from = s.in(src, n);  // fp32 (or f64)
+    if (dst.dtype == DType::bf16 && stochastic_seed != 0 && from.dtype == DType::f32) {
+      const float* f = from.as<float>();
+      bf16* d = dst.as<bf16>();
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < n; i++)  // counter-based bits: the same for any thread count
+        d[i] = to_bf16_stochastic(f[i], uint32_t(cpu::random_bits(stochastic_seed, uint64_t(i))));
+      return;
+    }
+    if (is_half(dst.dtype) && from.dtype == DType::f32)
+      return Staging::narrow(dst, from.as<float>(), n);
+    if (dst.dtype == DType::f32 && from.dtype == DType::f32) {
+      std::memcpy(dst.p, from.p, n * 4);
+      return;
+    }
+    dispatch(dst.dtype, [&]<class D>(D) {
+      dispatch(from.dtype, [&]<class S>(S) {
+        const S* f = from.as<S>();
+        D* d = dst.as<D>();
+        for (int64_t i = 0; i < n; i++) d[i] = D(f[i]);
+      });
+    });
+  }
   double sum_squares(DPtr x, int64_t n) override {
+    if (Staging::any_half({x})) {
+      Staging s;
+      return sum_squares(s.in(x, n), n);
+    }
     return dispatch(x.dtype, [&]<class S>(S) { return cpu::sum_squares(x.as<S>(), n); });
   }
   void adamw_update(DPtr param, DPtr grad, DPtr m, DPtr v, int64_t n,
                     const AdamWArgs& args) override {
+    if (Staging::any_half({param, grad, m, v})) {
+      Staging s;
+      return adamw_update(s.inout(param, n), s.in(grad, n), s.inout(m, n), s.inout(v, n), n, args);
+    }
     dispatch(param.dtype, [&]<class S>(S) {
       cpu::adamw_update(param.as<S>(), grad.as<S>(), m.as<S>(), v.as<S>(), n, args);
     });
