@@ -232,16 +232,17 @@ Config parse_config(const std::string& text, const std::string& origin,
   Origins origins;
   for (const auto& item : overrides) apply_override(root, item, origins);
 
-  static const std::set<std::string> sections = {"run",   "model", "data",
-                                                 "train", "optim", "parallel"};
+  static const std::set<std::string> sections = {"run",   "model",    "data",     "train",
+                                                 "optim", "parallel", "precision"};
   for (auto& [k, v] : root)
     if (!sections.count(std::string(k.str()))) {
       std::string at = where(k.source(), origin);
       for (const auto& [key, o] : origins)
         if (key.starts_with(std::string(k.str()) + ".")) at = o;
       throw ConfigError(fmt::format(
-          "{}: unknown section [{}] (expected run, model, data, train, optim or parallel)", at,
-          k.str()));
+          "{}: unknown section [{}] (expected run, model, data, train, optim, parallel or "
+          "precision)",
+          at, k.str()));
     }
 
   Config c;
@@ -345,6 +346,30 @@ Config parse_config(const std::string& text, const std::string& origin,
       c.train.grad_accum = p.micro_batches;
     }
   }
+  {
+    SectionReader r(root, "precision", origin, origins);
+    PrecisionConfig& p = c.precision;
+    r.field("compute", p.compute, one_of({"fp32", "bf16", "fp16"}));
+    r.field("grads", p.grads, one_of({"fp32", "compute"}));
+    r.field("loss_scale", p.loss_scale, in_range(0, 1e30));
+    r.field("initial_scale", p.initial_scale, in_range(1e-30, 1e30));
+    r.field("growth_factor", p.growth_factor, in_range(1, 1e6));
+    r.field("backoff_factor", p.backoff_factor, in_range(1e-6, 1));
+    r.field("growth_interval", p.growth_interval, at_least(1));
+    r.field("hysteresis", p.hysteresis, at_least(1));
+    r.field("min_scale", p.min_scale, in_range(1e-30, 1e30));
+    r.field("max_min_scale_overflows", p.max_min_scale_overflows, at_least(1));
+    r.field("stochastic_rounding", p.stochastic_rounding);
+    r.finish();
+    if (p.min_scale > p.initial_scale)
+      throw ConfigError(fmt::format(
+          "{}: [precision] min_scale: min_scale = {} must not exceed initial_scale = {}",
+          r.origin("min_scale"), p.min_scale, p.initial_scale));
+    if (p.stochastic_rounding && p.compute != "bf16")
+      throw ConfigError(fmt::format(
+          "{}: [precision] stochastic_rounding: applies to compute = \"bf16\" only, found \"{}\"",
+          r.origin("stochastic_rounding"), p.compute));
+  }
   return c;
 }
 
@@ -412,6 +437,17 @@ std::string config_to_toml(const Config& c) {
                                {"overlap", c.parallel.overlap},
                                {"allreduce", c.parallel.allreduce},
                                {"ranks_per_node", c.parallel.ranks_per_node}}},
+      {"precision", toml::table{{"compute", c.precision.compute},
+                                {"grads", c.precision.grads},
+                                {"loss_scale", c.precision.loss_scale},
+                                {"initial_scale", c.precision.initial_scale},
+                                {"growth_factor", c.precision.growth_factor},
+                                {"backoff_factor", c.precision.backoff_factor},
+                                {"growth_interval", c.precision.growth_interval},
+                                {"hysteresis", c.precision.hysteresis},
+                                {"min_scale", c.precision.min_scale},
+                                {"max_min_scale_overflows", c.precision.max_min_scale_overflows},
+                                {"stochastic_rounding", c.precision.stochastic_rounding}}},
   };
   std::stringstream ss;
   // Basic strings only: toml++ writes "\n" as a multi-line literal that does not read back.

@@ -71,6 +71,22 @@ struct ParallelConfig {
   int ranks_per_node = 0;          // hierarchical node grouping; 0 = detect
 };
 
+// Mixed precision: weights (the compute copy), activations and, optionally, gradients stored in
+// bf16 or fp16; fp32 master weights and AdamW state. fp16 scales the loss dynamically.
+struct PrecisionConfig {
+  std::string compute = "fp32";  // fp32 | bf16 | fp16
+  std::string grads = "fp32";    // fp32 | compute (the compute dtype)
+  double loss_scale = 0;         // fp16: > 0 a static scale; 0 = dynamic
+  double initial_scale = 65536;
+  double growth_factor = 2;
+  double backoff_factor = 0.5;
+  int growth_interval = 1000;  // steps without overflow before the scale grows
+  int hysteresis = 1;          // overflows in a row before the scale backs off
+  double min_scale = 1;
+  int max_min_scale_overflows = 10;  // overflows in a row at min_scale: training has diverged
+  bool stochastic_rounding = false;  // bf16: master -> compute copy rounded stochastically
+};
+
 struct Config {
   RunConfig run;
   GPTConfig model;
@@ -78,6 +94,7 @@ struct Config {
   TrainConfig train;
   OptimConfig optim;
   ParallelConfig parallel;
+  PrecisionConfig precision;
 };
 
 // Reads `path` (empty: defaults only) and applies `overrides` ("section.key=value", TOML

@@ -146,7 +146,7 @@ GPT::SlotActs GPT::slot_acts(int slot) const {
           base + off_.logits,  st + 2 * row,    st + 3 * row, st + 4 * row};
 }
 
-void GPT::init_parameters(uint64_t seed) {
+void GPT::init_parameters(uint64_t seed, DPtr into) {
   for (const auto& p : table_.params) {
     std::vector<double> values(p.local_numel());
     const uint64_t stream = hash_name(p.name);
@@ -157,7 +157,7 @@ void GPT::init_parameters(uint64_t seed) {
       for (int64_t i = 0; i < int64_t(values.size()); i++)
         values[i] = p.init_std * normal_at(seed, stream, p.logical_index(i));
     }
-    write(p, params_, values);
+    write(p, into, values);
   }
 }
 

@@ -58,7 +58,9 @@ class GPT {
 
   // Initialisation is a pure function of (seed, parameter name, logical index): it does not
   // depend on how the model is split, nor on the dtype.
-  void init_parameters(uint64_t seed);
+  void init_parameters(uint64_t seed) { init_parameters(seed, params_); }
+  // The same values into another buffer laid out like params() (fp32 master weights, say).
+  void init_parameters(uint64_t seed, DPtr into);
 
   // This rank's real elements of a parameter (padding excluded, ParamInfo::local_shape) to and
   // from host fp32 or fp64.

@@ -19,13 +19,21 @@ AdamW::AdamW(GPT& model, const OptimConfig& cfg, std::vector<Segment> segments, 
       segments_(std::move(segments)),
       grads_(grads),
       state_elems_(state_elems) {
-  m_ = model.kernels().alloc(state_elems, model.dtype());
-  v_ = model.kernels().alloc(state_elems, model.dtype());
+  const DType state = is_half(model.dtype()) ? DType::f32 : model.dtype();
+  m_ = model.kernels().alloc(state_elems, state);
+  v_ = model.kernels().alloc(state_elems, state);
+  if (is_half(model.dtype())) master_ = model.kernels().alloc(state_elems, DType::f32);
 }
 
 AdamW::~AdamW() {
   model_.kernels().free(m_);
   model_.kernels().free(v_);
+  if (master_) model_.kernels().free(master_);
+}
+
+void AdamW::init_master(DPtr full) {
+  for (const Segment& s : segments_)
+    model_.kernels().convert(master_ + s.state_offset, full + s.offset, s.count, 0);
 }
 
 float AdamW::weight_decay(const OptimConfig& cfg, const ParamInfo& p) {

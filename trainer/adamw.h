@@ -1,5 +1,7 @@
 #pragma once
-// AdamW over spans of the model's flat buffers. Each segment is a run of elements with one
+// AdamW over spans of the model's flat buffers. With a 16-bit model the optimizer keeps the
+// fp32 master weights of its segments (next to the moments, so ZeRO-1 shards them too) and
+// rounds each update into the model's compute copy. Each segment is a run of elements with one
 // weight decay: the parameter at `offset`, its gradient and its moments at `state_offset` in
 // the gradient and state buffers. Without ZeRO the segments are the parameters and the state
 // offsets are their own; with ZeRO-1 they are this rank's pieces of the data-parallel shard,
@@ -29,10 +31,15 @@ class AdamW {
   // One update with learning rate lr; gradients are multiplied by grad_scale first (clipping).
   // `step` is the 1-based count of updates, for bias correction.
   void update(float lr, float grad_scale, int64_t step);
+  // Mixed precision: the master weights from a flat fp32 buffer laid out like the parameters.
+  void init_master(DPtr full);
+  // bf16: round the master weights into the compute copy stochastically (seeded per step).
+  void set_stochastic_rounding(uint64_t seed) { stochastic_seed_ = seed; }
   static float weight_decay(const OptimConfig& cfg, const ParamInfo& p);
 
   const std::vector<Segment>& segments() const { return segments_; }
   DPtr grads() const { return grads_; }
+  DPtr master() const { return master_; }  // null unless the model is 16-bit
   DPtr m() const { return m_; }
   DPtr v() const { return v_; }
   int64_t state_elems() const { return state_elems_; }
@@ -41,8 +48,9 @@ class AdamW {
   GPT& model_;
   OptimConfig cfg_;
   std::vector<Segment> segments_;
-  DPtr grads_, m_, v_;
+  DPtr grads_, m_, v_, master_;
   int64_t state_elems_;
+  uint64_t stochastic_seed_ = 0;
 };
 
 }  // namespace trainer

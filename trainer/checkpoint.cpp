@@ -37,39 +37,58 @@ ModelState collect_state(const GPT& model, const AdamW* optimizer, Communicator*
   };
   out.params = tensors();
   const int64_t total = model.table().total;
-  if (replica_leader)
+  Kernels& k = model.kernels();
+  // A state buffer of the optimizer in the flat layout of the parameters, and which elements
+  // this rank contributes.
+  auto flat = [&](DPtr state, std::vector<float>& values, std::vector<char>& held) {
+    const int64_t n = optimizer->state_elems();
+    std::vector<float> host(n);
+    if (state.dtype == DType::f32) {
+      k.copy_to_host(host.data(), state, n);
+    } else {
+      DPtr tmp = k.alloc(n, DType::f32);
+      k.convert(tmp, state, n, 0);
+      k.copy_to_host(host.data(), tmp, n);
+      k.free(tmp);
+    }
+    values.assign(total, 0.0f);
+    held.assign(total, 0);
+    if (!sharded_optimizer && !replica_leader) return;
+    for (const AdamW::Segment& s : optimizer->segments())
+      for (int64_t i = 0; i < s.count; i++) {
+        values[s.offset + i] = host[s.state_offset + i];
+        held[s.offset + i] = 1;
+      }
+  };
+  auto scatter = [&](std::vector<NamedTensor>& dst, const std::vector<float>& values,
+                     const std::vector<char>& held) {
     for (const ParamInfo& p : model.table().params) {
       if (!p.owned()) continue;
-      const std::vector<float> values = model.read<float>(p, model.params());
-      std::vector<float>& dst = out.params[full.index.at(p.name)].values;
-      for (int64_t i = 0; i < int64_t(values.size()); i++) dst[p.logical_index(i)] = values[i];
+      std::vector<float>& t = dst[full.index.at(p.name)].values;
+      for (int64_t i = 0; i < p.local_numel(); i++)
+        if (held[p.offset + i]) t[p.logical_index(i)] = values[p.offset + i];
     }
+  };
+  std::vector<float> values;
+  std::vector<char> held;
+  if (optimizer && optimizer->master()) {  // 16-bit model: the fp32 master weights
+    flat(optimizer->master(), values, held);
+    scatter(out.params, values, held);
+  } else if (replica_leader) {
+    for (const ParamInfo& p : model.table().params) {
+      if (!p.owned()) continue;
+      const std::vector<float> v = model.read<float>(p, model.params());
+      std::vector<float>& dst = out.params[full.index.at(p.name)].values;
+      for (int64_t i = 0; i < int64_t(v.size()); i++) dst[p.logical_index(i)] = v[i];
+    }
+  }
   if (optimizer) {
     out.m = tensors();
     out.v = tensors();
-    // The moments in the flat layout of the parameters, and which elements this rank holds.
-    std::vector<float> m_state(optimizer->state_elems()), v_state(optimizer->state_elems());
-    Kernels& k = model.kernels();
-    k.copy_to_host(m_state.data(), optimizer->m(), optimizer->state_elems());
-    k.copy_to_host(v_state.data(), optimizer->v(), optimizer->state_elems());
-    std::vector<float> m_flat(total), v_flat(total);
-    std::vector<char> held(total, 0);
-    if (sharded_optimizer || replica_leader)
-      for (const AdamW::Segment& s : optimizer->segments())
-        for (int64_t i = 0; i < s.count; i++) {
-          m_flat[s.offset + i] = m_state[s.state_offset + i];
-          v_flat[s.offset + i] = v_state[s.state_offset + i];
-          held[s.offset + i] = 1;
-        }
-    for (const ParamInfo& p : model.table().params) {
-      if (!p.owned()) continue;
-      const size_t at = full.index.at(p.name);
-      for (int64_t i = 0; i < p.local_numel(); i++)
-        if (held[p.offset + i]) {
-          out.m[at].values[p.logical_index(i)] = m_flat[p.offset + i];
-          out.v[at].values[p.logical_index(i)] = v_flat[p.offset + i];
-        }
-    }
+    flat(optimizer->m(), values, held);
+    scatter(out.m, values, held);
+    flat(optimizer->v(), values, held);
+    scatter(out.v, values, held);
   }
   if (world && world->size() > 1)
     for (auto* group : {&out.params, &out.m, &out.v})

@@ -16,6 +16,7 @@ void MetricsLog::step(const StepStats& s, bool print) {
                       {"lr", s.lr},
                       {"grad_norm", s.grad_norm},
                       {"skipped", s.skipped},
+                      {"loss_scale", s.loss_scale},
                       {"ms", s.total_s * 1e3},
                       {"data_ms", s.data_s * 1e3},
                       {"forward_ms", s.forward_s * 1e3},
@@ -37,7 +38,8 @@ void MetricsLog::step(const StepStats& s, bool print) {
         s.step, s.loss, s.lr, s.grad_norm, s.total_s * 1e3, s.data_s * 1e3, s.forward_s * 1e3,
         s.backward_s * 1e3, s.optimizer_s * 1e3, s.comm_s * 1e3, s.pipe_wait_s * 1e3,
         double(s.bytes_sent) / 1e6, s.tokens_per_s, 100 * s.mfu,
-        s.skipped ? " | SKIPPED (non-finite)" : "");
+        s.skipped ? fmt::format(" | SKIPPED (non-finite gradients, loss scale {})", s.loss_scale)
+                  : "");
 }
 
 void MetricsLog::event(const nlohmann::json& record) {

@@ -11,7 +11,8 @@ namespace trainer {
 struct StepStats {
   int64_t step = 0;
   double loss = 0, lr = 0, grad_norm = 0;
-  bool skipped = false;  // non-finite loss or gradient norm: no update applied
+  bool skipped = false;   // non-finite loss or gradient norm: no update applied
+  double loss_scale = 1;  // the (fp16) loss scale the step used
   // Seconds per phase: waiting for data, forward, backward, norm + optimizer, and the total.
   double data_s = 0, forward_s = 0, backward_s = 0, optimizer_s = 0, total_s = 0;
   double tokens_per_s = 0, mfu = 0;

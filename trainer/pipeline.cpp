@@ -93,8 +93,11 @@ void Pipeline::next_logits(const int32_t* context, int T, std::vector<float>& ou
   if (stage < last) pp_.send(model_.output(0), activation, stage + 1, 0);
   if (stage == last) {
     std::vector<float> mine(vocab.width);
-    model_.kernels().copy_to_host(mine.data(), model_.logits(0) + int64_t(T - 1) * vocab.width,
-                                  vocab.width);
+    Kernels& k = model_.kernels();
+    DPtr row = k.alloc(vocab.width, DType::f32);  // the logits may be 16-bit
+    k.convert(row, model_.logits(0) + int64_t(T - 1) * vocab.width, vocab.width, 0);
+    k.copy_to_host(mine.data(), row, vocab.width);
+    k.free(row);
     if (tp_)
       tp_->all_gather(host(mine.data()), host(out.data()), vocab.width);
     else

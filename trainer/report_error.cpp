@@ -6,6 +6,7 @@
 #include <new>
 
 #include "io/errors.h"
+#include "trainer/loss_scaler.h"
 
 namespace trainer {
 
@@ -23,6 +24,9 @@ int report_error(const std::exception_ptr& error) {
                "trainer: out of memory: the model, batch and optimizer state do not fit "
                "(reduce train.micro_batch, model.seq_len or the model size)\n");
     return kExitBadInput;
+  } catch (const TrainingDiverged& e) {
+    fmt::print(stderr, "trainer: training diverged: {}\n", e.what());
+    return 1;
   } catch (const std::exception& e) {  // a bug, not bad input: still one line, no abort
     fmt::print(stderr, "trainer: internal error: {}\n", e.what());
     return 1;

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -21,6 +23,7 @@
 #include "trainer/adamw.h"
 #include "trainer/blas_setup.h"
 #include "trainer/checkpoint.h"
+#include "trainer/loss_scaler.h"
 #include "trainer/lr_schedule.h"
 #include "trainer/metrics.h"
 #include "trainer/peak_flops.h"
@@ -135,6 +138,21 @@ int threads_per_rank(const Config& cfg, const World& world) {
   return std::max(1, cores / world.local_size());
 }
 
+DType compute_dtype(const PrecisionConfig& p) {
+  return p.compute == "bf16" ? DType::bf16 : p.compute == "fp16" ? DType::f16 : DType::f32;
+}
+
+// Test hook: TRAINER_TEST_INJECT_INF="step,rank" makes one gradient infinite on that rank at
+// that step, to check that an overflow anywhere skips the step everywhere.
+std::pair<int64_t, int> injected_overflow() {
+  const char* spec = std::getenv("TRAINER_TEST_INJECT_INF");
+  if (!spec) return {-1, -1};
+  long long step = -1;
+  int rank = -1;
+  if (std::sscanf(spec, "%lld,%d", &step, &rank) != 2) return {-1, -1};
+  return {step, rank};
+}
+
 // Everything a step touches, built once.
 struct Run {
   const Config& cfg;
@@ -150,6 +168,8 @@ struct Run {
   AdamW optimizer;
   DataLoader loader;
   Pipeline pipe;
+  LossScaler scaler;
+  std::pair<int64_t, int> inject_inf = injected_overflow();
   double flops_per_token;  // 6N + 12 L C T, as PaLM/nanoGPT count them
   double peak_flops = 0;   // per rank
 
@@ -160,6 +180,7 @@ struct Run {
     o.tp = tp;
     o.slots = Pipeline::slots(me.pp, dims.pp(), c.train.grad_accum);
     o.total_multiple = 16 * int64_t(dims.dp());
+    o.grad_dtype = c.precision.grads == "fp32" ? DType::f32 : compute_dtype(c.precision);
     return o;
   }
 
@@ -182,7 +203,7 @@ struct Run {
         kernels(make_cpu_kernels()),
         train_data(c.data.train, c.model.vocab_size, c.model.seq_len),
         val_data(c.data.val, c.model.vocab_size, c.model.seq_len),
-        model(c.model, *kernels, DType::f32, c.train.micro_batch, c.model.seq_len,
+        model(c.model, *kernels, compute_dtype(c.precision), c.train.micro_batch, c.model.seq_len,
               model_options(c, me, dims, groups.tp.get())),
         reducer(*kernels, model.grads(), model.params(), model.table().total, *groups.dp,
                 groups.intra.get(), groups.inter.get(),
@@ -197,6 +218,7 @@ struct Run {
                c.data.prefetch, 0, me.dp, dims.dp()),
         pipe(model, *groups.pp, groups.tp.get(), c.train.grad_accum, c.train.micro_batch,
              c.model.seq_len),
+        scaler(c.precision),
         flops_per_token(6.0 * double(gpt2_flop_params(c.model)) +
                         12.0 * c.model.n_layer * c.model.d_model * c.model.seq_len) {}
 
@@ -232,6 +254,15 @@ std::optional<int> agree_on_setup(World& world, F&& setup) {
   return int(code);
 }
 
+void poison_gradient(Run& run) {
+  Kernels& k = run.model.kernels();
+  const float inf = INFINITY;
+  DPtr one = k.alloc(1, DType::f32);
+  k.copy_from_host(one, &inf, 1);
+  k.convert(run.model.grads(), one, 1, 0);
+  k.free(one);
+}
+
 // One optimizer step: the micro-batches through the pipeline, gradient reduction, the global
 // norm, clipping and the update.
 StepStats train_step(Run& run, int64_t step) {
@@ -248,8 +279,13 @@ StepStats train_step(Run& run, int64_t step) {
 
   run.model.zero_grad();
   PipeTimes times;
+  // Gradients of loss x scale (fp16), averaged over the micro-batches and data-parallel ranks.
+  const double scale = run.scaler.scale();
+  s.loss_scale = scale;
   const double loss_sum = run.pipe.step([&]() -> const Batch& { return run.loader.next(); },
-                                        1.0f / float(M * dp), [&] { run.reducer.arm(); }, times);
+                                        float(scale / (M * dp)), [&] { run.reducer.arm(); }, times);
+  if (run.inject_inf.first == step && run.inject_inf.second == run.world.rank())
+    poison_gradient(run);
   s.forward_s = times.forward_s;
   s.backward_s = times.backward_s;
   s.data_s = run.loader.take_wait_seconds();
@@ -275,14 +311,15 @@ StepStats train_step(Run& run, int64_t step) {
         sums[1] += run.kernels->sum_squares(grads + span.shard_offset, span.count);
   run.world.comm().all_reduce(host(sums), 2, ReduceOp::sum);
   s.loss = sums[0];
-  s.grad_norm = std::sqrt(sums[1]);
+  s.grad_norm = std::sqrt(sums[1]) / scale;
   s.lr = lr_at(cfg.optim, step, cfg.train.steps);
+  // Every rank sees the same sums, so every rank skips the same steps.
   s.skipped = !std::isfinite(s.loss) || !std::isfinite(s.grad_norm);
+  run.scaler.update(s.skipped);
   if (!s.skipped) {
     const double max_norm = cfg.optim.max_grad_norm;
-    const float clip =
-        max_norm > 0 && s.grad_norm > max_norm ? float(max_norm / s.grad_norm) : 1.0f;
-    run.optimizer.update(float(s.lr), clip, step + 1);
+    const double clip = max_norm > 0 && s.grad_norm > max_norm ? max_norm / s.grad_norm : 1.0;
+    run.optimizer.update(float(s.lr), float(clip / scale), step + 1);
     run.reducer.gather_params();
   }
   s.optimizer_s = seconds_since(t_opt);
@@ -366,6 +403,12 @@ void print_start(const Run& run) {
       stages += fmt::format(" {}:[{}, {})", s, bounds[s], bounds[s + 1]);
     fmt::print("pipeline stages (blocks; embedding on the first, head on the last):{}\n", stages);
   }
+  fmt::print("precision: compute {}, gradients {}, master weights and AdamW state fp32{}\n",
+             cfg.precision.compute, cfg.precision.grads == "fp32" ? "fp32" : cfg.precision.compute,
+             cfg.precision.compute != "fp16" ? ""
+             : run.scaler.dynamic()
+                 ? fmt::format(", dynamic loss scale from {}", run.scaler.scale())
+                 : fmt::format(", static loss scale {}", run.scaler.scale()));
   fmt::print("{}", dims.describe());
   constexpr int kRanksListed = 64;  // a thousand-rank job lists the first ones
   for (int r = 0; r < std::min(dims.world(), kRanksListed); r++) {
@@ -421,7 +464,18 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     print_start(run);
   }
 
-  run.model.init_parameters(cfg.run.seed);
+  if (run.optimizer.master()) {  // exact fp32 values for the master, rounded for the model
+    Kernels& k = *run.kernels;
+    const int64_t total = run.model.table().total;
+    DPtr full = k.alloc(total, DType::f32);
+    run.model.init_parameters(cfg.run.seed, full);
+    run.optimizer.init_master(full);
+    k.convert(run.model.params(), full, total, 0);
+    k.free(full);
+    if (cfg.precision.stochastic_rounding) run.optimizer.set_stochastic_rounding(cfg.run.seed);
+  } else {
+    run.model.init_parameters(cfg.run.seed);
+  }
   const int64_t tokens_per_step =
       int64_t(cfg.train.micro_batch) * cfg.model.seq_len * cfg.train.grad_accum * run.dims.dp();
   auto evaluate = [&](int64_t step) {
@@ -450,7 +504,13 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   for (int64_t step = 0; step < cfg.train.steps; step++) {
     if (cfg.train.val_every > 0 && step % cfg.train.val_every == 0) evaluate(step);
     if (cfg.train.sample_every > 0 && step % cfg.train.sample_every == 0) sample(step);
-    const StepStats stats = train_step(run, step);
+    StepStats stats;
+    try {
+      stats = train_step(run, step);
+    } catch (const TrainingDiverged&) {  // every rank decides the same: one line, no abort
+      if (leader) return report_error(std::current_exception());
+      return 1;
+    }
     if (leader) log->step(stats, step % cfg.train.log_every == 0 || step + 1 == cfg.train.steps);
     if (cfg.train.checkpoint_every > 0 && (step + 1) % cfg.train.checkpoint_every == 0 &&
         step + 1 < cfg.train.steps)
