@@ -36,50 +36,10 @@ cmake --build "$BUILD" --target trainer -j2 >&2
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-data="$ROOT/data/austen"
-if [[ ! -f "$data/train.bin" ]]; then
-  data="$work/data"
-  "$BUILD/trainer" prepare --input "$ROOT/tests/data/pride_and_prejudice_opening.txt" \
-    --out-dir "$data" >&2
-fi
-cat >"$work/ws.toml" <<EOF
-[run]
-name = "bench-parallel"
-peak_tflops = 0.2
-[model]
-vocab_size = 50257
-seq_len = 256
-n_layer = 6
-n_head = 6
-d_model = 384
-[data]
-train = "$data/train.bin"
-val = "$data/val.bin"
-[train]
-micro_batch = 4
-steps = $((steps + warmup))
-val_every = 0
-sample_every = 0
-EOF
-
-# The run's JSON line from its metrics.jsonl: medians over the steps after warm-up.
-summarize() {
-  "$PYTHON" - "$1" "$2" "$3" "$warmup" <<'EOF'
-import json, statistics, sys
-name, ranks, path, warmup = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-records = [json.loads(line) for line in open(path)]
-steps = [r for r in records if "loss" in r][warmup:]
-peak = next((r for r in records if "peak_rss_mb_max" in r), {})
-med = lambda key: statistics.median(r[key] for r in steps)
-print(json.dumps({"bench": "parallel", "run": name, "ranks": ranks,
-                  "step_ms": round(med("ms"), 1), "tokens_per_s": round(med("tokens_per_s")),
-                  "comm_exposed_ms": round(med("comm_exposed_ms"), 1),
-                  "pipe_wait_ms": round(med("pipe_wait_ms"), 1),
-                  "mb_sent_per_step_rank0": round(med("bytes_sent") / 1e6, 1),
-                  "peak_rss_mb_rank0": peak.get("peak_rss_mb_rank0"),
-                  "peak_rss_mb_max": peak.get("peak_rss_mb_max")}))
-EOF
-}
+# shellcheck source=bench/lib.sh
+source "$ROOT/bench/lib.sh"
+data="$(bench_data "$ROOT" "$BUILD" "$work")"
+ws_config "$work/ws.toml" "$data" $((steps + warmup))
 
 # run NAME RANKS THREADS --set ...: trains under mpirun (unbound: a rank's threads may use any
 # core), prints the run's JSON line.
@@ -89,7 +49,7 @@ run() {
   echo "parallel.sh: $name" >&2
   mpirun -q --oversubscribe --bind-to none -np "$ranks" "$BUILD/trainer" train "$work/ws.toml" \
     --set run.out_dir="\"$dir\"" --set run.threads="$threads" "$@" >"$dir.log"
-  summarize "$name" "$ranks" "$dir/metrics.jsonl"
+  summarize "$name" "$ranks" "$dir/metrics.jsonl" "$warmup"
 }
 
 # Two independent single-process trainers, each with one dp = 2 rank's work.
@@ -101,7 +61,7 @@ no_comm() {
       --set run.threads=1 --set train.grad_accum=2 >"${dir}_$i.log" &
   done
   wait
-  summarize "$name" 2 "${dir}_0/metrics.jsonl"
+  summarize "$name" 2 "${dir}_0/metrics.jsonl" "$warmup"
 }
 
 results="$work/results.jsonl"

@@ -29,17 +29,46 @@ decltype(auto) dispatch(DType t, F&& f) {
   throw std::logic_error("kernel dispatched on a 16-bit dtype");
 }
 
+// Scratch buffers for staging, kept between kernel calls: a step stages the same sizes again
+// and again, and fresh large allocations would fault their pages in every time.
+class ScratchPool {
+ public:
+  float* take(int64_t n) {
+    for (Buffer& b : buffers_)
+      if (!b.busy && b.size >= n) {
+        b.busy = true;
+        return b.data.get();
+      }
+    buffers_.push_back(
+        {std::make_unique_for_overwrite<float[]>(size_t(std::max<int64_t>(n, 1))), n, true});
+    return buffers_.back().data.get();
+  }
+  void release(const float* p) {
+    for (Buffer& b : buffers_)
+      if (b.data.get() == p) b.busy = false;
+  }
+
+ private:
+  struct Buffer {
+    std::unique_ptr<float[]> data;
+    int64_t size;
+    bool busy;
+  };
+  std::vector<Buffer> buffers_;
+};
+
 // fp32 views of kernel arguments stored in 16-bit formats, so that every kernel computes in fp32
 // while its inputs and outputs really are bf16/fp16 values: inputs are widened into scratch,
 // outputs are computed in scratch and rounded to their storage format (to nearest, ties to
 // even) when the views go away. Accumulating outputs start from their stored values.
 class Staging {
  public:
-  Staging() = default;
+  explicit Staging(ScratchPool& pool) : pool_(pool) {}
   Staging(const Staging&) = delete;
   Staging& operator=(const Staging&) = delete;
   ~Staging() {
-    for (const Output& o : outputs_) narrow(o.dst, o.scratch.get(), o.n);
+    for (const Output& o : outputs_) narrow(o.dst, o.scratch, o.n);
+    for (const float* p : taken_) pool_.release(p);
   }
   static bool any_half(std::initializer_list<DPtr> args) {
     for (DPtr a : args)
@@ -48,29 +77,30 @@ class Staging {
   }
   DPtr in(DPtr p, int64_t n) {
     if (!p || !is_half(p.dtype)) return p;
-    float* f = make(n);
+    float* f = take(n);
     widen(f, p, n);
     return {reinterpret_cast<std::byte*>(f), DType::f32};
   }
   DPtr out(DPtr p, int64_t n, bool accumulate = false) {
     if (!p || !is_half(p.dtype)) return p;
-    float* f = make(n);
+    float* f = take(n);
     if (accumulate) widen(f, p, n);
-    outputs_.push_back({p, n, std::move(scratch_.back())});
-    scratch_.pop_back();
+    outputs_.push_back({p, n, f});
     return {reinterpret_cast<std::byte*>(f), DType::f32};
   }
   DPtr inout(DPtr p, int64_t n) { return out(p, n, true); }
 
+  // fp16 through the compiler's _Float16 (IEEE round to nearest even; F16C instructions where
+  // the CPU has them), checked against kernels/half.h on all 65536 patterns by the tests.
   static void widen(float* dst, DPtr src, int64_t n) {
     if (src.dtype == DType::bf16) {
       const bf16* s = src.as<bf16>();
 #pragma omp parallel for simd schedule(static)
       for (int64_t i = 0; i < n; i++) dst[i] = to_float(s[i]);
     } else {
-      const f16* s = src.as<f16>();
-#pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < n; i++) dst[i] = to_float(s[i]);
+      const _Float16* s = reinterpret_cast<const _Float16*>(src.p);
+#pragma omp parallel for simd schedule(static)
+      for (int64_t i = 0; i < n; i++) dst[i] = float(s[i]);
     }
   }
   static void narrow(DPtr dst, const float* src, int64_t n) {
@@ -79,9 +109,9 @@ class Staging {
 #pragma omp parallel for simd schedule(static)
       for (int64_t i = 0; i < n; i++) d[i] = to_bf16(src[i]);
     } else {
-      f16* d = dst.as<f16>();
-#pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < n; i++) d[i] = to_f16(src[i]);
+      _Float16* d = reinterpret_cast<_Float16*>(dst.p);
+#pragma omp parallel for simd schedule(static)
+      for (int64_t i = 0; i < n; i++) d[i] = _Float16(src[i]);
     }
   }
 
@@ -89,13 +119,14 @@ class Staging {
   struct Output {
     DPtr dst;
     int64_t n;
-    std::unique_ptr<float[]> scratch;
+    float* scratch;
   };
-  float* make(int64_t n) {
-    scratch_.push_back(std::make_unique_for_overwrite<float[]>(size_t(std::max<int64_t>(n, 1))));
-    return scratch_.back().get();
+  float* take(int64_t n) {
+    taken_.push_back(pool_.take(n));
+    return taken_.back();
   }
-  std::vector<std::unique_ptr<float[]>> scratch_;
+  ScratchPool& pool_;
+  std::vector<float*> taken_;
   std::vector<Output> outputs_;
 };
 
@@ -122,7 +153,7 @@ class CpuKernels final : public Kernels {
   void encoder_forward(DPtr out, const int32_t* tokens, DPtr wte, DPtr wpe, int B, int T, int C,
                        VocabSlice v) override {
     if (Staging::any_half({out, wte, wpe})) {
-      Staging s;
+      Staging s(pool_);
       return encoder_forward(s.out(out, int64_t(B) * T * C), tokens,
                              s.in(wte, int64_t(v.width) * C), s.in(wpe, int64_t(T) * C), B, T, C,
                              v);
@@ -135,7 +166,7 @@ class CpuKernels final : public Kernels {
   void encoder_backward(DPtr dwte, DPtr dwpe, DPtr dout, const int32_t* tokens, int B, int T, int C,
                         VocabSlice v) override {
     if (Staging::any_half({dwte, dwpe, dout})) {
-      Staging s;
+      Staging s(pool_);
       return encoder_backward(s.inout(dwte, int64_t(v.width) * C), s.inout(dwpe, int64_t(T) * C),
                               s.in(dout, int64_t(B) * T * C), tokens, B, T, C, v);
     }
@@ -147,7 +178,7 @@ class CpuKernels final : public Kernels {
   void layernorm_forward(DPtr out, DPtr mean, DPtr rstd, DPtr inp, DPtr weight, DPtr bias,
                          int64_t N, int C) override {
     if (Staging::any_half({out, mean, rstd, inp, weight, bias})) {
-      Staging s;
+      Staging s(pool_);
       return layernorm_forward(s.out(out, N * C), s.out(mean, N), s.out(rstd, N), s.in(inp, N * C),
                                s.in(weight, C), s.in(bias, C), N, C);
     }
@@ -159,7 +190,7 @@ class CpuKernels final : public Kernels {
   void layernorm_backward(DPtr dinp, DPtr dweight, DPtr dbias, DPtr dout, DPtr inp, DPtr weight,
                           DPtr mean, DPtr rstd, int64_t N, int C) override {
     if (Staging::any_half({dinp, dweight, dbias, dout, inp, weight, mean, rstd})) {
-      Staging s;
+      Staging s(pool_);
       return layernorm_backward(s.inout(dinp, N * C), s.inout(dweight, C), s.inout(dbias, C),
                                 s.in(dout, N * C), s.in(inp, N * C), s.in(weight, C), s.in(mean, N),
                                 s.in(rstd, N), N, C);
@@ -173,7 +204,7 @@ class CpuKernels final : public Kernels {
   void matmul_forward(DPtr out, DPtr inp, DPtr weight, DPtr bias, int64_t N, int IC,
                       int OC) override {
     if (Staging::any_half({out, inp, weight, bias})) {
-      Staging s;
+      Staging s(pool_);
       return matmul_forward(s.out(out, N * OC), s.in(inp, N * IC), s.in(weight, int64_t(OC) * IC),
                             s.in(bias, OC), N, IC, OC);
     }
@@ -185,7 +216,7 @@ class CpuKernels final : public Kernels {
   void matmul_backward(DPtr dinp, DPtr dweight, DPtr dbias, DPtr dout, DPtr inp, DPtr weight,
                        int64_t N, int IC, int OC) override {
     if (Staging::any_half({dinp, dweight, dbias, dout, inp, weight})) {
-      Staging s;
+      Staging s(pool_);
       return matmul_backward(s.out(dinp, N * IC), s.inout(dweight, int64_t(OC) * IC),
                              s.inout(dbias, OC), s.in(dout, N * OC), s.in(inp, N * IC),
                              s.in(weight, int64_t(OC) * IC), N, IC, OC);
@@ -198,7 +229,7 @@ class CpuKernels final : public Kernels {
   }
   void attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH) override {
     if (Staging::any_half({out, att, qkv})) {
-      Staging s;
+      Staging s(pool_);
       return attention_forward(s.out(out, int64_t(B) * T * C), s.out(att, int64_t(B) * NH * T * T),
                                s.in(qkv, int64_t(B) * T * 3 * C), B, T, C, NH);
     }
@@ -209,7 +240,7 @@ class CpuKernels final : public Kernels {
   void attention_backward(DPtr dqkv, DPtr datt, DPtr dout, DPtr qkv, DPtr att, int B, int T, int C,
                           int NH) override {
     if (Staging::any_half({dqkv, datt, dout, qkv, att})) {
-      Staging s;
+      Staging s(pool_);
       return attention_backward(s.out(dqkv, int64_t(B) * T * 3 * C),
                                 s.out(datt, int64_t(B) * NH * T * T),
                                 s.in(dout, int64_t(B) * T * C), s.in(qkv, int64_t(B) * T * 3 * C),
@@ -222,14 +253,14 @@ class CpuKernels final : public Kernels {
   }
   void gelu_forward(DPtr out, DPtr inp, int64_t n) override {
     if (Staging::any_half({out, inp})) {
-      Staging s;
+      Staging s(pool_);
       return gelu_forward(s.out(out, n), s.in(inp, n), n);
     }
     dispatch(out.dtype, [&]<class S>(S) { cpu::gelu_forward(out.as<S>(), inp.as<S>(), n); });
   }
   void gelu_backward(DPtr dinp, DPtr inp, DPtr dout, int64_t n) override {
     if (Staging::any_half({dinp, inp, dout})) {
-      Staging s;
+      Staging s(pool_);
       return gelu_backward(s.out(dinp, n), s.in(inp, n), s.in(dout, n), n);
     }
     dispatch(dout.dtype,
@@ -237,7 +268,7 @@ class CpuKernels final : public Kernels {
   }
   void residual_forward(DPtr out, DPtr a, DPtr b, int64_t n) override {
     if (Staging::any_half({out, a, b})) {
-      Staging s;
+      Staging s(pool_);
       return residual_forward(s.out(out, n), s.in(a, n), s.in(b, n), n);
     }
     dispatch(out.dtype,
@@ -245,7 +276,7 @@ class CpuKernels final : public Kernels {
   }
   void crossentropy_max(DPtr rowmax, DPtr logits, int64_t N, VocabSlice v) override {
     if (Staging::any_half({rowmax, logits})) {
-      Staging s;
+      Staging s(pool_);
       return crossentropy_max(s.out(rowmax, N), s.in(logits, N * v.width), N, v);
     }
     dispatch(logits.dtype,
@@ -254,7 +285,7 @@ class CpuKernels final : public Kernels {
   void crossentropy_sumexp(DPtr sumexp, DPtr target_logit, DPtr logits, DPtr rowmax,
                            const int32_t* targets, int64_t N, VocabSlice v) override {
     if (Staging::any_half({sumexp, target_logit, logits, rowmax})) {
-      Staging s;
+      Staging s(pool_);
       return crossentropy_sumexp(s.out(sumexp, N), s.out(target_logit, N),
                                  s.inout(logits, N * v.width), s.in(rowmax, N), targets, N, v);
     }
@@ -266,7 +297,7 @@ class CpuKernels final : public Kernels {
   double crossentropy_finish(DPtr losses, DPtr probs, DPtr rowmax, DPtr sumexp, DPtr target_logit,
                              int64_t N, VocabSlice v) override {
     if (Staging::any_half({losses, probs, rowmax, sumexp, target_logit})) {
-      Staging s;
+      Staging s(pool_);
       return crossentropy_finish(s.out(losses, N), s.inout(probs, N * v.width), s.in(rowmax, N),
                                  s.in(sumexp, N), s.in(target_logit, N), N, v);
     }
@@ -278,7 +309,7 @@ class CpuKernels final : public Kernels {
   void crossentropy_backward(DPtr probs, const int32_t* targets, float dloss, int64_t N,
                              VocabSlice v) override {
     if (Staging::any_half({probs})) {
-      Staging s;
+      Staging s(pool_);
       return crossentropy_backward(s.inout(probs, N * v.width), targets, dloss, N, v);
     }
     dispatch(probs.dtype,
@@ -289,7 +320,7 @@ class CpuKernels final : public Kernels {
       if (dst.p != src.p) std::memcpy(dst.p, src.p, n * dtype_size(dst.dtype));
       return;
     }
-    Staging s;
+    Staging s(pool_);
     const DPtr from = s.in(src, n);  // fp32 (or f64)
     if (dst.dtype == DType::bf16 && stochastic_seed != 0 && from.dtype == DType::f32) {
       const float* f = from.as<float>();
@@ -315,7 +346,7 @@ class CpuKernels final : public Kernels {
   }
   double sum_squares(DPtr x, int64_t n) override {
     if (Staging::any_half({x})) {
-      Staging s;
+      Staging s(pool_);
       return sum_squares(s.in(x, n), n);
     }
     return dispatch(x.dtype, [&]<class S>(S) { return cpu::sum_squares(x.as<S>(), n); });
@@ -323,7 +354,7 @@ class CpuKernels final : public Kernels {
   void adamw_update(DPtr param, DPtr grad, DPtr m, DPtr v, int64_t n,
                     const AdamWArgs& args) override {
     if (Staging::any_half({param, grad, m, v})) {
-      Staging s;
+      Staging s(pool_);
       return adamw_update(s.inout(param, n), s.in(grad, n), s.inout(m, n), s.inout(v, n), n, args);
     }
     dispatch(param.dtype, [&]<class S>(S) {
@@ -333,6 +364,7 @@ class CpuKernels final : public Kernels {
 
  private:
   std::vector<double> scratch_;  // per-thread partial sums, sized once
+  ScratchPool pool_;
 };
 
 }  // namespace

@@ -1,0 +1,59 @@
+# Shared by the benchmark scripts that run the trainer binary on the W-S workload.
+# shellcheck shell=bash
+
+# ws_config FILE DATA_DIR STEPS: the W-S workload (6 layers, 6 heads, 384 wide, T 256, GPT-2
+# vocab, micro-batches of 4) for STEPS steps, without validation or samples.
+ws_config() {
+  cat >"$1" <<CONFIG
+[run]
+name = "bench"
+peak_tflops = 0.2
+[model]
+vocab_size = 50257
+seq_len = 256
+n_layer = 6
+n_head = 6
+d_model = 384
+[data]
+train = "$2/train.bin"
+val = "$2/val.bin"
+[train]
+micro_batch = 4
+steps = $3
+val_every = 0
+sample_every = 0
+CONFIG
+}
+
+# bench_data ROOT BUILD WORK: prints a directory with train.bin and val.bin (the prepared Austen
+# set if there is one, else the excerpt in tests/data).
+bench_data() {
+  if [[ -f "$1/data/austen/train.bin" ]]; then
+    echo "$1/data/austen"
+  else
+    "$2/trainer" prepare --input "$1/tests/data/pride_and_prejudice_opening.txt" \
+      --out-dir "$3/data" >&2
+    echo "$3/data"
+  fi
+}
+
+# summarize NAME RANKS METRICS_JSONL WARMUP: one JSON line with the medians over the steps
+# after warm-up.
+summarize() {
+  "${PYTHON:-/usr/bin/python3}" - "$@" <<'PY'
+import json, statistics, sys
+name, ranks, path, warmup = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+records = [json.loads(line) for line in open(path)]
+steps = [r for r in records if "loss" in r][warmup:]
+peak = next((r for r in records if "peak_rss_mb_max" in r), {})
+med = lambda key: statistics.median(r[key] for r in steps)
+print(json.dumps({"bench": "trainer", "run": name, "ranks": ranks,
+                  "step_ms": round(med("ms"), 1), "tokens_per_s": round(med("tokens_per_s")),
+                  "comm_exposed_ms": round(med("comm_exposed_ms"), 1),
+                  "pipe_wait_ms": round(med("pipe_wait_ms"), 1),
+                  "mb_sent_per_step_rank0": round(med("bytes_sent") / 1e6, 1),
+                  "final_loss": steps[-1]["loss"] if steps else None,
+                  "peak_rss_mb_rank0": peak.get("peak_rss_mb_rank0"),
+                  "peak_rss_mb_max": peak.get("peak_rss_mb_max")}))
+PY
+}
