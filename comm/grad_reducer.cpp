@@ -1,13 +1,16 @@
 #include "comm/grad_reducer.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cstring>
 #include <stdexcept>
+#include <utility>
 
 namespace trainer {
 
 GradReducer::GradReducer(Kernels& k, DPtr grads, DPtr params, int64_t total, Communicator& dp,
                          Communicator* intra, Communicator* inter, const ReducerOptions& options)
-    : k_(k), opts_(options) {
+    : k_(k), opts_(options), dp_(dp), grads_(grads) {
   const int64_t P = dp.size(), unit = 16 * P;
   if (total % unit) throw std::invalid_argument("GradReducer: total must be a multiple of 16 dp");
   const bool hier = intra && inter;
@@ -32,6 +35,17 @@ GradReducer::GradReducer(Kernels& k, DPtr grads, DPtr params, int64_t total, Com
     DPtr g = grads + begin, p = params + begin, part = shard_ + begin / P;
     const int64_t piece = n / P;
     pieces_.push_back({begin + piece_index * piece, piece, begin / P});
+    b.piece_offset = begin + piece_index * piece;
+    const CompressionOptions& co = options.compression;
+    if (co.method != "none" && n * 4 >= co.min_bucket_elems * 4) {
+      if (grads.dtype != DType::f32)
+        throw std::invalid_argument("GradReducer: compression needs fp32 gradients");
+      std::vector<MatrixView> inside;
+      for (const MatrixView& m : options.matrices)
+        if (m.offset >= begin && m.offset + m.rows * m.cols <= end)
+          inside.push_back({m.offset - begin, m.rows, m.cols});
+      b.compressor = make_compressor(co, n, inside);
+    }
     if (!hier) {
       if (options.shard) {
         b.reduce = {[=, &dp] { return dp.ireduce_scatter(g, part, piece); }};
@@ -82,8 +96,39 @@ void GradReducer::progress() {
   }
 }
 
+void GradReducer::set_step(int64_t step) {
+  compressing_ = opts_.compression.method != "none" && step >= opts_.compression.warmup_steps;
+}
+
+GradReducer::CompressionStats GradReducer::take_compression_stats() {
+  return std::exchange(compression_stats_, {});
+}
+
+std::vector<const std::vector<float>*> GradReducer::residuals() const {
+  std::vector<const std::vector<float>*> out;
+  for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it)
+    if (it->compressor) out.push_back(&it->compressor->residual());
+  return out;
+}
+
+// A compressed bucket: a lossy all-reduce over the whole data-parallel group (compressed
+// messages are all-gathered or summed, never reduce-scattered), then ZeRO-1 keeps its piece.
+void GradReducer::reduce_compressed(Bucket& b) {
+  const auto t0 = std::chrono::steady_clock::now();
+  float* g = reinterpret_cast<float*>((grads_ + b.begin).p);
+  b.compressor->all_reduce(dp_, g, b.count);
+  if (opts_.shard)
+    std::memcpy((shard_ + b.begin / dp_.size()).p, (grads_ + b.piece_offset).p,
+                (b.count / dp_.size()) * sizeof(float));
+  compression_stats_.uncompressed_bytes += uncompressed_bytes(b.count, dp_.size());
+  compression_stats_.seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 void GradReducer::ready(int64_t frontier) {
-  if (!armed_ || !opts_.overlap) return;
+  // Compressed steps reduce at finish(), bucket by bucket, so that blocking compressed
+  // exchanges and chains keep one order of collectives on every rank.
+  if (!armed_ || !opts_.overlap || compressing_) return;
   for (Bucket& b : buckets_)
     if (!b.launched && b.begin >= frontier) launch(b);
   progress();
@@ -98,6 +143,19 @@ void GradReducer::run_chain(Bucket& b, const std::vector<Step>& chain) {
 }
 
 void GradReducer::finish() {
+  if (compressing_) {
+    for (Bucket& b : buckets_) {
+      if (b.compressor) {
+        reduce_compressed(b);
+      } else {
+        launch(b);
+        run_chain(b, b.reduce);
+        b.launched = false;
+      }
+    }
+    armed_ = false;
+    return;
+  }
   for (Bucket& b : buckets_)
     if (!b.launched) launch(b);
   // In bucket order, so that every step kind stays in bucket order.

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include "comm/compression.h"
 #include "kernels/kernels.h"
 
 namespace trainer {
@@ -26,6 +27,8 @@ struct ReducerOptions {
   int64_t bucket_elems = 1 << 20;
   bool overlap = true;  // start buckets during backward; else all at finish()
   bool shard = false;   // ZeRO-1
+  CompressionOptions compression;
+  std::vector<MatrixView> matrices;  // weight matrices in the flat buffer, for PowerSGD
 };
 
 class GradReducer {
@@ -59,6 +62,19 @@ class GradReducer {
 
   int buckets() const { return int(buckets_.size()); }
 
+  // Compression is used from step warmup_steps on (set before each step's backward).
+  void set_step(int64_t step);
+  bool compressing() const { return compressing_; }
+  // Per step: what the compressed buckets would have sent uncompressed, and the seconds spent
+  // compressing them (encode, exchange, decode).
+  struct CompressionStats {
+    int64_t uncompressed_bytes = 0;
+    double seconds = 0;
+  };
+  CompressionStats take_compression_stats();
+  // The error-feedback residuals of the buckets, in buffer order (empty without compression).
+  std::vector<const std::vector<float>*> residuals() const;
+
  private:
   using Step = std::function<Request()>;
   struct Bucket {
@@ -67,7 +83,10 @@ class GradReducer {
     size_t next = 0;  // steps of the running chain started so far
     Request pending;
     bool launched = false;
+    std::unique_ptr<Compressor> compressor;  // null: reduced uncompressed
+    int64_t piece_offset = 0;                // this rank's piece (ZeRO-1), in the buffer
   };
+  void reduce_compressed(Bucket& b);
   void launch(Bucket& b);
   void progress();  // starts each chain's next step, keeping every step kind in bucket order
   static void run_chain(Bucket& b, const std::vector<Step>& chain);
@@ -80,7 +99,10 @@ class GradReducer {
   std::unique_ptr<Communicator> intra_gather_;
   std::vector<Bucket> buckets_;  // from the end of the buffer to its start
   std::vector<Piece> pieces_;
-  DPtr scratch_, shard_;
+  Communicator& dp_;
+  DPtr grads_, scratch_, shard_;
+  bool compressing_ = false;
+  CompressionStats compression_stats_;
   int64_t shard_elems_ = 0;
   bool armed_ = false;
 };

@@ -31,6 +31,8 @@ MPI_Datatype mpi_type(DType t) {
     case DType::bf16:
     case DType::f16:
       return MPI_UINT16_T;
+    case DType::u8:
+      return MPI_BYTE;
   }
   return MPI_DATATYPE_NULL;
 }

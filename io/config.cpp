@@ -49,7 +49,7 @@ class SectionReader {
   SectionReader(toml::table& root, std::string section, const std::string& file,
                 const Origins& overrides)
       : section_(std::move(section)), file_(file), overrides_(overrides) {
-    if (toml::node* n = root.get(section_)) {
+    if (toml::node* n = root.at_path(section_).node()) {
       table_ = n->as_table();
       if (!table_)
         fail(*n, fmt::format("expected a table [{}], found {}", section_, type_name(*n)));
@@ -188,8 +188,10 @@ auto one_of(std::vector<std::string> allowed) {
 void apply_override(toml::table& root, const std::string& item, Origins& origins) {
   const std::string origin = "--set " + item;
   const size_t eq = item.find('=');
-  const size_t dot = item.find('.');
-  if (eq == std::string::npos || dot == std::string::npos || dot > eq || dot == 0 || dot + 1 == eq)
+  // The key is after the last dot before '=': "comm.compression.method=topk" sets `method` in
+  // [comm.compression].
+  const size_t dot = eq == std::string::npos ? std::string::npos : item.rfind('.', eq);
+  if (eq == std::string::npos || dot == std::string::npos || dot == 0 || dot + 1 == eq)
     throw ConfigError(fmt::format("{}: expected section.key=value", origin));
   const std::string section = item.substr(0, dot), key = item.substr(dot + 1, eq - dot - 1);
   const std::string value = item.substr(eq + 1);
@@ -199,13 +201,15 @@ void apply_override(toml::table& root, const std::string& item, Origins& origins
   } catch (const toml::parse_error&) {
     parsed.insert_or_assign("v", value);  // a bare word: take it as a string
   }
-  toml::node* section_node = root.get(section);
-  if (!section_node) {
-    root.insert_or_assign(section, toml::table{});
-    section_node = root.get(section);
+  toml::table* table = &root;
+  for (size_t start = 0; start <= section.size();) {  // each part of the dotted section
+    const size_t end = std::min(section.find('.', start), section.size());
+    const std::string part = section.substr(start, end - start);
+    if (!table->get(part)) table->insert_or_assign(part, toml::table{});
+    table = table->get(part)->as_table();
+    if (!table) throw ConfigError(fmt::format("{}: [{}] is not a table", origin, section));
+    start = end + 1;
   }
-  toml::table* table = section_node->as_table();
-  if (!table) throw ConfigError(fmt::format("{}: [{}] is not a table", origin, section));
   table->insert_or_assign(key, std::move(*parsed.get("v")));
   origins[section + "." + key] = origin;
 }
@@ -232,18 +236,28 @@ Config parse_config(const std::string& text, const std::string& origin,
   Origins origins;
   for (const auto& item : overrides) apply_override(root, item, origins);
 
-  static const std::set<std::string> sections = {"run",   "model",    "data",     "train",
-                                                 "optim", "parallel", "precision"};
+  static const std::set<std::string> sections = {"run",   "model",    "data",      "train",
+                                                 "optim", "parallel", "precision", "comm"};
   for (auto& [k, v] : root)
     if (!sections.count(std::string(k.str()))) {
       std::string at = where(k.source(), origin);
       for (const auto& [key, o] : origins)
         if (key.starts_with(std::string(k.str()) + ".")) at = o;
       throw ConfigError(fmt::format(
-          "{}: unknown section [{}] (expected run, model, data, train, optim, parallel or "
-          "precision)",
+          "{}: unknown section [{}] (expected run, model, data, train, optim, parallel, "
+          "precision or comm.compression)",
           at, k.str()));
     }
+
+  if (toml::table* comm = root["comm"].as_table())  // [comm] holds [comm.compression] only
+    for (auto& [k, v] : *comm)
+      if (k.str() != "compression") {
+        std::string at = where(k.source(), origin);
+        for (const auto& [key, o] : origins)
+          if (key.starts_with("comm." + std::string(k.str()))) at = o;
+        throw ConfigError(
+            fmt::format("{}: unknown section [comm.{}] (expected comm.compression)", at, k.str()));
+      }
 
   Config c;
   bool grad_accum_set = false;
@@ -370,6 +384,23 @@ Config parse_config(const std::string& text, const std::string& origin,
           "{}: [precision] stochastic_rounding: applies to compute = \"bf16\" only, found \"{}\"",
           r.origin("stochastic_rounding"), p.compute));
   }
+  {
+    SectionReader r(root, "comm.compression", origin, origins);
+    CompressionConfig& z = c.comm.compression;
+    r.field("method", z.method,
+            one_of({"none", "fp16", "bf16", "int8", "onebit", "topk", "powersgd"}));
+    r.field("topk_ratio", z.topk_ratio, in_range(1e-6, 1));
+    r.field("powersgd_rank", z.powersgd_rank, in_range(1, 1024));
+    r.field("error_feedback", z.error_feedback);
+    r.field("warmup_steps", z.warmup_steps, at_least(0));
+    r.field("min_bucket_kb", z.min_bucket_kb, at_least(0));
+    r.finish();
+    if (z.method != "none" && c.precision.grads != "fp32")
+      throw ConfigError(
+          fmt::format("{}: [comm.compression] method: \"{}\" compresses fp32 gradients, but "
+                      "precision.grads = \"{}\" (set it to \"fp32\")",
+                      r.origin("method"), z.method, c.precision.grads));
+  }
   return c;
 }
 
@@ -448,6 +479,13 @@ std::string config_to_toml(const Config& c) {
                                 {"min_scale", c.precision.min_scale},
                                 {"max_min_scale_overflows", c.precision.max_min_scale_overflows},
                                 {"stochastic_rounding", c.precision.stochastic_rounding}}},
+      {"comm", toml::table{{"compression",
+                            toml::table{{"method", c.comm.compression.method},
+                                        {"topk_ratio", c.comm.compression.topk_ratio},
+                                        {"powersgd_rank", c.comm.compression.powersgd_rank},
+                                        {"error_feedback", c.comm.compression.error_feedback},
+                                        {"warmup_steps", c.comm.compression.warmup_steps},
+                                        {"min_bucket_kb", c.comm.compression.min_bucket_kb}}}}},
   };
   std::stringstream ss;
   // Basic strings only: toml++ writes "\n" as a multi-line literal that does not read back.

@@ -87,6 +87,19 @@ struct PrecisionConfig {
   bool stochastic_rounding = false;  // bf16: master -> compute copy rounded stochastically
 };
 
+// [comm.compression]: lossy data-parallel gradient reduction (see comm/compression.h).
+struct CompressionConfig {
+  std::string method = "none";  // none | fp16 | bf16 | int8 | onebit | topk | powersgd
+  double topk_ratio = 0.01;
+  int powersgd_rank = 4;
+  bool error_feedback = true;
+  int warmup_steps = 0;      // uncompressed steps first
+  double min_bucket_kb = 0;  // smaller buckets go uncompressed
+};
+struct CommConfig {
+  CompressionConfig compression;
+};
+
 struct Config {
   RunConfig run;
   GPTConfig model;
@@ -95,6 +108,7 @@ struct Config {
   OptimConfig optim;
   ParallelConfig parallel;
   PrecisionConfig precision;
+  CommConfig comm;
 };
 
 // Reads `path` (empty: defaults only) and applies `overrides` ("section.key=value", TOML

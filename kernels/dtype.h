@@ -15,10 +15,11 @@ enum class DType : uint8_t {
   f64,   // reference precision for finite-difference tests
   bf16,  // mixed-precision storage (computed in fp32 on the CPU)
   f16,
+  u8,  // raw bytes: compressed gradients on the wire (never a kernel argument)
 };
 
 constexpr size_t dtype_size(DType t) {
-  return t == DType::f64 ? 8 : t == DType::f32 ? 4 : 2;
+  return t == DType::f64 ? 8 : t == DType::f32 ? 4 : t == DType::u8 ? 1 : 2;
 }
 constexpr std::string_view dtype_name(DType t) {
   switch (t) {
@@ -30,6 +31,8 @@ constexpr std::string_view dtype_name(DType t) {
       return "bf16";
     case DType::f16:
       return "f16";
+    case DType::u8:
+      return "u8";
   }
   return "?";
 }

@@ -24,6 +24,8 @@ void MetricsLog::step(const StepStats& s, bool print) {
                       {"optimizer_ms", s.optimizer_s * 1e3},
                       {"comm_exposed_ms", s.comm_s * 1e3},
                       {"bytes_sent", s.bytes_sent},
+                      {"bytes_uncompressed", s.bytes_uncompressed},
+                      {"compress_ms", s.compress_s * 1e3},
                       {"pipe_wait_ms", s.pipe_wait_s * 1e3},
                       {"bubble", s.bubble},
                       {"tokens_per_s", s.tokens_per_s},
@@ -33,11 +35,16 @@ void MetricsLog::step(const StepStats& s, bool print) {
   if (print)
     fmt::print(
         "step {:6d} | loss {:.4f} | lr {:.2e} | norm {:.3f} | {:7.1f} ms (data {:.1f} fwd {:.1f} "
-        "bwd {:.1f} opt {:.1f} comm {:.1f} pipe {:.1f}) | {:.2f} MB sent | {:7.0f} tok/s | MFU "
+        "bwd {:.1f} opt {:.1f} comm {:.1f} pipe {:.1f}) | {:.2f} MB sent{} | {:7.0f} tok/s | MFU "
         "{:4.1f}%{}\n",
         s.step, s.loss, s.lr, s.grad_norm, s.total_s * 1e3, s.data_s * 1e3, s.forward_s * 1e3,
         s.backward_s * 1e3, s.optimizer_s * 1e3, s.comm_s * 1e3, s.pipe_wait_s * 1e3,
-        double(s.bytes_sent) / 1e6, s.tokens_per_s, 100 * s.mfu,
+        double(s.bytes_sent) / 1e6,
+        s.bytes_uncompressed > 0
+            ? fmt::format(" (compressed buckets {:.2f} MB as fp32, {:.1f} ms)",
+                          double(s.bytes_uncompressed) / 1e6, s.compress_s * 1e3)
+            : "",
+        s.tokens_per_s, 100 * s.mfu,
         s.skipped ? fmt::format(" | SKIPPED (non-finite gradients, loss scale {})", s.loss_scale)
                   : "");
 }

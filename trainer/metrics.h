@@ -22,6 +22,10 @@ struct StepStats {
   // (the measured bubble, with the transfers) as seconds and as a fraction of the step.
   double comm_s = 0, pipe_wait_s = 0, bubble = 0;
   int64_t bytes_sent = 0;
+  // Gradient compression: what the compressed buckets would have sent as plain fp32, and the
+  // time spent in them (encode, exchange, decode).
+  int64_t bytes_uncompressed = 0;
+  double compress_s = 0;
 };
 
 class MetricsLog {

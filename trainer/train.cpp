@@ -184,6 +184,23 @@ struct Run {
     return o;
   }
 
+  static ReducerOptions reducer_options(const Config& c, const GPT& model) {
+    ReducerOptions o;
+    o.bucket_elems = int64_t(c.parallel.bucket_mb * (1 << 20) / 4);
+    o.overlap = c.parallel.overlap;
+    o.shard = c.parallel.zero == 1;
+    const CompressionConfig& z = c.comm.compression;
+    o.compression = {z.method,         z.topk_ratio,   z.powersgd_rank,
+                     z.error_feedback, z.warmup_steps, int64_t(z.min_bucket_kb * 1024 / 4),
+                     c.run.seed};
+    for (const ParamInfo& p : model.table().params)  // matrices as this rank holds them
+      if (p.shape.size() == 2) {
+        const int64_t cols = p.local_shape()[1];
+        o.matrices.push_back({p.offset, p.numel / cols, cols});
+      }
+    return o;
+  }
+
   // The layout for this world; its errors name the config file they come from.
   static ParallelDims layout(const Config& c, int world, const std::string& origin) {
     try {
@@ -206,9 +223,7 @@ struct Run {
         model(c.model, *kernels, compute_dtype(c.precision), c.train.micro_batch, c.model.seq_len,
               model_options(c, me, dims, groups.tp.get())),
         reducer(*kernels, model.grads(), model.params(), model.table().total, *groups.dp,
-                groups.intra.get(), groups.inter.get(),
-                {int64_t(c.parallel.bucket_mb * (1 << 20) / 4), c.parallel.overlap,
-                 c.parallel.zero == 1}),
+                groups.intra.get(), groups.inter.get(), reducer_options(c, model)),
         spans(c.parallel.zero ? shard_spans(model.table(), reducer.pieces())
                               : whole_spans(model.table())),
         optimizer(model, c.optim, optimizer_segments(spans, c.optim),
@@ -278,6 +293,7 @@ StepStats train_step(Run& run, int64_t step) {
   for (Communicator* c : all) before.push_back(c->traffic());
 
   run.model.zero_grad();
+  run.reducer.set_step(step);
   PipeTimes times;
   // Gradients of loss x scale (fp16), averaged over the micro-batches and data-parallel ranks.
   const double scale = run.scaler.scale();
@@ -330,6 +346,9 @@ StepStats train_step(Run& run, int64_t step) {
     const double waited = now.wait_s - before[i].wait_s;
     (all[i] == run.groups.pp.get() ? s.pipe_wait_s : s.comm_s) += waited;
   }
+  const GradReducer::CompressionStats compression = run.reducer.take_compression_stats();
+  s.compress_s = compression.seconds;
+  s.bytes_uncompressed = compression.uncompressed_bytes;
   s.total_s = seconds_since(t_step);
   s.bubble = s.pipe_wait_s / s.total_s;
   const double tokens = double(B) * T * M * dp;

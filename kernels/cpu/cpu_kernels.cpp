@@ -24,7 +24,8 @@ decltype(auto) dispatch(DType t, F&& f) {
       return f(double{});
     case DType::bf16:
     case DType::f16:
-      break;  // computed in fp32 through Staging
+    case DType::u8:
+      break;  // 16-bit: computed in fp32 through Staging; bytes: not a kernel dtype
   }
   throw std::logic_error("kernel dispatched on a 16-bit dtype");
 }

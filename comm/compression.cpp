@@ -1,0 +1,333 @@
+#include "comm/compression.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <stdexcept>
+
+#include "kernels/half.h"
+
+namespace trainer {
+namespace {
+
+template <class T>
+DPtr host(T* p, DType t) {
+  return {reinterpret_cast<std::byte*>(p), t};
+}
+constexpr int64_t kChunk = 256;  // elements per scale (int8, onebit)
+int64_t chunks(int64_t n) {
+  return (n + kChunk - 1) / kChunk;
+}
+
+// Error feedback around an exchange: the residual is added before compressing, and what this
+// rank's compressed contribution did not carry becomes the next residual.
+class FeedbackCompressor : public Compressor {
+ public:
+  FeedbackCompressor(bool error_feedback, int64_t n)
+      : error_feedback_(error_feedback), residual_(n, 0.0f), mine_(n) {}
+  void all_reduce(Communicator& group, float* g, int64_t n) final {
+    if (error_feedback_)
+      for (int64_t i = 0; i < n; i++) g[i] += residual_[i];
+    std::vector<float> corrected;
+    if (error_feedback_) corrected.assign(g, g + n);
+    exchange(group, g, n, mine_.data());
+    if (error_feedback_)
+      for (int64_t i = 0; i < n; i++) residual_[i] = corrected[i] - mine_[i];
+  }
+  const std::vector<float>& residual() const final { return residual_; }
+
+ protected:
+  // g(n): this rank's (corrected) gradients in, the sum over the group out; mine(n): what this
+  // rank's compressed contribution decodes to.
+  virtual void exchange(Communicator& group, float* g, int64_t n, float* mine) = 0;
+
+ private:
+  bool error_feedback_;
+  std::vector<float> residual_, mine_;
+};
+
+// fp16 / bf16: cast, all-reduce in 16 bits (summed in fp32 and rounded), widen.
+template <class H>
+class CastCompressor final : public FeedbackCompressor {
+ public:
+  using FeedbackCompressor::FeedbackCompressor;
+
+ private:
+  void exchange(Communicator& group, float* g, int64_t n, float* mine) override {
+    std::vector<H> h(n);
+    for (int64_t i = 0; i < n; i++) {
+      if constexpr (std::is_same_v<H, bf16>)
+        h[i] = to_bf16(g[i]);
+      else
+        h[i] = to_f16(g[i]);
+      mine[i] = to_float(h[i]);
+    }
+    group.all_reduce(host(h.data(), dtype_of<H>()), n, ReduceOp::sum);
+    for (int64_t i = 0; i < n; i++) g[i] = to_float(h[i]);
+  }
+};
+
+// Methods whose messages cannot be summed on the wire: every rank packs its message, all
+// ranks' messages are all-gathered, and each rank decodes and adds them all, in rank order.
+class GatherCompressor : public FeedbackCompressor {
+ public:
+  using FeedbackCompressor::FeedbackCompressor;
+
+ protected:
+  virtual int64_t message_bytes(int64_t n) const = 0;
+  virtual void encode(const float* g, int64_t n, std::byte* msg) = 0;
+  virtual void add_decoded(const std::byte* msg, int64_t n, float* out) const = 0;
+
+ private:
+  void exchange(Communicator& group, float* g, int64_t n, float* mine) override {
+    const int64_t bytes = message_bytes(n);
+    std::vector<std::byte> all(bytes * group.size());
+    std::byte* own = all.data() + bytes * group.rank();
+    encode(g, n, own);
+    std::fill(mine, mine + n, 0.0f);
+    add_decoded(own, n, mine);
+    group.all_gather(host(own, DType::u8), host(all.data(), DType::u8), bytes);
+    std::fill(g, g + n, 0.0f);
+    for (int r = 0; r < group.size(); r++) add_decoded(all.data() + bytes * r, n, g);
+  }
+};
+
+// int8 with one absmax scale per chunk: [scales: float x chunks][values: int8 x n].
+class Int8Compressor final : public GatherCompressor {
+ public:
+  using GatherCompressor::GatherCompressor;
+
+ private:
+  int64_t message_bytes(int64_t n) const override { return 4 * chunks(n) + n; }
+  void encode(const float* g, int64_t n, std::byte* msg) override {
+    float* scales = reinterpret_cast<float*>(msg);
+    int8_t* q = reinterpret_cast<int8_t*>(msg + 4 * chunks(n));
+    for (int64_t c = 0; c < chunks(n); c++) {
+      const int64_t lo = c * kChunk, hi = std::min(n, lo + kChunk);
+      float amax = 0;
+      for (int64_t i = lo; i < hi; i++) amax = std::max(amax, std::abs(g[i]));
+      const float scale = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+      std::memcpy(&scales[c], &scale, 4);
+      for (int64_t i = lo; i < hi; i++) q[i] = int8_t(std::lrint(g[i] * inv));
+    }
+  }
+  void add_decoded(const std::byte* msg, int64_t n, float* out) const override {
+    const std::byte* q = msg + 4 * chunks(n);
+    for (int64_t c = 0; c < chunks(n); c++) {
+      float scale;
+      std::memcpy(&scale, msg + 4 * c, 4);
+      const int64_t lo = c * kChunk, hi = std::min(n, lo + kChunk);
+      for (int64_t i = lo; i < hi; i++) out[i] += scale * float(int8_t(q[i]));
+    }
+  }
+};
+
+// One bit per element (the sign) and one scale per chunk (the mean magnitude):
+// [scales: float x chunks][bits: ceil(n / 8) bytes].
+class OneBitCompressor final : public GatherCompressor {
+ public:
+  using GatherCompressor::GatherCompressor;
+
+ private:
+  int64_t message_bytes(int64_t n) const override { return 4 * chunks(n) + (n + 7) / 8; }
+  void encode(const float* g, int64_t n, std::byte* msg) override {
+    uint8_t* bits = reinterpret_cast<uint8_t*>(msg + 4 * chunks(n));
+    std::fill(bits, bits + (n + 7) / 8, 0);
+    for (int64_t c = 0; c < chunks(n); c++) {
+      const int64_t lo = c * kChunk, hi = std::min(n, lo + kChunk);
+      double sum = 0;
+      for (int64_t i = lo; i < hi; i++) sum += std::abs(g[i]);
+      const float scale = float(sum / double(hi - lo));
+      std::memcpy(msg + 4 * c, &scale, 4);
+      for (int64_t i = lo; i < hi; i++)
+        if (g[i] >= 0) bits[i / 8] |= uint8_t(1u << (i % 8));
+    }
+  }
+  void add_decoded(const std::byte* msg, int64_t n, float* out) const override {
+    const uint8_t* bits = reinterpret_cast<const uint8_t*>(msg + 4 * chunks(n));
+    for (int64_t c = 0; c < chunks(n); c++) {
+      float scale;
+      std::memcpy(&scale, msg + 4 * c, 4);
+      const int64_t lo = c * kChunk, hi = std::min(n, lo + kChunk);
+      for (int64_t i = lo; i < hi; i++) out[i] += (bits[i / 8] >> (i % 8)) & 1 ? scale : -scale;
+    }
+  }
+};
+
+// The k largest magnitudes: [indices: int32 x k][values: float x k].
+class TopKCompressor final : public GatherCompressor {
+ public:
+  TopKCompressor(bool error_feedback, int64_t n, double ratio)
+      : GatherCompressor(error_feedback, n),
+        k_(std::clamp<int64_t>(int64_t(std::llround(ratio * double(n))), 1, n)) {}
+
+ private:
+  int64_t message_bytes(int64_t) const override { return 8 * k_; }
+  void encode(const float* g, int64_t n, std::byte* msg) override {
+    order_.resize(n);
+    std::iota(order_.begin(), order_.end(), 0);
+    std::nth_element(order_.begin(), order_.begin() + (k_ - 1), order_.end(),
+                     [&](int32_t a, int32_t b) {  // ties by index: the same choice every time
+                       const float x = std::abs(g[a]), y = std::abs(g[b]);
+                       return x > y || (x == y && a < b);
+                     });
+    std::sort(order_.begin(), order_.begin() + k_);
+    for (int64_t j = 0; j < k_; j++) {
+      const int32_t i = order_[j];
+      std::memcpy(msg + 4 * j, &i, 4);
+      std::memcpy(msg + 4 * (k_ + j), &g[i], 4);
+    }
+  }
+  void add_decoded(const std::byte* msg, int64_t, float* out) const override {
+    for (int64_t j = 0; j < k_; j++) {
+      int32_t i;
+      float v;
+      std::memcpy(&i, msg + 4 * j, 4);
+      std::memcpy(&v, msg + 4 * (k_ + j), 4);
+      out[i] += v;
+    }
+  }
+  int64_t k_;
+  std::vector<int32_t> order_;
+};
+
+// PowerSGD: each weight matrix M (m x c) is approximated by P Q^T of rank r. One power
+// iteration per step from the previous step's Q: P = M Q, summed over ranks, orthonormalised;
+// Q = M^T P, summed. The sum over ranks of M is then P Q^T; this rank's own share is
+// P (M^T P)^T, the projection of its M on P's columns. Everything else in the bucket (vectors,
+// matrices too small to gain, pieces of matrices cut by the bucket edges) is all-reduced as is.
+class PowerSgdCompressor final : public FeedbackCompressor {
+ public:
+  PowerSgdCompressor(const CompressionOptions& o, int64_t n, const std::vector<MatrixView>& all)
+      : FeedbackCompressor(o.error_feedback, n), rank_(o.powersgd_rank), plain_(n, 1) {
+    for (const MatrixView& m : all) {
+      if (std::min(m.rows, m.cols) <= 2 * rank_) continue;  // (m + c) r would not be smaller
+      matrices_.push_back(m);
+      std::fill(plain_.begin() + m.offset, plain_.begin() + m.offset + m.rows * m.cols, 0);
+      // The same initial Q on every rank: a function of the seed and the matrix's place.
+      std::mt19937_64 rng(o.seed * 1000003 + uint64_t(m.offset));
+      std::normal_distribution<float> normal;
+      std::vector<float> q(m.cols * rank_);
+      for (float& x : q) x = normal(rng);
+      q_.push_back(std::move(q));
+    }
+  }
+
+ private:
+  void exchange(Communicator& group, float* g, int64_t n, float* mine) override {
+    const int r = rank_;
+    // Round 1: P = M Q for every matrix, one all-reduce for all of them.
+    int64_t p_total = 0, q_total = 0;
+    for (const MatrixView& m : matrices_) p_total += m.rows * r, q_total += m.cols * r;
+    std::vector<float> p(p_total), q(q_total), q_mine(q_total);
+    int64_t po = 0;
+    for (size_t k = 0; k < matrices_.size(); k++) {
+      const MatrixView& m = matrices_[k];
+      matmul(g + m.offset, m.rows, m.cols, q_[k].data(), r, p.data() + po);
+      po += m.rows * r;
+    }
+    group.all_reduce(host(p.data(), DType::f32), p_total, ReduceOp::sum);
+    // Round 2: orthonormal P, Q = M^T P; the rest of the bucket travels with the Qs.
+    std::vector<float> rest;
+    for (int64_t i = 0; i < n; i++)
+      if (plain_[i]) rest.push_back(g[i]);
+    po = 0;
+    int64_t qo = 0;
+    for (const MatrixView& m : matrices_) {
+      orthonormalize(p.data() + po, m.rows, r);
+      matmul_t(g + m.offset, m.rows, m.cols, p.data() + po, r, q.data() + qo);
+      po += m.rows * r;
+      qo += m.cols * r;
+    }
+    q_mine = q;
+    std::vector<float> message(q);
+    message.insert(message.end(), rest.begin(), rest.end());
+    group.all_reduce(host(message.data(), DType::f32), int64_t(message.size()), ReduceOp::sum);
+    // Decode: the sum P Q^T and this rank's share P Q_mine^T; the rest as it came.
+    for (int64_t i = 0, j = q_total; i < n; i++)
+      if (plain_[i]) {
+        mine[i] = g[i];
+        g[i] = message[j++];
+      }
+    po = 0;
+    qo = 0;
+    for (size_t k = 0; k < matrices_.size(); k++) {
+      const MatrixView& m = matrices_[k];
+      outer(p.data() + po, message.data() + qo, m.rows, m.cols, r, g + m.offset);
+      outer(p.data() + po, q_mine.data() + qo, m.rows, m.cols, r, mine + m.offset);
+      std::copy(message.begin() + qo, message.begin() + qo + m.cols * r, q_[k].begin());
+      po += m.rows * r;
+      qo += m.cols * r;
+    }
+  }
+
+  // out(rows x r) = M(rows x cols) x Q(cols x r)
+  static void matmul(const float* M, int64_t rows, int64_t cols, const float* Q, int r,
+                     float* out) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < rows; i++)
+      for (int j = 0; j < r; j++) {
+        double s = 0;
+        for (int64_t c = 0; c < cols; c++) s += double(M[i * cols + c]) * Q[c * r + j];
+        out[i * r + j] = float(s);
+      }
+  }
+  // out(cols x r) = M^T P
+  static void matmul_t(const float* M, int64_t rows, int64_t cols, const float* P, int r,
+                       float* out) {
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < cols; c++)
+      for (int j = 0; j < r; j++) {
+        double s = 0;
+        for (int64_t i = 0; i < rows; i++) s += double(M[i * cols + c]) * P[i * r + j];
+        out[c * r + j] = float(s);
+      }
+  }
+  // out(rows x cols) = P(rows x r) Q(cols x r)^T
+  static void outer(const float* P, const float* Q, int64_t rows, int64_t cols, int r, float* out) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < rows; i++)
+      for (int64_t c = 0; c < cols; c++) {
+        float s = 0;
+        for (int j = 0; j < r; j++) s += P[i * r + j] * Q[c * r + j];
+        out[i * cols + c] = s;
+      }
+  }
+  // Gram-Schmidt on the r columns of P (rows x r); a column that vanishes stays zero.
+  static void orthonormalize(float* P, int64_t rows, int r) {
+    for (int j = 0; j < r; j++) {
+      for (int k = 0; k < j; k++) {
+        double dot = 0;
+        for (int64_t i = 0; i < rows; i++) dot += double(P[i * r + j]) * P[i * r + k];
+        for (int64_t i = 0; i < rows; i++) P[i * r + j] -= float(dot) * P[i * r + k];
+      }
+      double norm = 0;
+      for (int64_t i = 0; i < rows; i++) norm += double(P[i * r + j]) * P[i * r + j];
+      const float inv = norm > 1e-30 ? float(1.0 / std::sqrt(norm)) : 0.0f;
+      for (int64_t i = 0; i < rows; i++) P[i * r + j] *= inv;
+    }
+  }
+
+  int rank_;
+  std::vector<MatrixView> matrices_;
+  std::vector<std::vector<float>> q_;  // warm start, per matrix
+  std::vector<char> plain_;            // elements sent uncompressed
+};
+
+}  // namespace
+
+std::unique_ptr<Compressor> make_compressor(const CompressionOptions& o, int64_t n,
+                                            const std::vector<MatrixView>& matrices) {
+  const bool ef = o.error_feedback;
+  if (o.method == "fp16") return std::make_unique<CastCompressor<f16>>(ef, n);
+  if (o.method == "bf16") return std::make_unique<CastCompressor<bf16>>(ef, n);
+  if (o.method == "int8") return std::make_unique<Int8Compressor>(ef, n);
+  if (o.method == "onebit") return std::make_unique<OneBitCompressor>(ef, n);
+  if (o.method == "topk") return std::make_unique<TopKCompressor>(ef, n, o.topk_ratio);
+  if (o.method == "powersgd") return std::make_unique<PowerSgdCompressor>(o, n, matrices);
+  throw std::invalid_argument("unknown compression method " + o.method);
+}
+
+}  // namespace trainer

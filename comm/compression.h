@@ -1,0 +1,63 @@
+#pragma once
+// Gradient compression for the data-parallel reduction: each method is a lossy all-reduce (sum
+// over the group) of one bucket of fp32 gradients, applied by GradReducer bucket by bucket.
+//
+//   fp16, bf16  the bucket cast to 16 bits, all-reduced in 16 bits (2x fewer bytes)
+//   int8        per-chunk (256) absmax scale + int8 values, all-gathered, summed on arrival
+//   onebit      signs (1 bit) + per-chunk mean magnitude, all-gathered (1-bit Adam / signSGD
+//               with scale), ~32x fewer bytes
+//   topk        the k = topk_ratio x n largest magnitudes as (index, value), all-gathered
+//   powersgd    rank-r factors P (m x r) and Q (n x r) of each weight matrix in the bucket,
+//               all-reduced in two rounds with a warm-started Q and an orthogonalised P
+//               (Vogels et al. 2019); vectors and matrices too small to gain go uncompressed
+//
+// With error feedback a rank keeps what compression dropped (its residual) and adds it to the
+// next step's gradients, so that nothing is lost, only delayed: the sum over steps of what was
+// sent plus the residual equals the sum of the true gradients. Methods that exchange with
+// all-gather cannot reduce-scatter: under ZeRO-1 the bucket is all-reduced compressed and each
+// rank keeps its part (the bytes saved by compression are larger than the all-gather's extra).
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.h"
+
+namespace trainer {
+
+struct CompressionOptions {
+  std::string method = "none";
+  double topk_ratio = 0.01;
+  int powersgd_rank = 4;
+  bool error_feedback = true;
+  int warmup_steps = 0;          // uncompressed steps first
+  int64_t min_bucket_elems = 0;  // smaller buckets go uncompressed
+  uint64_t seed = 0;             // PowerSGD's initial Q (the same on every rank)
+};
+
+// A weight matrix inside the flat gradient buffer (for PowerSGD): rows x cols at offset.
+struct MatrixView {
+  int64_t offset, rows, cols;
+};
+
+class Compressor {
+ public:
+  virtual ~Compressor() = default;
+  // g(n): this rank's gradients in; the (approximate) sum over the group's ranks out.
+  virtual void all_reduce(Communicator& group, float* g, int64_t n) = 0;
+  // The error-feedback residual (n, zero when there is none).
+  virtual const std::vector<float>& residual() const = 0;
+};
+
+// One compressor per bucket: it keeps that bucket's residual (and PowerSGD's Q). `matrices`:
+// the weight matrices that lie wholly inside the bucket, offsets relative to its start.
+std::unique_ptr<Compressor> make_compressor(const CompressionOptions& options, int64_t n,
+                                            const std::vector<MatrixView>& matrices);
+
+// The bytes one rank sends to all-reduce n fp32 values uncompressed with a ring over p ranks:
+// what compression is measured against.
+inline int64_t uncompressed_bytes(int64_t n, int p) {
+  return p > 1 ? 2 * n * 4 * (p - 1) / p : 0;
+}
+
+}  // namespace trainer
