@@ -27,8 +27,20 @@ GradReducer::GradReducer(Kernels& k, DPtr grads, DPtr params, int64_t total, Com
   if (hier) scratch_ = k.alloc(total / L, grads.dtype);
   if (hier && !options.shard) intra_gather_ = intra->dup();
   Communicator* gather = intra_gather_.get();
-  for (int64_t end = total; end > 0; end -= bucket) {
-    const int64_t begin = std::max<int64_t>(0, end - bucket), n = end - begin;
+  // PowerSGD compresses whole matrices: its buckets grow downwards to the start of any weight
+  // matrix they would cut (the GPT-2 vocabulary's embedding alone is ~80 MB).
+  const bool whole_matrices = options.compression.method == "powersgd";
+  for (int64_t end = total, begin; end > 0; end = begin) {
+    begin = std::max<int64_t>(0, end - bucket);
+    for (bool moved = whole_matrices; moved;) {
+      moved = false;
+      for (const MatrixView& m : options.matrices)
+        if (m.offset < begin && begin < m.offset + m.rows * m.cols) {
+          begin = m.offset / unit * unit;
+          moved = true;
+        }
+    }
+    const int64_t n = end - begin;
     Bucket b;
     b.begin = begin;
     b.count = n;

@@ -43,13 +43,18 @@ template <class H, bool kMax>
 void reduce_half(void* in, void* inout, int* len, MPI_Datatype*) {
   const H* a = static_cast<const H*>(in);
   H* b = static_cast<H*>(inout);
-  for (int i = 0; i < *len; i++) {
-    const float x = to_float(a[i]), y = to_float(b[i]);
-    const float r = kMax ? std::max(x, y) : x + y;
-    if constexpr (std::is_same_v<H, bf16>)
-      b[i] = to_bf16(r);
-    else
-      b[i] = to_f16(r);
+  if constexpr (std::is_same_v<H, bf16>) {
+    for (int i = 0; i < *len; i++) {
+      const float x = to_float(a[i]), y = to_float(b[i]);
+      b[i] = to_bf16(kMax ? std::max(x, y) : x + y);
+    }
+  } else {  // _Float16: the same rounding as kernels/half.h (tested), in F16C instructions
+    const _Float16* x = reinterpret_cast<const _Float16*>(in);
+    _Float16* y = reinterpret_cast<_Float16*>(inout);
+    for (int i = 0; i < *len; i++) {
+      const float u = float(x[i]), v = float(y[i]);
+      y[i] = _Float16(kMax ? std::max(u, v) : u + v);
+    }
   }
 }
 

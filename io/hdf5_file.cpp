@@ -102,6 +102,14 @@ void H5File::set_attr(const std::string& name, int64_t value) {
     throw H5Error(fmt::format("{}: cannot write attribute {}", path_, name));
 }
 
+void H5File::set_attr(const std::string& name, double value) {
+  Handle space{H5Screate(H5S_SCALAR), H5Sclose};
+  Handle a{H5Acreate2(id_, name.c_str(), H5T_IEEE_F64LE, space.id, H5P_DEFAULT, H5P_DEFAULT),
+           H5Aclose};
+  if (a.id < 0 || H5Awrite(a.id, H5T_NATIVE_DOUBLE, &value) < 0)
+    throw H5Error(fmt::format("{}: cannot write attribute {}", path_, name));
+}
+
 void H5File::set_attr(const std::string& name, const std::string& value) {
   Handle type{H5Tcopy(H5T_C_S1), H5Tclose};
   H5Tset_size(type.id, std::max<size_t>(1, value.size()));

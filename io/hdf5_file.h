@@ -37,6 +37,7 @@ class H5File {
   void read(const std::string& name, const std::vector<int64_t>& shape, float* data) const;
 
   void set_attr(const std::string& name, int64_t value);
+  void set_attr(const std::string& name, double value);
   void set_attr(const std::string& name, const std::string& value);
   int64_t attr_int(const std::string& name) const;
   std::string attr_string(const std::string& name) const;

@@ -98,6 +98,24 @@ ModelState collect_state(const GPT& model, const AdamW* optimizer, Communicator*
   return out;
 }
 
+std::vector<std::vector<float>> gather_per_rank(const std::vector<float>& mine,
+                                                Communicator& world) {
+  auto host = [](auto* p, DType t) { return DPtr{reinterpret_cast<std::byte*>(p), t}; };
+  double longest = double(mine.size());
+  world.all_reduce(host(&longest, DType::f64), 1, ReduceOp::max);
+  const int64_t L = int64_t(longest) + 1;  // a length, then the values, padded
+  std::vector<float> block(L, 0.0f), all(L * world.size());
+  block[0] = float(mine.size());  // exact below 2^24 elements per rank and bucket set
+  std::copy(mine.begin(), mine.end(), block.begin() + 1);
+  world.all_gather(host(block.data(), DType::f32), host(all.data(), DType::f32), L);
+  std::vector<std::vector<float>> out(world.size());
+  for (int r = 0; r < world.size(); r++) {
+    const float* b = all.data() + r * L;
+    out[r].assign(b + 1, b + 1 + int64_t(b[0]));
+  }
+  return out;
+}
+
 std::string save_checkpoint(const std::string& out_dir, const Config& cfg, const ModelState& model,
                             const TrainState& state) {
   const fs::path root = fs::path(out_dir) / "checkpoints";
@@ -117,6 +135,11 @@ std::string save_checkpoint(const std::string& out_dir, const Config& cfg, const
     for (const NamedTensor& t : model.params) f.write("params/" + t.name, t.shape, t.values.data());
     for (const NamedTensor& t : model.m) f.write("optim/m/" + t.name, t.shape, t.values.data());
     for (const NamedTensor& t : model.v) f.write("optim/v/" + t.name, t.shape, t.values.data());
+    for (size_t r = 0; r < model.residuals.size(); r++)
+      if (!model.residuals[r].empty())
+        f.write(fmt::format("comm/residual/rank_{}", r), {int64_t(model.residuals[r].size())},
+                model.residuals[r].data());
+    f.set_attr("loss_scale", model.loss_scale);
     f.flush();
   }
   write_file_atomic((tmp_dir / "config.toml").string(), config_text);

@@ -3,7 +3,9 @@
 // state.h5 and a copy of the resolved config. The HDF5 layout (readable with h5py):
 //   /params/<logical name>      fp32, full logical shape (vocab rows unpadded)
 //   /optim/m/<name>, /optim/v/<name>   AdamW moments, same shapes
-//   root attributes: format_version, step, tokens, config (TOML text), model dimensions.
+//   /comm/residual/rank_<r>   rank r's gradient-compression residuals (with error feedback)
+//   root attributes: format_version, step, tokens, config (TOML text), model dimensions,
+//   loss_scale.
 // A checkpoint is written under step_XXXXXXXX.tmp, flushed, renamed, and only then does
 // `checkpoints/latest` (a file naming the directory) move to it.
 #include <cstdint>
@@ -33,7 +35,15 @@ struct NamedTensor {
 };
 struct ModelState {
   std::vector<NamedTensor> params, m, v;  // m, v empty without optimizer state
+  // Per-rank state: each rank's gradient-compression residuals (its buckets' error feedback,
+  // concatenated in buffer order; empty without compression), indexed by world rank.
+  std::vector<std::vector<float>> residuals;
+  double loss_scale = 1;
 };
+
+// Every rank's residuals (concatenated), gathered for the checkpoint.
+std::vector<std::vector<float>> gather_per_rank(const std::vector<float>& mine,
+                                                Communicator& world);
 
 // Assembles the full logical tensors from every rank's shard: each element comes from exactly
 // one rank (the replica leader, dp rank 0, for parameters and unsharded moments; the owner of

@@ -511,8 +511,15 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   };
   auto checkpoint = [&](int64_t step) {
     const auto t0 = Clock::now();
-    const ModelState state = collect_state(run.model, &run.optimizer, &world.comm(),
-                                           run.replica_leader(), cfg.parallel.zero == 1);
+    ModelState state = collect_state(run.model, &run.optimizer, &world.comm(), run.replica_leader(),
+                                     cfg.parallel.zero == 1);
+    state.loss_scale = run.scaler.scale();
+    if (cfg.comm.compression.method != "none" && cfg.comm.compression.error_feedback) {
+      std::vector<float> mine;
+      for (const std::vector<float>* r : run.reducer.residuals())
+        mine.insert(mine.end(), r->begin(), r->end());
+      state.residuals = gather_per_rank(mine, world.comm());
+    }
     if (!leader) return;
     const std::string dir =
         save_checkpoint(cfg.run.out_dir, cfg, state, {step, step * tokens_per_step});
@@ -541,7 +548,12 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   world.comm().all_reduce(host(&rss_max), 1, ReduceOp::max);
   if (leader) {
     fmt::print("peak memory: {:.0f} MB on rank 0, {:.0f} MB on the largest rank\n", rss, rss_max);
-    log->event({{"peak_rss_mb_rank0", rss}, {"peak_rss_mb_max", rss_max}});
+    if (run.scaler.overflows() > 0)
+      fmt::print("skipped steps (non-finite gradients): {}, loss scale now {}\n",
+                 run.scaler.overflows(), run.scaler.scale());
+    log->event({{"peak_rss_mb_rank0", rss},
+                {"peak_rss_mb_max", rss_max},
+                {"skipped_steps", run.scaler.overflows()}});
   }
   const int64_t done = cfg.train.steps;
   if (cfg.train.val_every > 0) evaluate(done);
