@@ -1,6 +1,17 @@
 # Shared by the benchmark scripts that run the trainer binary on the W-S workload.
 # shellcheck shell=bash
 
+# ws_setup ROOT BUILD STEPS: builds the trainer, makes the scratch directory $work (removed on
+# exit) and writes the W-S config $work/ws.toml for STEPS steps.
+ws_setup() {
+  cmake --build "$2" --target trainer -j2 >&2
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+  work="$(mktemp -d)"
+  # shellcheck disable=SC2064  # the directory is known now
+  trap "rm -rf '$work'" EXIT
+  ws_config "$work/ws.toml" "$(bench_data "$1" "$2" "$work")" "$3"
+}
+
 # ws_config FILE DATA_DIR STEPS: the W-S workload (6 layers, 6 heads, 384 wide, T 256, GPT-2
 # vocab, micro-batches of 4) for STEPS steps, without validation or samples.
 ws_config() {

@@ -32,14 +32,9 @@ while (($#)); do
   shift
 done
 
-cmake --build "$BUILD" --target trainer -j2 >&2
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-work="$(mktemp -d)"
-trap 'rm -rf "$work"' EXIT
 # shellcheck source=bench/lib.sh
 source "$ROOT/bench/lib.sh"
-data="$(bench_data "$ROOT" "$BUILD" "$work")"
-ws_config "$work/ws.toml" "$data" $((steps + warmup))
+ws_setup "$ROOT" "$BUILD" $((steps + warmup))
 
 # run NAME RANKS THREADS --set ...: trains under mpirun (unbound: a rank's threads may use any
 # core), prints the run's JSON line.
