@@ -39,6 +39,10 @@ struct Layout {
   std::string settings;  // --set overrides
 };
 
+void PrintTo(const Layout& layout, std::ostream* os) {
+  *os << layout.name;
+}
+
 struct Trace {
   std::vector<double> loss, grad_norm;
 };
