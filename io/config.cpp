@@ -236,8 +236,8 @@ Config parse_config(const std::string& text, const std::string& origin,
   Origins origins;
   for (const auto& item : overrides) apply_override(root, item, origins);
 
-  static const std::set<std::string> sections = {"run",   "model",    "data",      "train",
-                                                 "optim", "parallel", "precision", "comm"};
+  static const std::set<std::string> sections = {
+      "run", "model", "data", "train", "optim", "parallel", "precision", "comm", "checkpoint"};
   for (auto& [k, v] : root)
     if (!sections.count(std::string(k.str()))) {
       std::string at = where(k.source(), origin);
@@ -245,7 +245,7 @@ Config parse_config(const std::string& text, const std::string& origin,
         if (key.starts_with(std::string(k.str()) + ".")) at = o;
       throw ConfigError(fmt::format(
           "{}: unknown section [{}] (expected run, model, data, train, optim, parallel, "
-          "precision or comm.compression)",
+          "precision, comm.compression or checkpoint)",
           at, k.str()));
     }
 
@@ -401,6 +401,14 @@ Config parse_config(const std::string& text, const std::string& origin,
                       "precision.grads = \"{}\" (set it to \"fp32\")",
                       r.origin("method"), z.method, c.precision.grads));
   }
+  {
+    SectionReader r(root, "checkpoint", origin, origins);
+    r.field("resume", c.checkpoint.resume, [](const std::string& v) -> std::optional<std::string> {
+      if (!v.empty()) return std::nullopt;
+      return "expected \"none\", \"auto\" or a checkpoint path, found \"\"";
+    });
+    r.finish();
+  }
   return c;
 }
 
@@ -486,6 +494,7 @@ std::string config_to_toml(const Config& c) {
                                         {"error_feedback", c.comm.compression.error_feedback},
                                         {"warmup_steps", c.comm.compression.warmup_steps},
                                         {"min_bucket_kb", c.comm.compression.min_bucket_kb}}}}},
+      {"checkpoint", toml::table{{"resume", c.checkpoint.resume}}},
   };
   std::stringstream ss;
   // Basic strings only: toml++ writes "\n" as a multi-line literal that does not read back.

@@ -100,6 +100,13 @@ struct CommConfig {
   CompressionConfig compression;
 };
 
+// [checkpoint]: where a run starts from.
+struct CheckpointConfig {
+  // "none": a fresh start; "auto": the newest checkpoint in run.out_dir if there is one; else a
+  // checkpoint path (step directory, run directory or state.h5).
+  std::string resume = "none";
+};
+
 struct Config {
   RunConfig run;
   GPTConfig model;
@@ -109,6 +116,7 @@ struct Config {
   ParallelConfig parallel;
   PrecisionConfig precision;
   CommConfig comm;
+  CheckpointConfig checkpoint;
 };
 
 // Reads `path` (empty: defaults only) and applies `overrides` ("section.key=value", TOML

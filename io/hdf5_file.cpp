@@ -129,6 +129,18 @@ int64_t H5File::attr_int(const std::string& name) const {
   return v;
 }
 
+double H5File::attr_double(const std::string& name) const {
+  Handle a{H5Aopen(id_, name.c_str(), H5P_DEFAULT), H5Aclose};
+  double v = 0;
+  if (a.id < 0 || H5Aread(a.id, H5T_NATIVE_DOUBLE, &v) < 0)
+    throw H5Error(fmt::format("{}: attribute {} is missing", path_, name));
+  return v;
+}
+
+bool H5File::exists_attr(const std::string& name) const {
+  return H5Aexists(id_, name.c_str()) > 0;
+}
+
 std::string H5File::attr_string(const std::string& name) const {
   Handle a{H5Aopen(id_, name.c_str(), H5P_DEFAULT), H5Aclose};
   if (a.id < 0) throw H5Error(fmt::format("{}: attribute {} is missing", path_, name));

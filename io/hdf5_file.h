@@ -40,6 +40,8 @@ class H5File {
   void set_attr(const std::string& name, double value);
   void set_attr(const std::string& name, const std::string& value);
   int64_t attr_int(const std::string& name) const;
+  double attr_double(const std::string& name) const;
+  bool exists_attr(const std::string& name) const;
   std::string attr_string(const std::string& name) const;
 
   void flush();

@@ -185,6 +185,59 @@ Config checkpoint_config(const std::string& state_file) {
   }
 }
 
+namespace {
+void check_dims(const H5File& f, const std::string& state_file, const GPTConfig& model) {
+  for (const auto& d : kDims) {
+    const int64_t saved = f.attr_int(d.name), ours = model.*d.field;
+    if (saved != ours)
+      throw CheckpointError(
+          fmt::format("{}: checkpoint is for a model with {} = {}, this model has {} = {}",
+                      state_file, d.name, saved, d.name, ours));
+  }
+}
+}  // namespace
+
+TrainState load_shard(const std::string& state_file, GPT& model, AdamW& optimizer,
+                      double* loss_scale) {
+  H5File f = H5File::open_read(state_file);
+  check_dims(f, state_file, model.config());
+  const ParamTable full = gpt2_param_table(model.config());
+  const int64_t total = model.table().total;
+  Kernels& k = model.kernels();
+  // This rank's elements of a group of tensors, in the flat layout of its parameters.
+  auto local = [&](const std::string& group) {
+    std::vector<float> flat(total, 0.0f);
+    for (const ParamInfo& p : model.table().params) {
+      const ParamInfo& q = full.at(p.name);
+      std::vector<float> values(q.logical_numel());
+      f.read(group + p.name, q.shape, values.data());
+      for (int64_t i = 0; i < p.local_numel(); i++) flat[p.offset + i] = values[p.logical_index(i)];
+    }
+    return flat;
+  };
+  // flat -> a state buffer indexed by the optimizer's segments.
+  auto to_state = [&](const std::vector<float>& flat, DPtr state) {
+    std::vector<float> host(optimizer.state_elems(), 0.0f);
+    for (const AdamW::Segment& s : optimizer.segments())
+      std::copy(flat.begin() + s.offset, flat.begin() + s.offset + s.count,
+                host.begin() + s.state_offset);
+    DPtr tmp = k.alloc(optimizer.state_elems(), DType::f32);
+    k.copy_from_host(tmp, host.data(), optimizer.state_elems());
+    k.convert(state, tmp, optimizer.state_elems(), 0);
+    k.free(tmp);
+  };
+  const std::vector<float> params = local("params/");
+  DPtr tmp = k.alloc(total, DType::f32);
+  k.copy_from_host(tmp, params.data(), total);
+  k.convert(model.params(), tmp, total, 0);
+  k.free(tmp);
+  if (optimizer.master()) to_state(params, optimizer.master());
+  to_state(local("optim/m/"), optimizer.m());
+  to_state(local("optim/v/"), optimizer.v());
+  if (loss_scale) *loss_scale = f.exists_attr("loss_scale") ? f.attr_double("loss_scale") : 1.0;
+  return {f.attr_int("step"), f.attr_int("tokens")};
+}
+
 TrainState load_checkpoint(const std::string& state_file, GPT& model, AdamW* optimizer) {
   H5File f = H5File::open_read(state_file);
   for (const auto& d : kDims) {

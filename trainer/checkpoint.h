@@ -70,6 +70,13 @@ std::string resolve_checkpoint(const std::string& path);
 // The config the checkpoint was trained with (to build a matching model).
 Config checkpoint_config(const std::string& state_file);
 
+// Loads a checkpoint saved in any parallel layout into this rank's shard: its slice of every
+// parameter (into the fp32 master weights too, when the model is 16-bit) and the Adam moments of
+// the elements its optimizer holds; `loss_scale` gets the saved scale. Throws CheckpointError
+// naming the file and the mismatch.
+TrainState load_shard(const std::string& state_file, GPT& model, AdamW& optimizer,
+                      double* loss_scale);
+
 // Loads weights (and moments, if optimizer is given) after checking that the checkpoint's
 // model matches `model`. Throws CheckpointError naming the file and the mismatch.
 TrainState load_checkpoint(const std::string& state_file, GPT& model, AdamW* optimizer);

@@ -22,6 +22,7 @@ class LossScaler {
   explicit LossScaler(const PrecisionConfig& cfg);
 
   double scale() const { return scale_; }
+  void set_scale(double scale) { scale_ = scale; }  // a resumed run's
   bool dynamic() const { return dynamic_; }
   // After a step's gradients are known: overflow = they hold inf or NaN (the step is skipped).
   void update(bool overflow);

@@ -6,7 +6,8 @@
 
 namespace trainer {
 
-MetricsLog::MetricsLog(const std::string& path) : out_(path, std::ios::trunc) {
+MetricsLog::MetricsLog(const std::string& path, bool append)
+    : out_(path, append ? std::ios::app : std::ios::trunc) {
   if (!out_) throw ConfigError(path + ": cannot write metrics (check [run] out_dir)");
 }
 

@@ -13,6 +13,7 @@ struct StepStats {
   double loss = 0, lr = 0, grad_norm = 0;
   bool skipped = false;   // non-finite loss or gradient norm: no update applied
   double loss_scale = 1;  // the (fp16) loss scale the step used
+  bool stop = false;      // a stop signal arrived on some rank: checkpoint and exit after it
   // Seconds per phase: waiting for data, forward, backward, norm + optimizer, and the total.
   double data_s = 0, forward_s = 0, backward_s = 0, optimizer_s = 0, total_s = 0;
   double tokens_per_s = 0, mfu = 0;
@@ -30,7 +31,8 @@ struct StepStats {
 
 class MetricsLog {
  public:
-  explicit MetricsLog(const std::string& path);
+  // append: a resumed run continues the file instead of starting it again.
+  MetricsLog(const std::string& path, bool append);
   void step(const StepStats& s, bool print);
   void event(const nlohmann::json& record);  // validation, samples, checkpoints
 

@@ -6,6 +6,9 @@
 namespace trainer {
 
 constexpr int kExitBadInput = 2;
+// Stopped by SIGTERM/SIGUSR1 after writing a checkpoint: run the job again to resume
+// (EX_TEMPFAIL; scripts and Slurm requeue on it).
+constexpr int kExitRequeue = 75;
 
 // Prints the error's line and returns its exit code.
 int report_error(const std::exception_ptr& error);

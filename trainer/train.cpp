@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -18,6 +19,7 @@
 #include "comm/parallel_dims.h"
 #include "io/atomic_file.h"
 #include "io/dataset.h"
+#include "io/hdf5_file.h"
 #include "io/tokenizer.h"
 #include "model/gpt.h"
 #include "trainer/adamw.h"
@@ -153,6 +155,24 @@ std::pair<int64_t, int> injected_overflow() {
   return {step, rank};
 }
 
+// SIGTERM / SIGUSR1 (what Slurm sends before preemption or the time limit): finish the step,
+// checkpoint, exit with kExitRequeue. A signal handler can only set a flag.
+volatile std::sig_atomic_t stop_requested = 0;
+extern "C" void request_stop(int) {
+  stop_requested = 1;
+}
+
+// Where the run starts: the checkpoint [checkpoint] resume names (empty for a fresh start).
+std::string resume_file(const Config& cfg) {
+  const std::string& r = cfg.checkpoint.resume;
+  if (r == "none") return "";
+  if (r == "auto") {
+    const auto latest = std::filesystem::path(cfg.run.out_dir) / "checkpoints" / "latest";
+    return std::filesystem::exists(latest) ? resolve_checkpoint(cfg.run.out_dir) : "";
+  }
+  return resolve_checkpoint(r);
+}
+
 // Everything a step touches, built once.
 struct Run {
   const Config& cfg;
@@ -211,7 +231,7 @@ struct Run {
     }
   }
 
-  Run(const Config& c, World& w, const std::string& origin)
+  Run(const Config& c, World& w, const std::string& origin, int64_t first_step)
       : cfg(c),
         world(w),
         dims(layout(c, w.size(), origin)),
@@ -230,7 +250,7 @@ struct Run {
                   c.parallel.zero ? reducer.shard_grads() : model.grads(),
                   c.parallel.zero ? reducer.shard_elems() : model.table().total),
         loader(train_data, c.train.micro_batch, c.model.seq_len, c.train.grad_accum, c.run.seed,
-               c.data.prefetch, 0, me.dp, dims.dp()),
+               c.data.prefetch, first_step, me.dp, dims.dp()),
         pipe(model, *groups.pp, groups.tp.get(), c.train.grad_accum, c.train.micro_batch,
              c.model.seq_len),
         scaler(c.precision),
@@ -319,13 +339,14 @@ StepStats train_step(Run& run, int64_t step) {
   // data-parallel replica, each gradient element once.
   const bool zero = cfg.parallel.zero == 1;
   const DPtr grads = run.optimizer.grads();
-  double sums[2] = {0, 0};
+  double sums[3] = {0, 0, double(stop_requested)};
   if (run.model.shard().last_stage() && run.me.tp == 0) sums[0] = loss_sum / M / dp;
   if (zero || run.replica_leader())
     for (const Span& span : run.spans)
       if (span.param->owned())
         sums[1] += run.kernels->sum_squares(grads + span.shard_offset, span.count);
-  run.world.comm().all_reduce(host(sums), 2, ReduceOp::sum);
+  run.world.comm().all_reduce(host(sums), 3, ReduceOp::sum);
+  s.stop = sums[2] > 0;  // a signal reached some rank: every rank stops after this step
   s.loss = sums[0];
   s.grad_norm = std::sqrt(sums[1]) / scale;
   s.lr = lr_at(cfg.optim, step, cfg.train.steps);
@@ -457,12 +478,18 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   // Inputs are validated (config, layout, data files) before anything is written.
   Config cfg;
   std::unique_ptr<Run> run_ptr;
+  std::string resume;
+  int64_t start_step = 0;
   if (auto failed = agree_on_setup(world, [&] {
         cfg = load_config(config_path, overrides);
         omp_set_num_threads(threads_per_rank(cfg, world));
-        run_ptr = std::make_unique<Run>(cfg, world, config_path);
+        resume = resume_file(cfg);
+        if (!resume.empty()) start_step = H5File::open_read(resume).attr_int("step");
+        run_ptr = std::make_unique<Run>(cfg, world, config_path, start_step);
       }))
     return *failed;
+  std::signal(SIGTERM, request_stop);
+  std::signal(SIGUSR1, request_stop);
   Run& run = *run_ptr;
   const bool leader = world.rank() == 0;
 
@@ -479,7 +506,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   if (leader) {
     fs::create_directories(cfg.run.out_dir);
     write_file_atomic((fs::path(cfg.run.out_dir) / "config.toml").string(), config_to_toml(cfg));
-    log.emplace((fs::path(cfg.run.out_dir) / "metrics.jsonl").string());
+    log.emplace((fs::path(cfg.run.out_dir) / "metrics.jsonl").string(), !resume.empty());
     print_start(run);
   }
 
@@ -494,6 +521,15 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     if (cfg.precision.stochastic_rounding) run.optimizer.set_stochastic_rounding(cfg.run.seed);
   } else {
     run.model.init_parameters(cfg.run.seed);
+  }
+  if (!resume.empty()) {  // any layout's checkpoint: each rank takes its slice
+    double scale = 1;
+    load_shard(resume, run.model, run.optimizer, &scale);
+    run.scaler.set_scale(scale);
+    if (leader) {
+      fmt::print("resumed from {} at step {}\n", resume, start_step);
+      log->event({{"step", start_step}, {"resumed_from", resume}});
+    }
   }
   const int64_t tokens_per_step =
       int64_t(cfg.train.micro_batch) * cfg.model.seq_len * cfg.train.grad_accum * run.dims.dp();
@@ -527,7 +563,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     log->event({{"step", step}, {"checkpoint", dir}});
   };
 
-  for (int64_t step = 0; step < cfg.train.steps; step++) {
+  for (int64_t step = start_step; step < cfg.train.steps; step++) {
     if (cfg.train.val_every > 0 && step % cfg.train.val_every == 0) evaluate(step);
     if (cfg.train.sample_every > 0 && step % cfg.train.sample_every == 0) sample(step);
     StepStats stats;
@@ -538,6 +574,12 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
       return 1;
     }
     if (leader) log->step(stats, step % cfg.train.log_every == 0 || step + 1 == cfg.train.steps);
+    if (stats.stop) {  // preempted: a checkpoint of the finished steps, then "requeue me"
+      checkpoint(step + 1);
+      if (leader)
+        fmt::print("stopped by a signal after step {}: exit {} (requeue)\n", step, kExitRequeue);
+      return kExitRequeue;
+    }
     if (cfg.train.checkpoint_every > 0 && (step + 1) % cfg.train.checkpoint_every == 0 &&
         step + 1 < cfg.train.steps)
       checkpoint(step + 1);
