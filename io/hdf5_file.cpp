@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 namespace trainer {
 namespace {
 
@@ -65,9 +67,19 @@ void H5File::write(const std::string& name, const std::vector<int64_t>& shape, c
   Handle space{H5Screate_simple(int(dims.size()), dims.data(), nullptr), H5Sclose};
   Handle lcpl{H5Pcreate(H5P_LINK_CREATE), H5Pclose};
   H5Pset_create_intermediate_group(lcpl.id, 1);
-  Handle ds{
-      H5Dcreate2(id_, name.c_str(), H5T_IEEE_F32LE, space.id, lcpl.id, H5P_DEFAULT, H5P_DEFAULT),
-      H5Dclose};
+  // Chunked with HDF5's Fletcher32 checksum filter: a flipped byte fails the read. Chunks of at
+  // most ~1M elements along the first dimension (HDF5 caps a chunk at 4 GB).
+  Handle dcpl{H5Pcreate(H5P_DATASET_CREATE), H5Pclose};
+  if (!dims.empty() && dims[0] > 0) {
+    std::vector<hsize_t> chunk = dims;
+    hsize_t row = 1;
+    for (size_t d = 1; d < dims.size(); d++) row *= std::max<hsize_t>(dims[d], 1);
+    chunk[0] = std::clamp<hsize_t>((hsize_t(1) << 20) / std::max<hsize_t>(row, 1), 1, dims[0]);
+    H5Pset_chunk(dcpl.id, int(chunk.size()), chunk.data());
+    H5Pset_fletcher32(dcpl.id);
+  }
+  Handle ds{H5Dcreate2(id_, name.c_str(), H5T_IEEE_F32LE, space.id, lcpl.id, dcpl.id, H5P_DEFAULT),
+            H5Dclose};
   if (ds.id < 0 || H5Dwrite(ds.id, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) < 0)
     throw H5Error(fmt::format("{}: cannot write dataset {}", path_, name));
 }

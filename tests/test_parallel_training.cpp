@@ -588,3 +588,41 @@ TEST_F(MpiCli, SigtermCheckpointsAndExitsForRequeue) {
 
 }  // namespace
 }  // namespace trainer
+
+namespace trainer {
+namespace {
+
+// A damaged newest checkpoint (a flipped byte: Fletcher32 catches it; a truncated file) is
+// reported and resume = "auto" takes the one before it.
+TEST_F(MpiCli, AutoResumeSkipsADamagedNewestCheckpoint) {
+  const std::string common =
+      "--set train.steps=12 --set train.checkpoint_every=6 --set parallel.dp=2 ";
+  ASSERT_EQ(mpirun(2, common).code, 0);
+  const std::string newest = path("out/checkpoints/step_00000012/state.h5");
+  const auto size = fs::file_size(newest);
+  for (const std::string damage : {"flip", "truncate"}) {
+    SCOPED_TRACE(damage);
+    if (damage == "flip") {
+      std::fstream f(newest, std::ios::in | std::ios::out | std::ios::binary);
+      f.seekg(std::streamoff(size / 2));
+      char c;
+      f.get(c);
+      f.seekp(std::streamoff(size / 2));
+      f.put(char(~c));
+    } else {
+      fs::resize_file(newest, size / 2);
+    }
+    const auto r = mpirun(2, common + "--set checkpoint.resume=\\\"auto\\\" --set train.steps=8");
+    EXPECT_EQ(r.code, 0) << r.output;
+    EXPECT_EQ(count(r.output, "trainer: skipping an unusable checkpoint: " + newest), 1)
+        << r.output;
+    EXPECT_EQ(count(r.output, "resumed from " + path("out/checkpoints/step_00000006/state.h5") +
+                                  " at step 6"),
+              1)
+        << r.output;
+    fs::remove_all(path("out/checkpoints/step_00000008"));  // what that resumed run wrote
+  }
+}
+
+}  // namespace
+}  // namespace trainer

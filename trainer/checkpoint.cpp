@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 
@@ -196,6 +197,46 @@ void check_dims(const H5File& f, const std::string& state_file, const GPTConfig&
   }
 }
 }  // namespace
+
+void verify_checkpoint(const std::string& state_file, const GPTConfig& model) {
+  H5File f = H5File::open_read(state_file);
+  const int64_t version = f.attr_int("format_version");
+  if (version != kCheckpointFormatVersion)
+    throw CheckpointError(fmt::format("{}: format_version {} is not supported (expected {})",
+                                      state_file, version, kCheckpointFormatVersion));
+  check_dims(f, state_file, model);
+  f.attr_int("step");
+  f.attr_int("tokens");
+  for (const ParamInfo& q : gpt2_param_table(model).params) {
+    std::vector<float> values(q.logical_numel());
+    for (const std::string group : {"params/", "optim/m/", "optim/v/"})
+      if (group == "params/" || f.exists(group + q.name))
+        f.read(group + q.name, q.shape, values.data());
+  }
+}
+
+std::string newest_valid_checkpoint(const std::string& out_dir, const GPTConfig& model,
+                                    std::vector<std::string>& rejected) {
+  const fs::path root = fs::path(out_dir) / "checkpoints";
+  if (!fs::is_directory(root)) return "";
+  std::vector<std::string> steps;  // complete checkpoints only: temporaries end in .tmp
+  for (const auto& e : fs::directory_iterator(root)) {
+    const std::string name = e.path().filename().string();
+    if (e.is_directory() && name.starts_with("step_") && !name.ends_with(".tmp"))
+      steps.push_back(name);
+  }
+  std::sort(steps.rbegin(), steps.rend());  // zero-padded: newest first
+  for (const std::string& name : steps) {
+    const std::string state = (root / name / "state.h5").string();
+    try {
+      verify_checkpoint(state, model);
+      return state;
+    } catch (const InputError& e) {
+      rejected.push_back(e.what());
+    }
+  }
+  return "";
+}
 
 TrainState load_shard(const std::string& state_file, GPT& model, AdamW& optimizer,
                       double* loss_scale) {

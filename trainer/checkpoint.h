@@ -70,6 +70,15 @@ std::string resolve_checkpoint(const std::string& path);
 // The config the checkpoint was trained with (to build a matching model).
 Config checkpoint_config(const std::string& state_file);
 
+// Reads every tensor of a checkpoint (HDF5 verifies each chunk's Fletcher32 checksum) after its
+// format version and model dimensions. Throws CheckpointError naming what is wrong.
+void verify_checkpoint(const std::string& state_file, const GPTConfig& model);
+
+// The state.h5 of the newest checkpoint under out_dir/checkpoints that verifies ("" if none);
+// each newer one that does not is reported in `rejected` ("<path>: <why>").
+std::string newest_valid_checkpoint(const std::string& out_dir, const GPTConfig& model,
+                                    std::vector<std::string>& rejected);
+
 // Loads a checkpoint saved in any parallel layout into this rank's shard: its slice of every
 // parameter (into the fp32 master weights too, when the model is 16-bit) and the Adam moments of
 // the elements its optimizer holds; `loss_scale` gets the saved scale. Throws CheckpointError

@@ -163,14 +163,17 @@ extern "C" void request_stop(int) {
 }
 
 // Where the run starts: the checkpoint [checkpoint] resume names (empty for a fresh start).
-std::string resume_file(const Config& cfg) {
+// "auto" takes the newest checkpoint in out_dir that verifies, saying why newer ones do not.
+std::string resume_file(const Config& cfg, bool report) {
   const std::string& r = cfg.checkpoint.resume;
   if (r == "none") return "";
-  if (r == "auto") {
-    const auto latest = std::filesystem::path(cfg.run.out_dir) / "checkpoints" / "latest";
-    return std::filesystem::exists(latest) ? resolve_checkpoint(cfg.run.out_dir) : "";
-  }
-  return resolve_checkpoint(r);
+  if (r != "auto") return resolve_checkpoint(r);
+  std::vector<std::string> rejected;
+  const std::string found = newest_valid_checkpoint(cfg.run.out_dir, cfg.model, rejected);
+  if (report)
+    for (const std::string& why : rejected)
+      fmt::print(stderr, "trainer: skipping an unusable checkpoint: {}\n", why);
+  return found;
 }
 
 // Everything a step touches, built once.
@@ -483,7 +486,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   if (auto failed = agree_on_setup(world, [&] {
         cfg = load_config(config_path, overrides);
         omp_set_num_threads(threads_per_rank(cfg, world));
-        resume = resume_file(cfg);
+        resume = resume_file(cfg, world.rank() == 0);
         if (!resume.empty()) start_step = H5File::open_read(resume).attr_int("step");
         run_ptr = std::make_unique<Run>(cfg, world, config_path, start_step);
       }))
