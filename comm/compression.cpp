@@ -38,6 +38,9 @@ class FeedbackCompressor : public Compressor {
       for (int64_t i = 0; i < n; i++) residual_[i] = corrected[i] - mine_[i];
   }
   const std::vector<float>& residual() const final { return residual_; }
+  void set_residual(const float* values) final {
+    std::copy(values, values + residual_.size(), residual_.begin());
+  }
 
  protected:
   // g(n): this rank's (corrected) gradients in, the sum over the group out; mine(n): what this

@@ -45,8 +45,9 @@ class Compressor {
   virtual ~Compressor() = default;
   // g(n): this rank's gradients in; the (approximate) sum over the group's ranks out.
   virtual void all_reduce(Communicator& group, float* g, int64_t n) = 0;
-  // The error-feedback residual (n, zero when there is none).
+  // The error-feedback residual (n, zero when there is none), and restoring it (a resumed run).
   virtual const std::vector<float>& residual() const = 0;
+  virtual void set_residual(const float* values) = 0;
 };
 
 // One compressor per bucket: it keeps that bucket's residual (and PowerSGD's Q). `matrices`:

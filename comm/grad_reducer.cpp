@@ -123,6 +123,19 @@ std::vector<const std::vector<float>*> GradReducer::residuals() const {
   return out;
 }
 
+bool GradReducer::set_residuals(const std::vector<float>& all) {
+  size_t total = 0;
+  for (const std::vector<float>* r : residuals()) total += r->size();
+  if (total != all.size()) return false;
+  size_t at = 0;
+  for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it)
+    if (it->compressor) {
+      it->compressor->set_residual(all.data() + at);
+      at += it->compressor->residual().size();
+    }
+  return true;
+}
+
 // A compressed bucket: a lossy all-reduce over the whole data-parallel group (compressed
 // messages are all-gathered or summed, never reduce-scattered), then ZeRO-1 keeps its piece.
 void GradReducer::reduce_compressed(Bucket& b) {

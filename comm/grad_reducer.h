@@ -74,6 +74,8 @@ class GradReducer {
   CompressionStats take_compression_stats();
   // The error-feedback residuals of the buckets, in buffer order (empty without compression).
   std::vector<const std::vector<float>*> residuals() const;
+  // Restores them from their concatenation; false (and nothing changed) if the length differs.
+  bool set_residuals(const std::vector<float>& all);
 
  private:
   using Step = std::function<Request()>;

@@ -529,6 +529,25 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     double scale = 1;
     load_shard(resume, run.model, run.optimizer, &scale);
     run.scaler.set_scale(scale);
+    // This rank's error-feedback residuals, when the checkpoint has them for the same layout.
+    if (cfg.comm.compression.method != "none" && cfg.comm.compression.error_feedback) {
+      H5File f = H5File::open_read(resume);
+      const std::string name = fmt::format("comm/residual/rank_{}", world.rank());
+      bool restored = false;
+      if (f.exists(name)) {
+        const std::vector<int64_t> shape = f.shape(name);
+        std::vector<float> values(shape.at(0));
+        f.read(name, shape, values.data());
+        restored = run.reducer.set_residuals(values);
+      }
+      double all_restored = restored ? 1 : 0;
+      world.comm().all_reduce(host(&all_restored), 1, ReduceOp::sum);
+      if (leader && all_restored < world.size())
+        fmt::print(
+            "compression residuals: not restored on {} of {} ranks (another layout or "
+            "method); they start from zero\n",
+            world.size() - int(all_restored), world.size());
+    }
     if (leader) {
       fmt::print("resumed from {} at step {}\n", resume, start_step);
       log->event({{"step", start_step}, {"resumed_from", resume}});
