@@ -13,10 +13,6 @@
 namespace trainer {
 namespace {
 
-template <class T>
-DPtr host(T* p, DType t) {
-  return {reinterpret_cast<std::byte*>(p), t};
-}
 constexpr int64_t kChunk = 256;  // elements per scale (int8, onebit)
 int64_t chunks(int64_t n) {
   return (n + kChunk - 1) / kChunk;
@@ -72,7 +68,7 @@ class CastCompressor final : public FeedbackCompressor {
         mine[i] = float(x);
       }
     }
-    group.all_reduce(host(h.data(), dtype_of<H>()), n, ReduceOp::sum);
+    group.all_reduce(host_ptr(h.data()), n, ReduceOp::sum);
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; i++) g[i] = to_float(h[i]);
   }
@@ -97,7 +93,7 @@ class GatherCompressor : public FeedbackCompressor {
     encode(g, n, own);
     std::fill(mine, mine + n, 0.0f);
     add_decoded(own, n, mine);
-    group.all_gather(host(own, DType::u8), host(all.data(), DType::u8), bytes);
+    group.all_gather(host_ptr(own), host_ptr(all.data()), bytes);
     std::fill(g, g + n, 0.0f);
     for (int r = 0; r < group.size(); r++) add_decoded(all.data() + bytes * r, n, g);
   }
@@ -237,7 +233,7 @@ class PowerSgdCompressor final : public FeedbackCompressor {
       matmul(g + m.offset, m.rows, m.cols, q_[k].data(), r, p.data() + po);
       po += m.rows * r;
     }
-    group.all_reduce(host(p.data(), DType::f32), p_total, ReduceOp::sum);
+    group.all_reduce(host_ptr(p.data()), p_total, ReduceOp::sum);
     // Round 2: orthonormal P, Q = M^T P; the rest of the bucket travels with the Qs.
     std::vector<float> rest;
     for (int64_t i = 0; i < n; i++)
@@ -253,7 +249,7 @@ class PowerSgdCompressor final : public FeedbackCompressor {
     q_mine = q;
     std::vector<float> message(q);
     message.insert(message.end(), rest.begin(), rest.end());
-    group.all_reduce(host(message.data(), DType::f32), int64_t(message.size()), ReduceOp::sum);
+    group.all_reduce(host_ptr(message.data()), int64_t(message.size()), ReduceOp::sum);
     // Decode: the sum P Q^T and this rank's share P Q_mine^T; the rest as it came.
     for (int64_t i = 0, j = q_total; i < n; i++)
       if (plain_[i]) {

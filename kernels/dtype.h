@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
+#include <type_traits>
 
 #include "kernels/half.h"
 
@@ -58,6 +59,10 @@ template <>
 constexpr DType dtype_of<f16>() {
   return DType::f16;
 }
+template <>
+constexpr DType dtype_of<std::byte>() {
+  return DType::u8;
+}
 
 // A pointer into backend memory plus its element type. Arithmetic is in elements.
 struct DPtr {
@@ -74,5 +79,11 @@ struct DPtr {
   }
   explicit operator bool() const { return p != nullptr; }
 };
+
+// A host array as a DPtr (the CPU backend's memory, and host buffers handed to collectives).
+template <class T>
+DPtr host_ptr(T* p) {
+  return {reinterpret_cast<std::byte*>(p), dtype_of<std::remove_const_t<T>>()};
+}
 
 }  // namespace trainer

@@ -40,6 +40,21 @@ class Kernels {
   virtual void zero(DPtr p, int64_t elems) = 0;
   virtual void copy_to_host(void* dst, DPtr src, int64_t elems) = 0;
   virtual void copy_from_host(DPtr dst, const void* src, int64_t elems) = 0;
+  // fp32 host values from and to a buffer of any dtype (16-bit and f64 converted on the way).
+  void download_f32(float* dst, DPtr src, int64_t elems) {
+    if (src.dtype == DType::f32) return copy_to_host(dst, src, elems);
+    DPtr tmp = alloc(elems, DType::f32);
+    convert(tmp, src, elems, 0);
+    copy_to_host(dst, tmp, elems);
+    free(tmp);
+  }
+  void upload_f32(DPtr dst, const float* src, int64_t elems) {
+    if (dst.dtype == DType::f32) return copy_from_host(dst, src, elems);
+    DPtr tmp = alloc(elems, DType::f32);
+    copy_from_host(tmp, src, elems);
+    convert(dst, tmp, elems, 0);
+    free(tmp);
+  }
 
   // --- encoder: out(B,T,C) = wte[tokens] + wpe[t] -------------------------------------------
   // wte holds the rows of `vocab`; tokens outside it contribute zero (vocab-parallel: the

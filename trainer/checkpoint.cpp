@@ -42,19 +42,11 @@ ModelState collect_state(const GPT& model, const AdamW* optimizer, Communicator*
   // A state buffer of the optimizer in the flat layout of the parameters, and which elements
   // this rank contributes.
   auto flat = [&](DPtr state, std::vector<float>& values, std::vector<char>& held) {
-    const int64_t n = optimizer->state_elems();
-    std::vector<float> host(n);
-    if (state.dtype == DType::f32) {
-      k.copy_to_host(host.data(), state, n);
-    } else {
-      DPtr tmp = k.alloc(n, DType::f32);
-      k.convert(tmp, state, n, 0);
-      k.copy_to_host(host.data(), tmp, n);
-      k.free(tmp);
-    }
     values.assign(total, 0.0f);
     held.assign(total, 0);
     if (!sharded_optimizer && !replica_leader) return;
+    std::vector<float> host(optimizer->state_elems());
+    k.download_f32(host.data(), state, optimizer->state_elems());
     for (const AdamW::Segment& s : optimizer->segments())
       for (int64_t i = 0; i < s.count; i++) {
         values[s.offset + i] = host[s.state_offset + i];
@@ -94,21 +86,19 @@ ModelState collect_state(const GPT& model, const AdamW* optimizer, Communicator*
   if (world && world->size() > 1)
     for (auto* group : {&out.params, &out.m, &out.v})
       for (NamedTensor& t : *group)
-        world->all_reduce(DPtr{reinterpret_cast<std::byte*>(t.values.data()), DType::f32},
-                          int64_t(t.values.size()), ReduceOp::sum);
+        world->all_reduce(host_ptr(t.values.data()), int64_t(t.values.size()), ReduceOp::sum);
   return out;
 }
 
 std::vector<std::vector<float>> gather_per_rank(const std::vector<float>& mine,
                                                 Communicator& world) {
-  auto host = [](auto* p, DType t) { return DPtr{reinterpret_cast<std::byte*>(p), t}; };
   double longest = double(mine.size());
-  world.all_reduce(host(&longest, DType::f64), 1, ReduceOp::max);
+  world.all_reduce(host_ptr(&longest), 1, ReduceOp::max);
   const int64_t L = int64_t(longest) + 1;  // a length, then the values, padded
   std::vector<float> block(L, 0.0f), all(L * world.size());
   block[0] = float(mine.size());  // exact below 2^24 elements per rank and bucket set
   std::copy(mine.begin(), mine.end(), block.begin() + 1);
-  world.all_gather(host(block.data(), DType::f32), host(all.data(), DType::f32), L);
+  world.all_gather(host_ptr(block.data()), host_ptr(all.data()), L);
   std::vector<std::vector<float>> out(world.size());
   for (int r = 0; r < world.size(); r++) {
     const float* b = all.data() + r * L;
@@ -173,20 +163,14 @@ std::string resolve_checkpoint(const std::string& path) {
       "{}: not a checkpoint (expected a directory with state.h5, or a run directory)", path));
 }
 
-Config checkpoint_config(const std::string& state_file) {
-  H5File f = H5File::open_read(state_file);
+namespace {
+void check_version(const H5File& f, const std::string& state_file) {
   const int64_t version = f.attr_int("format_version");
   if (version != kCheckpointFormatVersion)
     throw CheckpointError(fmt::format("{}: format_version {} is not supported (expected {})",
                                       state_file, version, kCheckpointFormatVersion));
-  try {
-    return parse_config(f.attr_string("config"), state_file + ":config");
-  } catch (const ConfigError& e) {  // the stored config is part of the checkpoint
-    throw CheckpointError(e.what());
-  }
 }
 
-namespace {
 void check_dims(const H5File& f, const std::string& state_file, const GPTConfig& model) {
   for (const auto& d : kDims) {
     const int64_t saved = f.attr_int(d.name), ours = model.*d.field;
@@ -198,12 +182,19 @@ void check_dims(const H5File& f, const std::string& state_file, const GPTConfig&
 }
 }  // namespace
 
+Config checkpoint_config(const std::string& state_file) {
+  H5File f = H5File::open_read(state_file);
+  check_version(f, state_file);
+  try {
+    return parse_config(f.attr_string("config"), state_file + ":config");
+  } catch (const ConfigError& e) {  // the stored config is part of the checkpoint
+    throw CheckpointError(e.what());
+  }
+}
+
 void verify_checkpoint(const std::string& state_file, const GPTConfig& model) {
   H5File f = H5File::open_read(state_file);
-  const int64_t version = f.attr_int("format_version");
-  if (version != kCheckpointFormatVersion)
-    throw CheckpointError(fmt::format("{}: format_version {} is not supported (expected {})",
-                                      state_file, version, kCheckpointFormatVersion));
+  check_version(f, state_file);
   check_dims(f, state_file, model);
   f.attr_int("step");
   f.attr_int("tokens");
@@ -238,8 +229,8 @@ std::string newest_valid_checkpoint(const std::string& out_dir, const GPTConfig&
   return "";
 }
 
-TrainState load_shard(const std::string& state_file, GPT& model, AdamW& optimizer,
-                      double* loss_scale) {
+TrainState load_checkpoint(const std::string& state_file, GPT& model, AdamW* optimizer,
+                           RunState* run, int rank) {
   H5File f = H5File::open_read(state_file);
   check_dims(f, state_file, model.config());
   const ParamTable full = gpt2_param_table(model.config());
@@ -258,45 +249,27 @@ TrainState load_shard(const std::string& state_file, GPT& model, AdamW& optimize
   };
   // flat -> a state buffer indexed by the optimizer's segments.
   auto to_state = [&](const std::vector<float>& flat, DPtr state) {
-    std::vector<float> host(optimizer.state_elems(), 0.0f);
-    for (const AdamW::Segment& s : optimizer.segments())
+    std::vector<float> host(optimizer->state_elems(), 0.0f);
+    for (const AdamW::Segment& s : optimizer->segments())
       std::copy(flat.begin() + s.offset, flat.begin() + s.offset + s.count,
                 host.begin() + s.state_offset);
-    DPtr tmp = k.alloc(optimizer.state_elems(), DType::f32);
-    k.copy_from_host(tmp, host.data(), optimizer.state_elems());
-    k.convert(state, tmp, optimizer.state_elems(), 0);
-    k.free(tmp);
+    k.upload_f32(state, host.data(), optimizer->state_elems());
   };
   const std::vector<float> params = local("params/");
-  DPtr tmp = k.alloc(total, DType::f32);
-  k.copy_from_host(tmp, params.data(), total);
-  k.convert(model.params(), tmp, total, 0);
-  k.free(tmp);
-  if (optimizer.master()) to_state(params, optimizer.master());
-  to_state(local("optim/m/"), optimizer.m());
-  to_state(local("optim/v/"), optimizer.v());
-  if (loss_scale) *loss_scale = f.exists_attr("loss_scale") ? f.attr_double("loss_scale") : 1.0;
-  return {f.attr_int("step"), f.attr_int("tokens")};
-}
-
-TrainState load_checkpoint(const std::string& state_file, GPT& model, AdamW* optimizer) {
-  H5File f = H5File::open_read(state_file);
-  for (const auto& d : kDims) {
-    const int64_t saved = f.attr_int(d.name), ours = model.config().*d.field;
-    if (saved != ours)
-      throw CheckpointError(
-          fmt::format("{}: checkpoint is for a model with {} = {}, this model has {} = {}",
-                      state_file, d.name, saved, d.name, ours));
+  k.upload_f32(model.params(), params.data(), total);
+  if (optimizer) {
+    if (optimizer->master()) to_state(params, optimizer->master());
+    to_state(local("optim/m/"), optimizer->m());
+    to_state(local("optim/v/"), optimizer->v());
   }
-  for (const ParamInfo& p : model.table().params) {
-    std::vector<float> values(p.logical_numel());
-    f.read("params/" + p.name, p.shape, values.data());
-    model.write(p, model.params(), values);
-    if (optimizer) {
-      f.read("optim/m/" + p.name, p.shape, values.data());
-      model.write(p, optimizer->m(), values);
-      f.read("optim/v/" + p.name, p.shape, values.data());
-      model.write(p, optimizer->v(), values);
+  if (run) {
+    run->loss_scale = f.exists_attr("loss_scale") ? f.attr_double("loss_scale") : 1.0;
+    const std::string residual = fmt::format("comm/residual/rank_{}", rank);
+    run->residuals.clear();
+    if (f.exists(residual)) {
+      const std::vector<int64_t> shape = f.shape(residual);
+      run->residuals.resize(shape.at(0));
+      f.read(residual, shape, run->residuals.data());
     }
   }
   return {f.attr_int("step"), f.attr_int("tokens")};

@@ -79,15 +79,19 @@ void verify_checkpoint(const std::string& state_file, const GPTConfig& model);
 std::string newest_valid_checkpoint(const std::string& out_dir, const GPTConfig& model,
                                     std::vector<std::string>& rejected);
 
-// Loads a checkpoint saved in any parallel layout into this rank's shard: its slice of every
-// parameter (into the fp32 master weights too, when the model is 16-bit) and the Adam moments of
-// the elements its optimizer holds; `loss_scale` gets the saved scale. Throws CheckpointError
-// naming the file and the mismatch.
-TrainState load_shard(const std::string& state_file, GPT& model, AdamW& optimizer,
-                      double* loss_scale);
+// What a resumed run restores besides the tensors: the loss scale and one rank's gradient-
+// compression residuals (empty when the checkpoint has none for it).
+struct RunState {
+  double loss_scale = 1;
+  std::vector<float> residuals;
+};
 
-// Loads weights (and moments, if optimizer is given) after checking that the checkpoint's
-// model matches `model`. Throws CheckpointError naming the file and the mismatch.
-TrainState load_checkpoint(const std::string& state_file, GPT& model, AdamW* optimizer);
+// Loads a checkpoint saved in any parallel layout into this rank's shard, after checking that
+// its model matches: the rank's slice of every parameter (into the fp32 master weights too,
+// when the model is 16-bit) and, with an optimizer, the Adam moments of the elements it holds;
+// with `run`, the loss scale and rank `rank`'s residuals. Throws CheckpointError naming the
+// file and the mismatch.
+TrainState load_checkpoint(const std::string& state_file, GPT& model, AdamW* optimizer,
+                           RunState* run = nullptr, int rank = 0);
 
 }  // namespace trainer

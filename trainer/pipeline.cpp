@@ -17,12 +17,6 @@ int forward_tag(int m) {
 int backward_tag(int m) {
   return 2 * m + 1;
 }
-DPtr host(double* x) {
-  return {reinterpret_cast<std::byte*>(x), DType::f64};
-}
-DPtr host(float* x) {
-  return {reinterpret_cast<std::byte*>(x), DType::f32};
-}
 
 }  // namespace
 
@@ -79,7 +73,7 @@ double Pipeline::evaluate(const int32_t* tokens, const int32_t* targets, int B, 
   if (stage > 0) pp_.recv(model_.input(0), activation, stage - 1, 0);
   double loss = model_.forward(0, tokens, targets, B, T);
   if (stage < last) pp_.send(model_.output(0), activation, stage + 1, 0);
-  pp_.broadcast(host(&loss), 1, last);
+  pp_.broadcast(host_ptr(&loss), 1, last);
   return loss;
 }
 
@@ -93,17 +87,14 @@ void Pipeline::next_logits(const int32_t* context, int T, std::vector<float>& ou
   if (stage < last) pp_.send(model_.output(0), activation, stage + 1, 0);
   if (stage == last) {
     std::vector<float> mine(vocab.width);
-    Kernels& k = model_.kernels();
-    DPtr row = k.alloc(vocab.width, DType::f32);  // the logits may be 16-bit
-    k.convert(row, model_.logits(0) + int64_t(T - 1) * vocab.width, vocab.width, 0);
-    k.copy_to_host(mine.data(), row, vocab.width);
-    k.free(row);
+    model_.kernels().download_f32(  // the logits may be 16-bit
+        mine.data(), model_.logits(0) + int64_t(T - 1) * vocab.width, vocab.width);
     if (tp_)
-      tp_->all_gather(host(mine.data()), host(out.data()), vocab.width);
+      tp_->all_gather(host_ptr(mine.data()), host_ptr(out.data()), vocab.width);
     else
       out = mine;
   }
-  pp_.broadcast(host(out.data()), int64_t(out.size()), last);
+  pp_.broadcast(host_ptr(out.data()), int64_t(out.size()), last);
 }
 
 }  // namespace trainer

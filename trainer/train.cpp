@@ -40,9 +40,6 @@ using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
-DPtr host(double* x) {
-  return {reinterpret_cast<std::byte*>(x), DType::f64};
-}
 
 // This rank's communicators, one per group it belongs to.
 struct Groups {
@@ -283,22 +280,18 @@ std::optional<int> agree_on_setup(World& world, F&& setup) {
     return std::nullopt;
   }
   double first_failed = error ? world.size() - world.rank() : 0;  // max = lowest failing rank
-  world.comm().all_reduce(host(&first_failed), 1, ReduceOp::max);
+  world.comm().all_reduce(host_ptr(&first_failed), 1, ReduceOp::max);
   if (first_failed == 0) return std::nullopt;
   const int failed_rank = world.size() - int(first_failed);
   double code = 0;
   if (world.rank() == failed_rank) code = report_error(error);
-  world.comm().broadcast(host(&code), 1, failed_rank);
+  world.comm().broadcast(host_ptr(&code), 1, failed_rank);
   return int(code);
 }
 
 void poison_gradient(Run& run) {
-  Kernels& k = run.model.kernels();
   const float inf = INFINITY;
-  DPtr one = k.alloc(1, DType::f32);
-  k.copy_from_host(one, &inf, 1);
-  k.convert(run.model.grads(), one, 1, 0);
-  k.free(one);
+  run.kernels->upload_f32(run.model.grads(), &inf, 1);
 }
 
 // One optimizer step: the micro-batches through the pipeline, gradient reduction, the global
@@ -348,7 +341,7 @@ StepStats train_step(Run& run, int64_t step) {
     for (const Span& span : run.spans)
       if (span.param->owned())
         sums[1] += run.kernels->sum_squares(grads + span.shard_offset, span.count);
-  run.world.comm().all_reduce(host(sums), 3, ReduceOp::sum);
+  run.world.comm().all_reduce(host_ptr(sums), 3, ReduceOp::sum);
   s.stop = sums[2] > 0;  // a signal reached some rank: every rank stops after this step
   s.loss = sums[0];
   s.grad_norm = std::sqrt(sums[1]) / scale;
@@ -500,7 +493,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   double peak = cfg.run.peak_tflops * 1e12;
   if (peak <= 0) {
     if (leader) peak = measure_sgemm_flops();
-    world.comm().broadcast(host(&peak), 1, 0);
+    world.comm().broadcast(host_ptr(&peak), 1, 0);
   }
   run.peak_flops = peak;
 
@@ -526,27 +519,18 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     run.model.init_parameters(cfg.run.seed);
   }
   if (!resume.empty()) {  // any layout's checkpoint: each rank takes its slice
-    double scale = 1;
-    load_shard(resume, run.model, run.optimizer, &scale);
-    run.scaler.set_scale(scale);
+    RunState state;
+    load_checkpoint(resume, run.model, &run.optimizer, &state, world.rank());
+    run.scaler.set_scale(state.loss_scale);
     // This rank's error-feedback residuals, when the checkpoint has them for the same layout.
     if (cfg.comm.compression.method != "none" && cfg.comm.compression.error_feedback) {
-      H5File f = H5File::open_read(resume);
-      const std::string name = fmt::format("comm/residual/rank_{}", world.rank());
-      bool restored = false;
-      if (f.exists(name)) {
-        const std::vector<int64_t> shape = f.shape(name);
-        std::vector<float> values(shape.at(0));
-        f.read(name, shape, values.data());
-        restored = run.reducer.set_residuals(values);
-      }
-      double all_restored = restored ? 1 : 0;
-      world.comm().all_reduce(host(&all_restored), 1, ReduceOp::sum);
-      if (leader && all_restored < world.size())
+      double restored = run.reducer.set_residuals(state.residuals) ? 1 : 0;
+      world.comm().all_reduce(host_ptr(&restored), 1, ReduceOp::sum);
+      if (leader && restored < world.size())
         fmt::print(
             "compression residuals: not restored on {} of {} ranks (another layout or "
             "method); they start from zero\n",
-            world.size() - int(all_restored), world.size());
+            world.size() - int(restored), world.size());
     }
     if (leader) {
       fmt::print("resumed from {} at step {}\n", resume, start_step);
@@ -609,7 +593,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   // Peak memory of training proper (the final checkpoint gathers full tensors on top).
   const double rss = peak_rss_mb();
   double rss_max = rss;
-  world.comm().all_reduce(host(&rss_max), 1, ReduceOp::max);
+  world.comm().all_reduce(host_ptr(&rss_max), 1, ReduceOp::max);
   if (leader) {
     fmt::print("peak memory: {:.0f} MB on rank 0, {:.0f} MB on the largest rank\n", rss, rss_max);
     if (run.scaler.overflows() > 0)
