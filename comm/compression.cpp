@@ -25,13 +25,12 @@ class FeedbackCompressor : public Compressor {
   FeedbackCompressor(bool error_feedback, int64_t n)
       : error_feedback_(error_feedback), residual_(n, 0.0f), mine_(n) {}
   void all_reduce(Communicator& group, float* g, int64_t n) final {
+    // With feedback the residual first holds the corrected gradients, then what was dropped.
     if (error_feedback_)
-      for (int64_t i = 0; i < n; i++) g[i] += residual_[i];
-    std::vector<float> corrected;
-    if (error_feedback_) corrected.assign(g, g + n);
+      for (int64_t i = 0; i < n; i++) residual_[i] = g[i] += residual_[i];
     exchange(group, g, n, mine_.data());
     if (error_feedback_)
-      for (int64_t i = 0; i < n; i++) residual_[i] = corrected[i] - mine_[i];
+      for (int64_t i = 0; i < n; i++) residual_[i] -= mine_[i];
   }
   const std::vector<float>& residual() const final { return residual_; }
   void set_residual(const float* values) final {

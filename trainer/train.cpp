@@ -4,6 +4,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <csignal>
@@ -258,11 +259,16 @@ struct Run {
                         12.0 * c.model.n_layer * c.model.d_model * c.model.seq_len) {}
 
   bool replica_leader() const { return me.dp == 0; }
-  std::vector<Communicator*> hidden_groups() const {  // whose blocked time is exposed comm
+  // Every group this rank communicates in, the pipeline's last: the time blocked in the others
+  // is exposed communication, in the pipeline's it is waiting for the neighbouring stages.
+  std::vector<Communicator*> traffic_groups() const {
     std::vector<Communicator*> v = {groups.dp.get(), groups.tp.get(), groups.emb.get()};
     if (groups.intra) v.insert(v.end(), {groups.intra.get(), groups.inter.get()});
+    v.push_back(groups.pp.get());
     return v;
   }
+  const std::vector<Communicator*> all_groups = traffic_groups();
+  const ParamInfo* tied_embedding = model.table().find("wte.weight");  // null: middle stage
 };
 
 // Runs the set-up on every rank. If it fails anywhere, every rank learns it, the first failing
@@ -303,10 +309,9 @@ StepStats train_step(Run& run, int64_t step) {
   StepStats s;
   s.step = step;
   const auto t_step = Clock::now();
-  std::vector<Communicator::Traffic> before;
-  std::vector<Communicator*> all = run.hidden_groups();
-  all.push_back(run.groups.pp.get());
-  for (Communicator* c : all) before.push_back(c->traffic());
+  const std::vector<Communicator*>& all = run.all_groups;
+  std::array<Communicator::Traffic, 8> before;
+  for (size_t i = 0; i < all.size(); i++) before[i] = all[i]->traffic();
 
   run.model.zero_grad();
   run.reducer.set_step(step);
@@ -323,10 +328,9 @@ StepStats train_step(Run& run, int64_t step) {
   s.data_s = run.loader.take_wait_seconds();
 
   // The tied embedding's two copies (first and last stage) get the sum of both gradients.
-  if (run.groups.emb->size() > 1) {
-    const ParamInfo& wte = run.model.table().at("wte.weight");
-    run.groups.emb->all_reduce(run.model.grad(wte), wte.numel, ReduceOp::sum);
-  }
+  if (run.groups.emb->size() > 1)
+    run.groups.emb->all_reduce(run.model.grad(*run.tied_embedding), run.tied_embedding->numel,
+                               ReduceOp::sum);
   run.reducer.ready(0);
   run.reducer.finish();
 
@@ -361,7 +365,7 @@ StepStats train_step(Run& run, int64_t step) {
     const Communicator::Traffic now = all[i]->traffic();
     s.bytes_sent += now.bytes_sent - before[i].bytes_sent;
     const double waited = now.wait_s - before[i].wait_s;
-    (all[i] == run.groups.pp.get() ? s.pipe_wait_s : s.comm_s) += waited;
+    (i + 1 == all.size() ? s.pipe_wait_s : s.comm_s) += waited;
   }
   const GradReducer::CompressionStats compression = run.reducer.take_compression_stats();
   s.compress_s = compression.seconds;
