@@ -105,6 +105,13 @@ class World {
   // Collective over all ranks: each rank passes the members of its own group (world ranks,
   // in group-rank order); returns this rank's communicator for it.
   virtual std::unique_ptr<Communicator> group(const std::vector<int>& members) = 0;
+  // A wait on any communicator of the job that blocks longer than `seconds` (0 = never) ends
+  // the job with one line naming the operation and the training step last set, rather than
+  // hanging on a dead or stopped peer.
+  virtual void set_collective_timeout(double seconds) = 0;
+  virtual void set_step(int64_t step) = 0;
+  // Whether two threads may communicate at once (on different communicators).
+  virtual bool thread_multiple() const = 0;
 };
 
 // Starts MPI (a plain process without mpirun is a world of one) and finalises it on

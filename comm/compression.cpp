@@ -33,11 +33,24 @@ class FeedbackCompressor : public Compressor {
       for (int64_t i = 0; i < n; i++) residual_[i] -= mine_[i];
   }
   const std::vector<float>& residual() const final { return residual_; }
-  void set_residual(const float* values) final {
-    std::copy(values, values + residual_.size(), residual_.begin());
+  std::vector<float> state() const final {
+    std::vector<float> s(state_size());
+    if (error_feedback_) std::copy(residual_.begin(), residual_.end(), s.begin());
+    save_method_state(s.data() + (error_feedback_ ? residual_.size() : 0));
+    return s;
+  }
+  int64_t state_size() const final {
+    return (error_feedback_ ? int64_t(residual_.size()) : 0) + method_state_size();
+  }
+  void set_state(const float* values) final {
+    if (error_feedback_) std::copy(values, values + residual_.size(), residual_.begin());
+    load_method_state(values + (error_feedback_ ? residual_.size() : 0));
   }
 
  protected:
+  virtual int64_t method_state_size() const { return 0; }
+  virtual void save_method_state(float*) const {}
+  virtual void load_method_state(const float*) {}
   // g(n): this rank's (corrected) gradients in, the sum over the group out; mine(n): what this
   // rank's compressed contribution decodes to.
   virtual void exchange(Communicator& group, float* g, int64_t n, float* mine) = 0;
@@ -220,6 +233,21 @@ class PowerSgdCompressor final : public FeedbackCompressor {
   }
 
  private:
+  int64_t method_state_size() const override {
+    int64_t n = 0;
+    for (const std::vector<float>& q : q_) n += int64_t(q.size());
+    return n;
+  }
+  void save_method_state(float* out) const override {
+    for (const std::vector<float>& q : q_) out = std::copy(q.begin(), q.end(), out);
+  }
+  void load_method_state(const float* in) override {
+    for (std::vector<float>& q : q_) {
+      std::copy(in, in + q.size(), q.begin());
+      in += q.size();
+    }
+  }
+
   void exchange(Communicator& group, float* g, int64_t n, float* mine) override {
     const int r = rank_;
     // Round 1: P = M Q for every matrix, one all-reduce for all of them.

@@ -45,9 +45,13 @@ class Compressor {
   virtual ~Compressor() = default;
   // g(n): this rank's gradients in; the (approximate) sum over the group's ranks out.
   virtual void all_reduce(Communicator& group, float* g, int64_t n) = 0;
-  // The error-feedback residual (n, zero when there is none), and restoring it (a resumed run).
+  // The error-feedback residual (n, zero when there is none).
   virtual const std::vector<float>& residual() const = 0;
-  virtual void set_residual(const float* values) = 0;
+  // What a resumed run needs to continue exactly: the residual (with error feedback), then the
+  // method's own state (PowerSGD's Q). set_state takes state_size() values as state() gave.
+  virtual std::vector<float> state() const = 0;
+  virtual int64_t state_size() const = 0;
+  virtual void set_state(const float* values) = 0;
 };
 
 // One compressor per bucket: it keeps that bucket's residual (and PowerSGD's Q). `matrices`:

@@ -116,22 +116,26 @@ GradReducer::CompressionStats GradReducer::take_compression_stats() {
   return std::exchange(compression_stats_, {});
 }
 
-std::vector<const std::vector<float>*> GradReducer::residuals() const {
-  std::vector<const std::vector<float>*> out;
+std::vector<float> GradReducer::compression_state() const {
+  std::vector<float> out;
   for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it)
-    if (it->compressor) out.push_back(&it->compressor->residual());
+    if (it->compressor) {
+      const std::vector<float> s = it->compressor->state();
+      out.insert(out.end(), s.begin(), s.end());
+    }
   return out;
 }
 
-bool GradReducer::set_residuals(const std::vector<float>& all) {
-  size_t total = 0;
-  for (const std::vector<float>* r : residuals()) total += r->size();
-  if (total != all.size()) return false;
-  size_t at = 0;
+bool GradReducer::set_compression_state(const std::vector<float>& all) {
+  int64_t total = 0;
+  for (const Bucket& b : buckets_)
+    if (b.compressor) total += b.compressor->state_size();
+  if (total != int64_t(all.size())) return false;
+  int64_t at = 0;
   for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it)
     if (it->compressor) {
-      it->compressor->set_residual(all.data() + at);
-      at += it->compressor->residual().size();
+      it->compressor->set_state(all.data() + at);
+      at += it->compressor->state_size();
     }
   return true;
 }

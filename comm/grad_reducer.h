@@ -72,10 +72,11 @@ class GradReducer {
     double seconds = 0;
   };
   CompressionStats take_compression_stats();
-  // The error-feedback residuals of the buckets, in buffer order (empty without compression).
-  std::vector<const std::vector<float>*> residuals() const;
-  // Restores them from their concatenation; false (and nothing changed) if the length differs.
-  bool set_residuals(const std::vector<float>& all);
+  // The compressors' state (error-feedback residuals, PowerSGD's Q) of every bucket,
+  // concatenated in buffer order (empty without compression), for checkpoints.
+  std::vector<float> compression_state() const;
+  // Restores it; false (and nothing changed) if the length differs (another layout or method).
+  bool set_compression_state(const std::vector<float>& all);
 
  private:
   using Step = std::function<Request()>;

@@ -3,12 +3,15 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <type_traits>
 
 #include "comm/communicator.h"
+#include "comm/mpi_comm.h"
 
 namespace trainer {
 namespace {
@@ -83,9 +86,29 @@ int count_of(int64_t n) {
   return int(n);
 }
 
+// The job's collective timeout and the training step it is at, read by every wait (the
+// checkpoint writer's thread too, hence atomics).
+struct CollectiveWatch {
+  std::atomic<double> timeout_s{0};
+  std::atomic<int64_t> step{-1};
+
+  // A dead or stopped peer never completes the operation: say which one, where, and end the job
+  // (a wait may run in a destructor, so this cannot be an exception).
+  [[noreturn]] void expire(const char* op, int group_size) const {
+    std::fprintf(stderr,
+                 "trainer: %s on a group of %d ranks did not finish within %g s at step %lld "
+                 "(collective_timeout_s): a peer is dead or hung; ending the job\n",
+                 op, group_size, timeout_s.load(), static_cast<long long>(step.load()));
+    std::fflush(stderr);
+    MPI_Abort(MPI_COMM_WORLD, 1);
+    std::_Exit(1);
+  }
+};
+
 class MpiRequest final : public Request::Impl {
  public:
-  explicit MpiRequest(double* wait_s) : wait_s_(wait_s) {}
+  MpiRequest(double* wait_s, const char* op, int group_size, const CollectiveWatch& watch)
+      : wait_s_(wait_s), op_(op), group_size_(group_size), watch_(watch) {}
   MPI_Request req = MPI_REQUEST_NULL;
   ~MpiRequest() override {  // must not throw: complete it, ignoring errors
     if (req != MPI_REQUEST_NULL) MPI_Wait(&req, MPI_STATUS_IGNORE);
@@ -93,7 +116,15 @@ class MpiRequest final : public Request::Impl {
   void wait() override {
     if (req == MPI_REQUEST_NULL) return;
     const double t0 = MPI_Wtime();
-    MPI_CHECK(MPI_Wait(&req, MPI_STATUS_IGNORE));
+    const double timeout = watch_.timeout_s.load();
+    if (timeout <= 0) {
+      MPI_CHECK(MPI_Wait(&req, MPI_STATUS_IGNORE));
+    } else {  // MPI_Wait polls too; this loop also looks at the clock
+      for (int done = 0; !done;) {
+        MPI_CHECK(MPI_Test(&req, &done, MPI_STATUS_IGNORE));
+        if (!done && MPI_Wtime() - t0 > timeout) watch_.expire(op_, group_size_);
+      }
+    }
     *wait_s_ += MPI_Wtime() - t0;
   }
   bool test() override {
@@ -104,12 +135,15 @@ class MpiRequest final : public Request::Impl {
 
  private:
   double* wait_s_;
+  const char* op_;
+  int group_size_;
+  const CollectiveWatch& watch_;
 };
 
 class MpiCommunicator final : public Communicator {
  public:
-  MpiCommunicator(MPI_Comm comm, bool owned, const MpiOps& ops)
-      : comm_(comm), owned_(owned), ops_(ops) {
+  MpiCommunicator(MPI_Comm comm, bool owned, const MpiOps& ops, const CollectiveWatch& watch)
+      : comm_(comm), owned_(owned), ops_(ops), watch_(watch) {
     MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
     MPI_CHECK(MPI_Comm_size(comm_, &size_));
   }
@@ -121,7 +155,7 @@ class MpiCommunicator final : public Communicator {
 
   Request iall_reduce(DPtr buf, int64_t n, ReduceOp op) override {
     if (size_ == 1) return {};
-    auto r = std::make_unique<MpiRequest>(&traffic_.wait_s);
+    auto r = request("all-reduce");
     sent(2 * n * (size_ - 1) / size_, buf.dtype);
     MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, buf.p, count_of(n), mpi_type(buf.dtype),
                              ops_.get(op, buf.dtype), comm_, &r->req));
@@ -129,7 +163,7 @@ class MpiCommunicator final : public Communicator {
   }
   Request ireduce_scatter(DPtr send, DPtr recv, int64_t count) override {
     if (size_ == 1) return local_copy(recv, send, count);
-    auto r = std::make_unique<MpiRequest>(&traffic_.wait_s);
+    auto r = request("reduce-scatter");
     sent(count * (size_ - 1), send.dtype);
     MPI_CHECK(MPI_Ireduce_scatter_block(send.p, recv.p, count_of(count), mpi_type(send.dtype),
                                         ops_.get(ReduceOp::sum, send.dtype), comm_, &r->req));
@@ -137,7 +171,7 @@ class MpiCommunicator final : public Communicator {
   }
   Request iall_gather(DPtr send, DPtr recv, int64_t count) override {
     if (size_ == 1) return local_copy(recv, send, count);
-    auto r = std::make_unique<MpiRequest>(&traffic_.wait_s);
+    auto r = request("all-gather");
     sent(count * (size_ - 1), send.dtype);
     const bool in_place = send.p == (recv + int64_t(rank_) * count).p;
     MPI_CHECK(MPI_Iallgather(in_place ? MPI_IN_PLACE : send.p, count_of(count),
@@ -147,33 +181,40 @@ class MpiCommunicator final : public Communicator {
   }
   Request ibroadcast(DPtr buf, int64_t n, int root) override {
     if (size_ == 1) return {};
-    auto r = std::make_unique<MpiRequest>(&traffic_.wait_s);
+    auto r = request("broadcast");
     if (rank_ == root) sent(n, buf.dtype);
     MPI_CHECK(MPI_Ibcast(buf.p, count_of(n), mpi_type(buf.dtype), root, comm_, &r->req));
     return Request(std::move(r));
   }
   Request isend(DPtr buf, int64_t n, int peer, int tag) override {
-    auto r = std::make_unique<MpiRequest>(&traffic_.wait_s);
+    auto r = request("send");
     sent(n, buf.dtype);
     MPI_CHECK(MPI_Isend(buf.p, count_of(n), mpi_type(buf.dtype), peer, tag, comm_, &r->req));
     return Request(std::move(r));
   }
   Request irecv(DPtr buf, int64_t n, int peer, int tag) override {
-    auto r = std::make_unique<MpiRequest>(&traffic_.wait_s);
+    auto r = request("receive");
     MPI_CHECK(MPI_Irecv(buf.p, count_of(n), mpi_type(buf.dtype), peer, tag, comm_, &r->req));
     return Request(std::move(r));
   }
   void barrier() override {
-    if (size_ > 1) MPI_CHECK(MPI_Barrier(comm_));
+    if (size_ == 1) return;
+    auto r = request("barrier");
+    MPI_CHECK(MPI_Ibarrier(comm_, &r->req));
+    Request(std::move(r)).wait();
   }
   Traffic traffic() const override { return traffic_; }
   std::unique_ptr<Communicator> dup() override {
     MPI_Comm copy;
     MPI_CHECK(MPI_Comm_dup(comm_, &copy));
-    return std::make_unique<MpiCommunicator>(copy, true, ops_);
+    return std::make_unique<MpiCommunicator>(copy, true, ops_, watch_);
   }
+  MPI_Comm handle() const { return comm_; }
 
  private:
+  std::unique_ptr<MpiRequest> request(const char* op) {
+    return std::make_unique<MpiRequest>(&traffic_.wait_s, op, size_, watch_);
+  }
   void sent(int64_t elems, DType t) { traffic_.bytes_sent += elems * dtype_size(t); }
   static Request local_copy(DPtr dst, DPtr src, int64_t n) {
     if (dst.p != src.p) std::memmove(dst.p, src.p, n * dtype_size(src.dtype));
@@ -183,6 +224,7 @@ class MpiCommunicator final : public Communicator {
   MPI_Comm comm_;
   bool owned_;
   const MpiOps& ops_;
+  const CollectiveWatch& watch_;
   int rank_ = 0, size_ = 1;
   Traffic traffic_;
 };
@@ -194,12 +236,18 @@ class MpiWorld final : public World {
     MPI_CHECK(MPI_Initialized(&initialized));
     if (!initialized) {
       int provided = 0;
-      // Collectives are issued from the training thread only; the loader thread never calls MPI.
-      MPI_CHECK(MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided));
+      // The training thread and the checkpoint writer's thread (parallel HDF5 on its own
+      // communicator) call MPI at the same time.
+      MPI_CHECK(MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided));
+      thread_multiple_ = provided >= MPI_THREAD_MULTIPLE;
       owns_mpi_ = true;
+    } else {
+      int provided = 0;
+      MPI_CHECK(MPI_Query_thread(&provided));
+      thread_multiple_ = provided >= MPI_THREAD_MULTIPLE;
     }
     ops_ = std::make_unique<MpiOps>();
-    world_ = std::make_unique<MpiCommunicator>(MPI_COMM_WORLD, false, *ops_);
+    world_ = std::make_unique<MpiCommunicator>(MPI_COMM_WORLD, false, *ops_, watch_);
     MPI_Comm node;
     MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, world_->rank(),
                                   MPI_INFO_NULL, &node));
@@ -257,13 +305,17 @@ class MpiWorld final : public World {
     MPI_Comm comm;
     // The group's first member names it; the position in `members` orders it.
     MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, members.front(), index, &comm));
-    return std::make_unique<MpiCommunicator>(comm, true, *ops_);
+    return std::make_unique<MpiCommunicator>(comm, true, *ops_, watch_);
   }
+  void set_collective_timeout(double seconds) override { watch_.timeout_s = seconds; }
+  void set_step(int64_t step) override { watch_.step = step; }
+  bool thread_multiple() const override { return thread_multiple_; }
 
  private:
+  CollectiveWatch watch_;
   std::unique_ptr<MpiOps> ops_;  // before the communicators that use it
   std::unique_ptr<MpiCommunicator> world_;
-  bool owns_mpi_ = false;
+  bool owns_mpi_ = false, thread_multiple_ = false;
   std::string host_;
   int local_rank_ = 0, local_size_ = 1;
   std::vector<int> nodes_;
@@ -271,6 +323,12 @@ class MpiWorld final : public World {
 };
 
 }  // namespace
+
+MPI_Comm mpi_comm_of(Communicator& comm) {
+  auto* mpi = dynamic_cast<MpiCommunicator*>(&comm);
+  if (!mpi) throw std::logic_error("mpi_comm_of: not an MPI communicator");
+  return mpi->handle();
+}
 
 std::unique_ptr<World> make_mpi_world(int* argc, char*** argv) {
   return std::make_unique<MpiWorld>(argc, argv);

@@ -236,8 +236,9 @@ Config parse_config(const std::string& text, const std::string& origin,
   Origins origins;
   for (const auto& item : overrides) apply_override(root, item, origins);
 
-  static const std::set<std::string> sections = {
-      "run", "model", "data", "train", "optim", "parallel", "precision", "comm", "checkpoint"};
+  static const std::set<std::string> sections = {"run",        "model",    "data",      "train",
+                                                 "optim",      "parallel", "precision", "comm",
+                                                 "checkpoint", "faults"};
   for (auto& [k, v] : root)
     if (!sections.count(std::string(k.str()))) {
       std::string at = where(k.source(), origin);
@@ -245,7 +246,7 @@ Config parse_config(const std::string& text, const std::string& origin,
         if (key.starts_with(std::string(k.str()) + ".")) at = o;
       throw ConfigError(fmt::format(
           "{}: unknown section [{}] (expected run, model, data, train, optim, parallel, "
-          "precision, comm.compression or checkpoint)",
+          "precision, comm.compression, checkpoint or faults)",
           at, k.str()));
     }
 
@@ -304,7 +305,6 @@ Config parse_config(const std::string& text, const std::string& origin,
     r.field("sample_prompt", t.sample_prompt);
     r.field("sample_temperature", t.sample_temperature, in_range(1e-3, 100));
     r.field("sample_top_k", t.sample_top_k, at_least(0));
-    r.field("checkpoint_every", t.checkpoint_every, at_least(0));
     r.finish();
     for (unsigned char byte : t.sample_prompt)  // the byte-level tokenizer's ids
       if (byte >= c.model.vocab_size)
@@ -403,10 +403,26 @@ Config parse_config(const std::string& text, const std::string& origin,
   }
   {
     SectionReader r(root, "checkpoint", origin, origins);
-    r.field("resume", c.checkpoint.resume, [](const std::string& v) -> std::optional<std::string> {
+    CheckpointConfig& k = c.checkpoint;
+    r.field("every_steps", k.every_steps, at_least(0));
+    r.field("every_minutes", k.every_minutes, at_least(0));
+    r.field("keep_last", k.keep_last, at_least(0));
+    r.field("async", k.async);
+    r.field("dir", k.dir);
+    r.field("resume", k.resume, [](const std::string& v) -> std::optional<std::string> {
       if (!v.empty()) return std::nullopt;
       return "expected \"none\", \"auto\" or a checkpoint path, found \"\"";
     });
+    r.finish();
+  }
+  {
+    SectionReader r(root, "faults", origin, origins);
+    FaultsConfig& f = c.faults;
+    r.field("spike_zscore", f.spike_zscore, at_least(0));
+    r.field("spike_window", f.spike_window, in_range(2, 1 << 20));
+    r.field("max_bad_steps", f.max_bad_steps, at_least(0));
+    r.field("skip_data_on_rollback", f.skip_data_on_rollback);
+    r.field("collective_timeout_s", f.collective_timeout_s, at_least(0));
     r.finish();
   }
   return c;
@@ -453,8 +469,7 @@ std::string config_to_toml(const Config& c) {
                             {"sample_tokens", c.train.sample_tokens},
                             {"sample_prompt", c.train.sample_prompt},
                             {"sample_temperature", c.train.sample_temperature},
-                            {"sample_top_k", c.train.sample_top_k},
-                            {"checkpoint_every", c.train.checkpoint_every}}},
+                            {"sample_top_k", c.train.sample_top_k}}},
       {"optim", toml::table{{"name", c.optim.name},
                             {"lr", c.optim.lr},
                             {"min_lr", c.optim.min_lr},
@@ -494,7 +509,17 @@ std::string config_to_toml(const Config& c) {
                                         {"error_feedback", c.comm.compression.error_feedback},
                                         {"warmup_steps", c.comm.compression.warmup_steps},
                                         {"min_bucket_kb", c.comm.compression.min_bucket_kb}}}}},
-      {"checkpoint", toml::table{{"resume", c.checkpoint.resume}}},
+      {"checkpoint", toml::table{{"every_steps", c.checkpoint.every_steps},
+                                 {"every_minutes", c.checkpoint.every_minutes},
+                                 {"keep_last", c.checkpoint.keep_last},
+                                 {"async", c.checkpoint.async},
+                                 {"dir", c.checkpoint.dir},
+                                 {"resume", c.checkpoint.resume}}},
+      {"faults", toml::table{{"spike_zscore", c.faults.spike_zscore},
+                             {"spike_window", c.faults.spike_window},
+                             {"max_bad_steps", c.faults.max_bad_steps},
+                             {"skip_data_on_rollback", c.faults.skip_data_on_rollback},
+                             {"collective_timeout_s", c.faults.collective_timeout_s}}},
   };
   std::stringstream ss;
   // Basic strings only: toml++ writes "\n" as a multi-line literal that does not read back.

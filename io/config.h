@@ -38,8 +38,7 @@ struct TrainConfig {
   int sample_tokens = 200;
   std::string sample_prompt = "\n";
   double sample_temperature = 1.0;
-  int sample_top_k = 0;      // 0 = full distribution
-  int checkpoint_every = 0;  // 0 = only at the end
+  int sample_top_k = 0;  // 0 = full distribution
 };
 
 struct OptimConfig {
@@ -100,11 +99,25 @@ struct CommConfig {
   CompressionConfig compression;
 };
 
-// [checkpoint]: where a run starts from.
+// [checkpoint]: when checkpoints are written, where, how many are kept, and where a run starts.
 struct CheckpointConfig {
-  // "none": a fresh start; "auto": the newest checkpoint in run.out_dir if there is one; else a
+  int every_steps = 0;       // 0 = only at the end (and on SIGTERM/SIGUSR1)
+  double every_minutes = 0;  // also after this much wall time since the last one; 0 = off
+  int keep_last = 0;         // older complete checkpoints are deleted; 0 = keep all
+  bool async = true;         // a writer thread does the I/O while training goes on
+  std::string dir;           // "" = <run.out_dir>/checkpoints
+  // "none": a fresh start; "auto": the newest checkpoint in dir that verifies, if any; else a
   // checkpoint path (step directory, run directory or state.h5).
   std::string resume = "none";
+};
+
+// [faults]: what a bad step does, and how long a collective may block.
+struct FaultsConfig {
+  double spike_zscore = 0;  // a loss or grad norm this many deviations above the window: bad
+  int spike_window = 50;    // recent good steps the z-score is measured against
+  int max_bad_steps = 3;    // bad (non-finite or spiking) steps in a row before a rollback
+  bool skip_data_on_rollback = false;  // after a rollback, skip the offending window's batches
+  double collective_timeout_s = 0;     // a collective blocked longer ends the job; 0 = never
 };
 
 struct Config {
@@ -117,6 +130,7 @@ struct Config {
   PrecisionConfig precision;
   CommConfig comm;
   CheckpointConfig checkpoint;
+  FaultsConfig faults;
 };
 
 // Reads `path` (empty: defaults only) and applies `overrides` ("section.key=value", TOML

@@ -43,7 +43,7 @@ int64_t SampleOrder::window(int64_t sample) {
 }
 
 DataLoader::DataLoader(const Dataset& data, int B, int T, int grad_accum, uint64_t seed,
-                       int prefetch, int64_t first_step, int dp_rank, int dp_size)
+                       int prefetch, int64_t first_sample, int dp_rank, int dp_size)
     : data_(data),
       B_(B),
       T_(T),
@@ -51,7 +51,7 @@ DataLoader::DataLoader(const Dataset& data, int B, int T, int grad_accum, uint64
       dp_rank_(dp_rank),
       dp_size_(dp_size),
       order_(data.windows(), seed),
-      next_step_(first_step) {
+      first_sample_(first_sample) {
   for (int i = 0; i < prefetch; i++) {
     Batch b;
     b.inputs.resize(size_t(B) * T);
@@ -83,10 +83,10 @@ void DataLoader::produce() {
     b.step = next_step_;
     b.micro = next_micro_;
     for (int r = 0; r < B_; r++) {
-      // Global micro-batch g of the run; data-parallel rank d reads every dp-th one, so dp = k
-      // with one micro-batch per step reads what dp = 1 with k accumulated micro-batches does.
+      // Global micro-batch g since the start; data-parallel rank d reads every dp-th one, so
+      // dp = k with one micro-batch per step reads what dp = 1 with k accumulated ones does.
       const int64_t g = (b.step * accum_ + b.micro) * dp_size_ + dp_rank_;
-      const int64_t sample = g * B_ + r;
+      const int64_t sample = first_sample_ + g * B_ + r;
       data_.window(order_.window(sample), b.inputs.data() + int64_t(r) * T_,
                    b.targets.data() + int64_t(r) * T_);
     }

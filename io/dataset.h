@@ -45,7 +45,7 @@ class SampleOrder {
 };
 
 struct Batch {
-  int64_t step = 0;
+  int64_t step = 0;  // optimizer steps since the loader started
   int micro = 0;
   std::vector<int32_t> inputs, targets;  // (B, T)
 };
@@ -54,8 +54,10 @@ struct Batch {
 class DataLoader {
  public:
   // Data-parallel rank dp_rank of dp_size reads its own, disjoint part of every global batch.
+  // The first step's batch starts at global sample `first_sample` (the samples consumed before:
+  // a resumed run continues with the next unseen one whatever its layout).
   DataLoader(const Dataset& data, int B, int T, int grad_accum, uint64_t seed, int prefetch,
-             int64_t first_step, int dp_rank = 0, int dp_size = 1);
+             int64_t first_sample, int dp_rank = 0, int dp_size = 1);
   ~DataLoader();
   DataLoader(const DataLoader&) = delete;
   DataLoader& operator=(const DataLoader&) = delete;
@@ -71,7 +73,8 @@ class DataLoader {
   const Dataset& data_;
   int B_, T_, accum_, dp_rank_, dp_size_;
   SampleOrder order_;
-  int64_t next_step_;
+  int64_t first_sample_;
+  int64_t next_step_ = 0;
   int next_micro_ = 0;
 
   std::mutex mu_;

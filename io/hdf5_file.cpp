@@ -40,6 +40,21 @@ H5File H5File::create(const std::string& path) {
   return H5File(path, id);
 }
 
+H5File H5File::create_parallel(const std::string& path, MPI_Comm comm) {
+  silence_hdf5();
+  Handle fapl{H5Pcreate(H5P_FILE_ACCESS), H5Pclose};
+  H5Pset_fapl_mpio(fapl.id, comm, MPI_INFO_NULL);
+  // Metadata (creating groups, datasets, attributes) is done by all ranks together.
+  H5Pset_all_coll_metadata_ops(fapl.id, true);
+  H5Pset_coll_metadata_write(fapl.id, true);
+  hid_t id = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl.id);
+  if (id < 0) throw H5Error(fmt::format("{}: cannot create HDF5 file (parallel)", path));
+  // Filtered (checksummed) datasets can only be written collectively.
+  hid_t xfer = H5Pcreate(H5P_DATASET_XFER);
+  H5Pset_dxpl_mpio(xfer, H5FD_MPIO_COLLECTIVE);
+  return H5File(path, id, xfer);
+}
+
 H5File H5File::open_read(const std::string& path) {
   silence_hdf5();
   hid_t id = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
@@ -48,7 +63,14 @@ H5File H5File::open_read(const std::string& path) {
 }
 
 H5File::~H5File() {
+  if (xfer_ >= 0) H5Pclose(xfer_);
   if (id_ >= 0) H5Fclose(id_);
+}
+
+void H5File::close() {
+  const hid_t id = std::exchange(id_, -1);
+  if (id >= 0 && H5Fclose(id) < 0)
+    throw H5Error(fmt::format("{}: cannot close the HDF5 file (disk full?)", path_));
 }
 
 bool H5File::exists(const std::string& name) const {
@@ -63,6 +85,16 @@ bool H5File::exists(const std::string& name) const {
 }
 
 void H5File::write(const std::string& name, const std::vector<int64_t>& shape, const float* data) {
+  const int64_t cols = shape.empty() ? 1 : shape.back();
+  int64_t rows = 1;
+  for (size_t d = 0; d + 1 < shape.size(); d++) rows *= shape[d];
+  write_part(name, shape, {{0, 0, rows, cols}}, data);
+}
+
+void H5File::write_part(const std::string& name, const std::vector<int64_t>& shape,
+                        const std::vector<Box>& boxes, const float* values) {
+  if (shape.empty() || shape.size() > 2)
+    throw std::logic_error("H5File::write_part: 1-D and 2-D datasets only");
   std::vector<hsize_t> dims(shape.begin(), shape.end());
   Handle space{H5Screate_simple(int(dims.size()), dims.data(), nullptr), H5Sclose};
   Handle lcpl{H5Pcreate(H5P_LINK_CREATE), H5Pclose};
@@ -70,18 +102,33 @@ void H5File::write(const std::string& name, const std::vector<int64_t>& shape, c
   // Chunked with HDF5's Fletcher32 checksum filter: a flipped byte fails the read. Chunks of at
   // most ~1M elements along the first dimension (HDF5 caps a chunk at 4 GB).
   Handle dcpl{H5Pcreate(H5P_DATASET_CREATE), H5Pclose};
-  if (!dims.empty() && dims[0] > 0) {
+  if (dims[0] > 0) {
     std::vector<hsize_t> chunk = dims;
-    hsize_t row = 1;
-    for (size_t d = 1; d < dims.size(); d++) row *= std::max<hsize_t>(dims[d], 1);
-    chunk[0] = std::clamp<hsize_t>((hsize_t(1) << 20) / std::max<hsize_t>(row, 1), 1, dims[0]);
+    const hsize_t row = dims.size() == 2 ? std::max<hsize_t>(dims[1], 1) : 1;
+    chunk[0] = std::clamp<hsize_t>((hsize_t(1) << 20) / row, 1, dims[0]);
     H5Pset_chunk(dcpl.id, int(chunk.size()), chunk.data());
     H5Pset_fletcher32(dcpl.id);
   }
   Handle ds{H5Dcreate2(id_, name.c_str(), H5T_IEEE_F32LE, space.id, lcpl.id, dcpl.id, H5P_DEFAULT),
             H5Dclose};
-  if (ds.id < 0 || H5Dwrite(ds.id, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) < 0)
-    throw H5Error(fmt::format("{}: cannot write dataset {}", path_, name));
+  if (ds.id < 0) throw H5Error(fmt::format("{}: cannot create dataset {}", path_, name));
+  hsize_t selected = 0;
+  H5Sselect_none(space.id);
+  for (const Box& b : boxes) {
+    if (b.rows <= 0 || b.cols <= 0) continue;
+    hsize_t start[2] = {hsize_t(b.row), hsize_t(b.col)},
+            count[2] = {hsize_t(b.rows), hsize_t(b.cols)};
+    if (dims.size() == 1) start[0] = hsize_t(b.col), count[0] = hsize_t(b.cols);
+    H5Sselect_hyperslab(space.id, H5S_SELECT_OR, start, nullptr, count, nullptr);
+    selected += hsize_t(b.rows) * hsize_t(b.cols);
+  }
+  const hsize_t mdims = std::max<hsize_t>(selected, 1);
+  Handle memory{H5Screate_simple(1, &mdims, nullptr), H5Sclose};
+  if (selected == 0) H5Sselect_none(memory.id);
+  const float dummy = 0;
+  if (H5Dwrite(ds.id, H5T_NATIVE_FLOAT, memory.id, space.id, xfer_ >= 0 ? xfer_ : H5P_DEFAULT,
+               selected ? values : &dummy) < 0)
+    throw H5Error(fmt::format("{}: cannot write dataset {} (disk full?)", path_, name));
 }
 
 std::vector<int64_t> H5File::shape(const std::string& name) const {
@@ -166,7 +213,8 @@ std::string H5File::attr_string(const std::string& name) const {
 }
 
 void H5File::flush() {
-  if (H5Fflush(id_, H5F_SCOPE_GLOBAL) < 0) throw H5Error(fmt::format("{}: flush failed", path_));
+  if (H5Fflush(id_, H5F_SCOPE_GLOBAL) < 0)
+    throw H5Error(fmt::format("{}: flush failed (disk full?)", path_));
 }
 
 }  // namespace trainer

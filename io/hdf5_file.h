@@ -1,12 +1,15 @@
 #pragma once
 // A small RAII wrapper over the HDF5 C API: datasets of float with full logical shapes in
 // nested groups ("params/h.0.ln1.weight"), and scalar attributes on the root. Every failure is
-// an H5Error naming the file and the object.
+// an H5Error naming the file and the object. A file created over an MPI communicator is written
+// with parallel HDF5 (MPI-IO): every call is then collective, and each rank writes its own part
+// of a dataset.
 #include <hdf5.h>
 
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "io/errors.h"
@@ -19,19 +22,34 @@ class H5Error : public CheckpointError {
   using CheckpointError::CheckpointError;
 };
 
+// A rectangle of a dataset seen as (rows, last dimension): 1-D datasets are one row.
+struct Box {
+  int64_t row, col, rows, cols;
+};
+
 class H5File {
  public:
   static H5File create(const std::string& path);  // truncates
+  // Collective over `comm`: one file written by all its ranks through MPI-IO.
+  static H5File create_parallel(const std::string& path, MPI_Comm comm);
   static H5File open_read(const std::string& path);
   ~H5File();
-  H5File(H5File&& o) noexcept : path_(std::move(o.path_)), id_(o.id_) { o.id_ = -1; }
+  H5File(H5File&& o) noexcept
+      : path_(std::move(o.path_)),
+        id_(std::exchange(o.id_, -1)),
+        xfer_(std::exchange(o.xfer_, -1)) {}
   H5File(const H5File&) = delete;
   H5File& operator=(const H5File&) = delete;
 
   const std::string& path() const { return path_; }
   bool exists(const std::string& name) const;
 
+  // Chunked, each chunk with a Fletcher32 checksum.
   void write(const std::string& name, const std::vector<int64_t>& shape, const float* data);
+  // Creates the dataset (collectively, in a parallel file) and writes this rank's part: the
+  // union of `boxes`, whose elements `values` holds in row-major order. Boxes must not overlap.
+  void write_part(const std::string& name, const std::vector<int64_t>& shape,
+                  const std::vector<Box>& boxes, const float* values);
   std::vector<int64_t> shape(const std::string& name) const;
   // Reads into data, after checking the stored shape equals `shape`.
   void read(const std::string& name, const std::vector<int64_t>& shape, float* data) const;
@@ -45,11 +63,15 @@ class H5File {
   std::string attr_string(const std::string& name) const;
 
   void flush();
+  // Closes the file, reporting a failure (data still buffered when the disk fills) as an error.
+  void close();
 
  private:
-  H5File(std::string path, hid_t id) : path_(std::move(path)), id_(id) {}
+  H5File(std::string path, hid_t id, hid_t xfer = -1)
+      : path_(std::move(path)), id_(id), xfer_(xfer) {}
   std::string path_;
   hid_t id_ = -1;
+  hid_t xfer_ = -1;  // the data-transfer properties: collective MPI-IO in a parallel file
 };
 
 std::string shape_string(const std::vector<int64_t>& shape);

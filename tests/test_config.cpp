@@ -50,7 +50,7 @@ TEST(Config, UnknownKeyNamesFileLineColumnAndKey) {
 TEST(Config, UnknownSection) {
   EXPECT_EQ(error_of("[modle]\nn_layer = 2\n"),
             "run.toml:1:2: unknown section [modle] (expected run, model, data, train, optim, "
-            "parallel, precision, comm.compression or checkpoint)");
+            "parallel, precision, comm.compression, checkpoint or faults)");
 }
 
 TEST(Config, WrongType) {
@@ -106,7 +106,7 @@ TEST(Config, OverridesUseTheSameRules) {
   EXPECT_EQ(error_of("", {"nolayers"}), "--set nolayers: expected section.key=value");
   EXPECT_EQ(error_of("", {"modle.n_layer=2"}),
             "--set modle.n_layer=2: unknown section [modle] (expected run, model, data, train, "
-            "optim, parallel, precision, comm.compression or checkpoint)");
+            "optim, parallel, precision, comm.compression, checkpoint or faults)");
   EXPECT_EQ(error_of("[model]\nd_model = 64\n", {"model.n_head=5"}),
             "--set model.n_head=5: [model] n_head: n_head = 5 must divide d_model = 64");
 }

@@ -181,13 +181,13 @@ TEST_F(DataTest, LoaderYieldsTheGlobalSamplesInStepOrder) {
   write_token_shard(path("l.bin"), ramp(5001, 256), 256);
   Dataset data({path("l.bin")}, 256, 16);
   const int B = 3, T = 16, accum = 2;
-  DataLoader loader(data, B, T, accum, 42, 1, 5);  // starting at step 5, as after a resume
+  DataLoader loader(data, B, T, accum, 42, 1, 5 * accum * B);  // after 5 steps, as on resume
   SampleOrder order(data.windows(), 42);
   std::vector<int32_t> in(T), tg(T);
   for (int64_t step = 5; step < 9; step++)
     for (int micro = 0; micro < accum; micro++) {
       const Batch& b = loader.next();
-      ASSERT_EQ(b.step, step);
+      ASSERT_EQ(b.step, step - 5);
       ASSERT_EQ(b.micro, micro);
       for (int r = 0; r < B; r++) {
         data.window(order.window((step * accum + micro) * B + r), in.data(), tg.data());

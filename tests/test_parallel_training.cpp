@@ -521,7 +521,7 @@ std::vector<std::string> loss_texts(const std::string& metrics) {
 // A run stopped at step 6 and resumed continues bit for bit in the same layout (losses, final
 // weights and moments), and within reduction-order tolerance in other layouts.
 TEST_F(MpiCli, ResumeIsBitwiseAndReshards) {
-  const std::string common = "--set train.steps=12 --set train.checkpoint_every=6 ";
+  const std::string common = "--set train.steps=12 --set checkpoint.every_steps=6 ";
   const std::string dp2 = "--set parallel.dp=2 --set train.grad_accum=2 ";
   auto r = mpirun(2, common + dp2 + "--set run.out_dir=" + quoted(path("full")));
   ASSERT_EQ(r.code, 0) << r.output;
@@ -596,7 +596,7 @@ namespace {
 // reported and resume = "auto" takes the one before it.
 TEST_F(MpiCli, AutoResumeSkipsADamagedNewestCheckpoint) {
   const std::string common =
-      "--set train.steps=12 --set train.checkpoint_every=6 --set parallel.dp=2 ";
+      "--set train.steps=12 --set checkpoint.every_steps=6 --set parallel.dp=2 ";
   ASSERT_EQ(mpirun(2, common).code, 0);
   const std::string newest = path("out/checkpoints/step_00000012/state.h5");
   const auto size = fs::file_size(newest);
@@ -634,7 +634,7 @@ namespace {
 // bit.
 TEST_F(MpiCli, ResumeRestoresCompressionResiduals) {
   const std::string common =
-      "--set train.steps=12 --set train.checkpoint_every=6 "
+      "--set train.steps=12 --set checkpoint.every_steps=6 "
       "--set parallel.dp=2 --set comm.compression.method=int8 ";
   auto r = mpirun(2, common + "--set run.out_dir=" + quoted(path("full")));
   ASSERT_EQ(r.code, 0) << r.output;

@@ -114,7 +114,8 @@ TEST_F(CheckpointTest, RoundTripIsBitwise) {
   model.forward(tok.data(), tgt.data(), 1, 8);
   model.backward();
   opt.update(1e-3f, 1.0f, 1);
-  const std::string step_dir = save_checkpoint(dir_.string(), cfg, model, &opt, {7, 56});
+  const std::string step_dir =
+      save_checkpoint((dir_ / "checkpoints").string(), cfg, model, &opt, {7, 56, 112, 0, {}});
   EXPECT_EQ(step_dir, (dir_ / "checkpoints" / "step_00000007").string());
   EXPECT_FALSE(fs::exists(dir_ / "checkpoints" / "step_00000007.tmp"));
 
@@ -126,6 +127,7 @@ TEST_F(CheckpointTest, RoundTripIsBitwise) {
   const TrainState ts = load_checkpoint(state, loaded, &loaded_opt);
   EXPECT_EQ(ts.step, 7);
   EXPECT_EQ(ts.tokens, 56);
+  EXPECT_EQ(ts.data_samples, 112);
   for (const ParamInfo& p : model.table().params) {
     EXPECT_EQ(model.read<float>(p, model.params()), loaded.read<float>(p, loaded.params()));
     EXPECT_EQ(model.read<float>(p, opt.m()), loaded.read<float>(p, loaded_opt.m()));
@@ -138,7 +140,8 @@ TEST_F(CheckpointTest, MismatchedModelIsAClearError) {
   Config cfg;
   cfg.model = tiny_model();
   GPT model(cfg.model, *k, DType::f32, 1, 8);
-  const std::string dir = save_checkpoint(dir_.string(), cfg, model, nullptr, {1, 8});
+  const std::string dir =
+      save_checkpoint((dir_ / "checkpoints").string(), cfg, model, nullptr, {1, 8, 1, 0, {}});
   GPTConfig other = tiny_model();
   other.n_layer = 3;
   GPT wrong(other, *k, DType::f32, 1, 8);

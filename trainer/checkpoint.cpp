@@ -3,9 +3,13 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
+#include "comm/mpi_comm.h"
 #include "io/atomic_file.h"
 #include "io/hdf5_file.h"
 
@@ -24,122 +28,305 @@ constexpr ModelDims kDims[] = {{"vocab_size", &GPTConfig::vocab_size},
                                {"n_head", &GPTConfig::n_head},
                                {"d_model", &GPTConfig::d_model}};
 
+// FNV-1a, 64 bits, as hex: a stored config text that does not match its hash was damaged.
+std::string text_hash(const std::string& text) {
+  uint64_t h = 14695981039346656037ull;
+  for (unsigned char c : text) h = (h ^ c) * 1099511628211ull;
+  return fmt::format("{:016x}", h);
+}
+
+std::string step_name(int64_t step) {
+  return fmt::format("step_{:08d}", step);
+}
+
+// The complete checkpoints in dir, newest first (temporaries end in .tmp).
+std::vector<std::string> complete_checkpoints(const fs::path& root) {
+  std::vector<std::string> steps;
+  if (!fs::is_directory(root)) return steps;
+  for (const auto& e : fs::directory_iterator(root)) {
+    const std::string name = e.path().filename().string();
+    if (e.is_directory() && name.starts_with("step_") && !name.ends_with(".tmp"))
+      steps.push_back(name);
+  }
+  std::sort(steps.rbegin(), steps.rend());  // zero-padded: newest first
+  return steps;
+}
+
+// The rectangles (in the dataset's (rows, last dimension) view) that hold a parameter's local
+// elements [begin, begin + count): runs of consecutive logical indices cut at row ends, rows
+// stacked where they line up. A column slice of a matrix is one box, a row range one, the q, k
+// and v blocks of a head-split QKV three.
+void append_boxes(const ParamInfo& p, int64_t begin, int64_t count, std::vector<Box>& boxes) {
+  const int64_t cols = p.shape.back();
+  auto add_run = [&](int64_t start, int64_t len) {
+    while (len > 0) {
+      const int64_t row = start / cols, col = start % cols;
+      Box b{row, col, 1, std::min(len, cols - col)};
+      if (col == 0 && len >= cols) b = {row, 0, len / cols, cols};
+      Box* last = boxes.empty() ? nullptr : &boxes.back();
+      if (last && last->col == b.col && last->cols == b.cols && last->row + last->rows == b.row)
+        last->rows += b.rows;
+      else
+        boxes.push_back(b);
+      start += b.rows * b.cols;
+      len -= b.rows * b.cols;
+    }
+  };
+  int64_t run_start = p.logical_index(begin), run_len = 1;
+  for (int64_t i = begin + 1; i < begin + count; i++) {
+    const int64_t li = p.logical_index(i);
+    if (li == run_start + run_len) {
+      run_len++;
+      continue;
+    }
+    // Writing values in local order relies on it being the file's row-major order.
+    if (li < run_start + run_len)
+      throw std::logic_error(p.name + ": local order is not logical order");
+    add_run(run_start, run_len);
+    run_start = li;
+    run_len = 1;
+  }
+  add_run(run_start, run_len);
+}
+
+// After a step every rank may have failed at: the first failing rank's message on every rank
+// ("" when none failed).
+std::string agree_on_error(Communicator* comm, std::string error) {
+  if (!comm || comm->size() == 1) return error;
+  double first = error.empty() ? 0 : comm->size() - comm->rank();  // max = lowest failing rank
+  comm->all_reduce(host_ptr(&first), 1, ReduceOp::max);
+  if (first == 0) return "";
+  const int root = comm->size() - int(first);
+  double length = double(error.size());
+  comm->broadcast(host_ptr(&length), 1, root);
+  error.resize(size_t(length));
+  comm->broadcast(host_ptr(reinterpret_cast<std::byte*>(error.data())), int64_t(length), root);
+  return comm->size() > 1 && root != comm->rank() ? fmt::format("rank {}: {}", root, error) : error;
+}
+
+// Test hook: TRAINER_TEST_WRITE_DELAY="step,seconds" stalls the writing of that step's
+// checkpoint half-way (after the parameters), so that a test can kill the process mid-write.
+void test_write_delay(int64_t step) {
+  const char* spec = std::getenv("TRAINER_TEST_WRITE_DELAY");
+  long long at = -1;
+  double seconds = 0;
+  if (spec && std::sscanf(spec, "%lld,%lf", &at, &seconds) == 2 && at == step)
+    std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+}
+
+void check_version(const H5File& f, const std::string& state_file) {
+  const int64_t version = f.attr_int("format_version");
+  if (version != kCheckpointFormatVersion)
+    throw CheckpointError(fmt::format("{}: format_version {} is not supported (expected {})",
+                                      state_file, version, kCheckpointFormatVersion));
+}
+
+void check_dims(const H5File& f, const std::string& state_file, const GPTConfig& model) {
+  for (const auto& d : kDims) {
+    const int64_t saved = f.attr_int(d.name), ours = model.*d.field;
+    if (saved != ours)
+      throw CheckpointError(
+          fmt::format("{}: checkpoint is for a model with {} = {}, this model has {} = {}",
+                      state_file, d.name, saved, d.name, ours));
+  }
+}
+
+std::string stored_config(const H5File& f, const std::string& state_file) {
+  const std::string text = f.attr_string("config");
+  const std::string hash = f.attr_string("config_hash");
+  if (text_hash(text) != hash)
+    throw CheckpointError(fmt::format("{}: the stored config does not match its hash {} (found {})",
+                                      state_file, hash, text_hash(text)));
+  return text;
+}
+
 }  // namespace
 
-ModelState collect_state(const GPT& model, const AdamW* optimizer, Communicator* world,
-                         bool replica_leader, bool sharded_optimizer) {
-  const ParamTable full = gpt2_param_table(model.config());
-  ModelState out;
-  auto tensors = [&] {
-    std::vector<NamedTensor> t;
-    for (const ParamInfo& q : full.params)
-      t.push_back({q.name, q.shape, std::vector<float>(q.logical_numel(), 0.0f)});
-    return t;
+void take_snapshot(const GPT& model, const AdamW* optimizer, bool writes, Snapshot& out) {
+  out.parts.clear();
+  out.params.clear();
+  out.m.clear();
+  out.v.clear();
+  out.has_moments = optimizer != nullptr;
+  if (!writes) return;
+  const ParamTable& table = model.table();
+  struct Source {
+    int64_t offset, count, state_offset;
   };
-  out.params = tensors();
-  const int64_t total = model.table().total;
-  Kernels& k = model.kernels();
-  // A state buffer of the optimizer in the flat layout of the parameters, and which elements
-  // this rank contributes.
-  auto flat = [&](DPtr state, std::vector<float>& values, std::vector<char>& held) {
-    values.assign(total, 0.0f);
-    held.assign(total, 0);
-    if (!sharded_optimizer && !replica_leader) return;
-    std::vector<float> host(optimizer->state_elems());
-    k.download_f32(host.data(), state, optimizer->state_elems());
+  std::vector<Source> sources;
+  if (optimizer)
     for (const AdamW::Segment& s : optimizer->segments())
-      for (int64_t i = 0; i < s.count; i++) {
-        values[s.offset + i] = host[s.state_offset + i];
-        held[s.offset + i] = 1;
-      }
+      sources.push_back({s.offset, s.count, s.state_offset});
+  else
+    for (const ParamInfo& p : table.params) sources.push_back({p.offset, p.numel, p.offset});
+  struct Copy {
+    Snapshot::Part part;
+    int64_t flat, state;
   };
-  auto scatter = [&](std::vector<NamedTensor>& dst, const std::vector<float>& values,
-                     const std::vector<char>& held) {
-    for (const ParamInfo& p : model.table().params) {
-      if (!p.owned()) continue;
-      std::vector<float>& t = dst[full.index.at(p.name)].values;
-      for (int64_t i = 0; i < p.local_numel(); i++)
-        if (held[p.offset + i]) t[p.logical_index(i)] = values[p.offset + i];
+  std::vector<Copy> copies;
+  for (const Source& s : sources)
+    for (const ParamInfo& p : table.params) {  // a segment lies within one parameter
+      if (s.offset < p.offset || s.offset >= p.offset + p.numel || !p.owned()) continue;
+      const int64_t begin = s.offset - p.offset;
+      const int64_t end = std::min(begin + s.count, p.local_numel());  // no padded vocab rows
+      if (end > begin) copies.push_back({{&p, begin, end - begin, 0}, s.offset, s.state_offset});
     }
-  };
-  std::vector<float> values;
-  std::vector<char> held;
-  if (optimizer && optimizer->master()) {  // 16-bit model: the fp32 master weights
-    flat(optimizer->master(), values, held);
-    scatter(out.params, values, held);
-  } else if (replica_leader) {
-    for (const ParamInfo& p : model.table().params) {
-      if (!p.owned()) continue;
-      const std::vector<float> v = model.read<float>(p, model.params());
-      std::vector<float>& dst = out.params[full.index.at(p.name)].values;
-      for (int64_t i = 0; i < int64_t(v.size()); i++) dst[p.logical_index(i)] = v[i];
+  std::sort(copies.begin(), copies.end(), [](const Copy& a, const Copy& b) {
+    return std::pair(a.part.param, a.part.begin) < std::pair(b.part.param, b.part.begin);
+  });
+  int64_t total = 0;
+  for (Copy& c : copies) {
+    c.part.at = total;
+    total += c.part.count;
+  }
+  Kernels& k = model.kernels();
+  out.params.resize(total);
+  if (optimizer) out.m.resize(total), out.v.resize(total);
+  for (const Copy& c : copies) {
+    const int64_t n = c.part.count, at = c.part.at;
+    if (optimizer && optimizer->master())  // the exact fp32 values of a 16-bit model
+      k.download_f32(out.params.data() + at, optimizer->master() + c.state, n);
+    else
+      k.download_f32(out.params.data() + at, model.params() + c.flat, n);
+    if (optimizer) {
+      k.download_f32(out.m.data() + at, optimizer->m() + c.state, n);
+      k.download_f32(out.v.data() + at, optimizer->v() + c.state, n);
     }
+    out.parts.push_back(c.part);
   }
-  if (optimizer) {
-    out.m = tensors();
-    out.v = tensors();
-    flat(optimizer->m(), values, held);
-    scatter(out.m, values, held);
-    flat(optimizer->v(), values, held);
-    scatter(out.v, values, held);
-  }
-  if (world && world->size() > 1)
-    for (auto* group : {&out.params, &out.m, &out.v})
-      for (NamedTensor& t : *group)
-        world->all_reduce(host_ptr(t.values.data()), int64_t(t.values.size()), ReduceOp::sum);
-  return out;
 }
 
-std::vector<std::vector<float>> gather_per_rank(const std::vector<float>& mine,
-                                                Communicator& world) {
-  double longest = double(mine.size());
-  world.all_reduce(host_ptr(&longest), 1, ReduceOp::max);
-  const int64_t L = int64_t(longest) + 1;  // a length, then the values, padded
-  std::vector<float> block(L, 0.0f), all(L * world.size());
-  block[0] = float(mine.size());  // exact below 2^24 elements per rank and bucket set
-  std::copy(mine.begin(), mine.end(), block.begin() + 1);
-  world.all_gather(host_ptr(block.data()), host_ptr(all.data()), L);
-  std::vector<std::vector<float>> out(world.size());
-  for (int r = 0; r < world.size(); r++) {
-    const float* b = all.data() + r * L;
-    out[r].assign(b + 1, b + 1 + int64_t(b[0]));
-  }
-  return out;
-}
-
-std::string save_checkpoint(const std::string& out_dir, const Config& cfg, const ModelState& model,
-                            const TrainState& state) {
-  const fs::path root = fs::path(out_dir) / "checkpoints";
-  const std::string name = fmt::format("step_{:08d}", state.step);
+std::string write_checkpoint(const Snapshot& snap, const GPTConfig& model, Communicator* comm,
+                             const std::string& dir, int keep_last) {
+  const bool leader = !comm || comm->rank() == 0;
+  const fs::path root(dir);
+  const std::string name = step_name(snap.state.step);
   const fs::path final_dir = root / name, tmp_dir = root / (name + ".tmp");
-  fs::create_directories(root);
-  fs::remove_all(tmp_dir);
-  fs::create_directories(tmp_dir);
-  const std::string config_text = config_to_toml(cfg);
-  {
-    H5File f = H5File::create((tmp_dir / "state.h5").string());
+  auto fail = [&](const std::string& error) {
+    if (leader) {
+      std::error_code ignored;
+      fs::remove_all(tmp_dir, ignored);
+    }
+    throw CheckpointWriteError(
+        fmt::format("checkpoint at step {} not written: {}", snap.state.step, error));
+  };
+  // Rank 0 makes the directory the others create the file in.
+  std::string error;
+  if (leader) try {
+      fs::create_directories(root);
+      fs::remove_all(tmp_dir);
+      fs::create_directories(tmp_dir);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  if (!(error = agree_on_error(comm, error)).empty()) fail(error);
+
+  const std::string state_file = (tmp_dir / "state.h5").string();
+  try {
+    H5File f = comm && comm->size() > 1 ? H5File::create_parallel(state_file, mpi_comm_of(*comm))
+                                        : H5File::create(state_file);
+    const TrainState& s = snap.state;
     f.set_attr("format_version", kCheckpointFormatVersion);
-    f.set_attr("step", state.step);
-    f.set_attr("tokens", state.tokens);
-    f.set_attr("config", config_text);
-    for (const auto& d : kDims) f.set_attr(d.name, int64_t(cfg.model.*d.field));
-    for (const NamedTensor& t : model.params) f.write("params/" + t.name, t.shape, t.values.data());
-    for (const NamedTensor& t : model.m) f.write("optim/m/" + t.name, t.shape, t.values.data());
-    for (const NamedTensor& t : model.v) f.write("optim/v/" + t.name, t.shape, t.values.data());
-    for (size_t r = 0; r < model.residuals.size(); r++)
-      if (!model.residuals[r].empty())
-        f.write(fmt::format("comm/residual/rank_{}", r), {int64_t(model.residuals[r].size())},
-                model.residuals[r].data());
-    f.set_attr("loss_scale", model.loss_scale);
-    f.flush();
+    f.set_attr("step", s.step);
+    f.set_attr("tokens", s.tokens);
+    f.set_attr("data_samples", s.data_samples);
+    f.set_attr("data_skipped", s.data_skipped);
+    f.set_attr("config", snap.config_text);
+    f.set_attr("config_hash", text_hash(snap.config_text));
+    for (const auto& d : kDims) f.set_attr(d.name, int64_t(model.*d.field));
+    f.set_attr("loss_scale", s.scaler.scale);
+    f.set_attr("loss_scale_clean_steps", s.scaler.clean_steps);
+    f.set_attr("loss_scale_hysteresis_left", s.scaler.hysteresis_left);
+    f.set_attr("loss_scale_min_scale_overflows", s.scaler.min_scale_overflows);
+    f.set_attr("loss_scale_overflows", s.scaler.overflows);
+    const Layout& l = snap.layout;
+    f.set_attr("layout_world", int64_t(l.world));
+    f.set_attr("layout_dp", int64_t(l.dp));
+    f.set_attr("layout_tp", int64_t(l.tp));
+    f.set_attr("layout_pp", int64_t(l.pp));
+    f.set_attr("layout_zero", int64_t(l.zero));
+    f.set_attr("layout_order", l.order);
+    f.set_attr("rng_seed", int64_t(snap.seed));
+
+    // Every rank creates every dataset, in the same order; each writes its own boxes.
+    const ParamTable full = gpt2_param_table(model);
+    auto write_group = [&](const std::string& group, const std::vector<float>& values) {
+      size_t next = 0;  // parts are in table order
+      for (const ParamInfo& q : full.params) {
+        std::vector<Box> boxes;
+        const float* start = values.data();
+        bool first = true;
+        for (; next < snap.parts.size() && snap.parts[next].param->name == q.name; next++) {
+          const Snapshot::Part& part = snap.parts[next];
+          if (first) start = values.data() + part.at;
+          first = false;
+          append_boxes(*part.param, part.begin, part.count, boxes);
+        }
+        f.write_part(group + q.name, q.shape, boxes, start);
+      }
+      if (next != snap.parts.size()) throw std::logic_error("snapshot parts out of table order");
+    };
+    write_group("params/", snap.params);
+    test_write_delay(s.step);
+    if (snap.has_moments) {
+      write_group("optim/m/", snap.m);
+      write_group("optim/v/", snap.v);
+    }
+    const int me = comm ? comm->rank() : 0;
+    for (size_t r = 0; r < snap.comm_state_sizes.size(); r++) {
+      const int64_t n = snap.comm_state_sizes[r];
+      if (n == 0) continue;
+      std::vector<Box> mine;
+      if (int(r) == me) mine.push_back({0, 0, 1, n});
+      f.write_part(fmt::format("comm/state/rank_{}", r), {n}, mine, snap.comm_state.data());
+    }
+    f.close();
+  } catch (const std::exception& e) {
+    error = e.what();
   }
-  write_file_atomic((tmp_dir / "config.toml").string(), config_text);
-  fsync_path((tmp_dir / "state.h5").string());
-  fs::remove_all(final_dir);
-  fs::rename(tmp_dir, final_dir);
-  fsync_path(root.string());
-  write_file_atomic((root / "latest").string(), name + "\n");
+  if (!(error = agree_on_error(comm, error)).empty()) fail(error);
+
+  // Complete on every rank: rank 0 puts it in place, then moves `latest`.
+  if (leader) try {
+      write_file_atomic((tmp_dir / "config.toml").string(), snap.config_text);
+      fsync_path(state_file);
+      fs::remove_all(final_dir);
+      fs::rename(tmp_dir, final_dir);
+      fsync_path(root.string());
+      write_file_atomic((root / "latest").string(), name + "\n");
+      if (keep_last > 0) {  // older ones go only now that a newer one is complete
+        const std::vector<std::string> steps = complete_checkpoints(root);
+        for (size_t i = keep_last; i < steps.size(); i++) fs::remove_all(root / steps[i]);
+      }
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  if (!(error = agree_on_error(comm, error)).empty()) fail(error);
   return final_dir.string();
+}
+
+std::string save_checkpoint(const std::string& dir, const Config& cfg, const GPT& model,
+                            const AdamW* optimizer, const TrainState& state) {
+  Snapshot snap;
+  take_snapshot(model, optimizer, true, snap);
+  snap.state = state;
+  snap.config_text = config_to_toml(cfg);
+  snap.seed = cfg.run.seed;
+  return write_checkpoint(snap, cfg.model, nullptr, dir, 0);
+}
+
+std::string checkpoint_dir(const Config& cfg) {
+  return cfg.checkpoint.dir.empty() ? (fs::path(cfg.run.out_dir) / "checkpoints").string()
+                                    : cfg.checkpoint.dir;
+}
+
+void remove_incomplete_checkpoints(const std::string& dir) {
+  if (!fs::is_directory(dir)) return;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (e.is_directory() && name.starts_with("step_") && name.ends_with(".tmp"))
+      fs::remove_all(e.path());
+  }
 }
 
 std::string resolve_checkpoint(const std::string& path) {
@@ -163,30 +350,11 @@ std::string resolve_checkpoint(const std::string& path) {
       "{}: not a checkpoint (expected a directory with state.h5, or a run directory)", path));
 }
 
-namespace {
-void check_version(const H5File& f, const std::string& state_file) {
-  const int64_t version = f.attr_int("format_version");
-  if (version != kCheckpointFormatVersion)
-    throw CheckpointError(fmt::format("{}: format_version {} is not supported (expected {})",
-                                      state_file, version, kCheckpointFormatVersion));
-}
-
-void check_dims(const H5File& f, const std::string& state_file, const GPTConfig& model) {
-  for (const auto& d : kDims) {
-    const int64_t saved = f.attr_int(d.name), ours = model.*d.field;
-    if (saved != ours)
-      throw CheckpointError(
-          fmt::format("{}: checkpoint is for a model with {} = {}, this model has {} = {}",
-                      state_file, d.name, saved, d.name, ours));
-  }
-}
-}  // namespace
-
 Config checkpoint_config(const std::string& state_file) {
   H5File f = H5File::open_read(state_file);
   check_version(f, state_file);
   try {
-    return parse_config(f.attr_string("config"), state_file + ":config");
+    return parse_config(stored_config(f, state_file), state_file + ":config");
   } catch (const ConfigError& e) {  // the stored config is part of the checkpoint
     throw CheckpointError(e.what());
   }
@@ -196,29 +364,26 @@ void verify_checkpoint(const std::string& state_file, const GPTConfig& model) {
   H5File f = H5File::open_read(state_file);
   check_version(f, state_file);
   check_dims(f, state_file, model);
-  f.attr_int("step");
-  f.attr_int("tokens");
+  stored_config(f, state_file);
+  for (const char* a : {"step", "tokens", "data_samples", "data_skipped"}) f.attr_int(a);
   for (const ParamInfo& q : gpt2_param_table(model).params) {
     std::vector<float> values(q.logical_numel());
     for (const std::string group : {"params/", "optim/m/", "optim/v/"})
       if (group == "params/" || f.exists(group + q.name))
         f.read(group + q.name, q.shape, values.data());
   }
+  for (int r = 0; f.exists(fmt::format("comm/state/rank_{}", r)); r++) {
+    const std::string name = fmt::format("comm/state/rank_{}", r);
+    const std::vector<int64_t> shape = f.shape(name);
+    std::vector<float> values(shape.at(0));
+    f.read(name, shape, values.data());
+  }
 }
 
-std::string newest_valid_checkpoint(const std::string& out_dir, const GPTConfig& model,
+std::string newest_valid_checkpoint(const std::string& dir, const GPTConfig& model,
                                     std::vector<std::string>& rejected) {
-  const fs::path root = fs::path(out_dir) / "checkpoints";
-  if (!fs::is_directory(root)) return "";
-  std::vector<std::string> steps;  // complete checkpoints only: temporaries end in .tmp
-  for (const auto& e : fs::directory_iterator(root)) {
-    const std::string name = e.path().filename().string();
-    if (e.is_directory() && name.starts_with("step_") && !name.ends_with(".tmp"))
-      steps.push_back(name);
-  }
-  std::sort(steps.rbegin(), steps.rend());  // zero-padded: newest first
-  for (const std::string& name : steps) {
-    const std::string state = (root / name / "state.h5").string();
+  for (const std::string& name : complete_checkpoints(dir)) {
+    const std::string state = (fs::path(dir) / name / "state.h5").string();
     try {
       verify_checkpoint(state, model);
       return state;
@@ -230,8 +395,9 @@ std::string newest_valid_checkpoint(const std::string& out_dir, const GPTConfig&
 }
 
 TrainState load_checkpoint(const std::string& state_file, GPT& model, AdamW* optimizer,
-                           RunState* run, int rank) {
+                           std::vector<float>* comm_state, int rank) {
   H5File f = H5File::open_read(state_file);
+  check_version(f, state_file);
   check_dims(f, state_file, model.config());
   const ParamTable full = gpt2_param_table(model.config());
   const int64_t total = model.table().total;
@@ -262,17 +428,24 @@ TrainState load_checkpoint(const std::string& state_file, GPT& model, AdamW* opt
     to_state(local("optim/m/"), optimizer->m());
     to_state(local("optim/v/"), optimizer->v());
   }
-  if (run) {
-    run->loss_scale = f.exists_attr("loss_scale") ? f.attr_double("loss_scale") : 1.0;
-    const std::string residual = fmt::format("comm/residual/rank_{}", rank);
-    run->residuals.clear();
-    if (f.exists(residual)) {
-      const std::vector<int64_t> shape = f.shape(residual);
-      run->residuals.resize(shape.at(0));
-      f.read(residual, shape, run->residuals.data());
+  if (comm_state) {
+    const std::string name = fmt::format("comm/state/rank_{}", rank);
+    comm_state->clear();
+    if (f.exists(name)) {
+      const std::vector<int64_t> shape = f.shape(name);
+      comm_state->resize(shape.at(0));
+      f.read(name, shape, comm_state->data());
     }
   }
-  return {f.attr_int("step"), f.attr_int("tokens")};
+  TrainState s;
+  s.step = f.attr_int("step");
+  s.tokens = f.attr_int("tokens");
+  s.data_samples = f.attr_int("data_samples");
+  s.data_skipped = f.attr_int("data_skipped");
+  s.scaler = {f.attr_double("loss_scale"), f.attr_int("loss_scale_clean_steps"),
+              f.attr_int("loss_scale_hysteresis_left"),
+              f.attr_int("loss_scale_min_scale_overflows"), f.attr_int("loss_scale_overflows")};
+  return s;
 }
 
 }  // namespace trainer

@@ -1,69 +1,101 @@
 #pragma once
-// Checkpoints: one directory per step, `<out_dir>/checkpoints/step_00000100/` holding
-// state.h5 and a copy of the resolved config. The HDF5 layout (readable with h5py):
-//   /params/<logical name>      fp32, full logical shape (vocab rows unpadded)
+// Checkpoints: one directory per step, `<dir>/step_00000100/` holding state.h5 and a copy of the
+// resolved config (dir = [checkpoint] dir, by default <out_dir>/checkpoints). The HDF5 layout,
+// readable with h5py, is the same whatever parallel layout wrote it:
+//   /params/<logical name>      fp32, full logical shape (vocab rows unpadded); the fp32 master
+//                               weights when the model computes in 16 bits
 //   /optim/m/<name>, /optim/v/<name>   AdamW moments, same shapes
-//   /comm/residual/rank_<r>   rank r's gradient-compression residuals (with error feedback)
-//   root attributes: format_version, step, tokens, config (TOML text), model dimensions,
-//   loss_scale.
-// A checkpoint is written under step_XXXXXXXX.tmp, flushed, renamed, and only then does
-// `checkpoints/latest` (a file naming the directory) move to it.
+//   /comm/state/rank_<r>        rank r's gradient-compression state (error-feedback residuals,
+//                               PowerSGD's Q), when compressing
+//   root attributes: format_version, step, tokens, data_samples, data_skipped, config (TOML
+//   text), config_hash, model dimensions, the loss scaler's state, the layout it was saved
+//   from (layout_world, layout_dp, layout_tp, layout_pp, layout_zero, layout_order) and
+//   rng_seed (every random stream is a function of the seed and a step or sample index).
+// Written with parallel HDF5: each rank writes only the elements it holds (its tensor-parallel
+// slice, its pipeline stage, its ZeRO-1 piece; replicas once) as hyperslabs, collectively.
+// Every dataset is chunked with a Fletcher32 checksum. A checkpoint is written under
+// step_XXXXXXXX.tmp, flushed, renamed, and only then does `<dir>/latest` move to it.
 #include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "comm/communicator.h"
 #include "io/config.h"
 #include "io/errors.h"
 #include "model/gpt.h"
 #include "trainer/adamw.h"
+#include "trainer/loss_scaler.h"
 
 namespace trainer {
 
-constexpr int64_t kCheckpointFormatVersion = 1;
+constexpr int64_t kCheckpointFormatVersion = 2;
 
+// Writing a checkpoint failed (a full disk, a lost file system): the run's state is intact and
+// the previous checkpoints are still valid.
+class CheckpointWriteError : public std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Where a run is, besides its tensors.
 struct TrainState {
-  int64_t step = 0;    // optimizer steps completed
-  int64_t tokens = 0;  // tokens consumed
+  int64_t step = 0;          // optimizer steps completed
+  int64_t tokens = 0;        // tokens trained on
+  int64_t data_samples = 0;  // global samples the data order has passed (the next one is next)
+  int64_t data_skipped = 0;  // of those, skipped by rollbacks
+  LossScaler::State scaler;
 };
 
-// Full logical tensors by parameter name, in table order.
-struct NamedTensor {
-  std::string name;
-  std::vector<int64_t> shape;
-  std::vector<float> values;
-};
-struct ModelState {
-  std::vector<NamedTensor> params, m, v;  // m, v empty without optimizer state
-  // Per-rank state: each rank's gradient-compression residuals (its buckets' error feedback,
-  // concatenated in buffer order; empty without compression), indexed by world rank.
-  std::vector<std::vector<float>> residuals;
-  double loss_scale = 1;
+// The parallel layout a checkpoint was saved from (a record: any layout loads it).
+struct Layout {
+  int world = 1, dp = 1, tp = 1, pp = 1, zero = 0;
+  std::string order = "tp-pp-dp";
 };
 
-// Every rank's residuals (concatenated), gathered for the checkpoint.
-std::vector<std::vector<float>> gather_per_rank(const std::vector<float>& mine,
-                                                Communicator& world);
+// This rank's part of a checkpoint, copied into host memory when it is taken, so that training
+// can go on while it is written.
+struct Snapshot {
+  TrainState state;
+  std::string config_text;
+  Layout layout;
+  uint64_t seed = 0;
+  // The runs of each parameter's elements this rank writes, in the model's table order and by
+  // increasing local index: values at `at` in params, m and v.
+  struct Part {
+    const ParamInfo* param;
+    int64_t begin, count, at;
+  };
+  std::vector<Part> parts;
+  std::vector<float> params, m, v;        // m, v empty without an optimizer
+  bool has_moments = false;               // the same on every rank: m and v are written
+  std::vector<float> comm_state;          // this rank's compression state
+  std::vector<int64_t> comm_state_sizes;  // every rank's, by world rank
+};
 
-// Assembles the full logical tensors from every rank's shard: each element comes from exactly
-// one rank (the replica leader, dp rank 0, for parameters and unsharded moments; the owner of
-// the ZeRO piece for sharded ones; tp rank 0 for replicated parameters; the first stage for the
-// tied embedding), and a sum over `world` (null: a single process) puts them together. The
-// result is complete on every rank.
-ModelState collect_state(const GPT& model, const AdamW* optimizer, Communicator* world,
-                         bool replica_leader, bool sharded_optimizer);
+// Copies this rank's part into `out` (its buffers are reused): with `writes` false, nothing (a
+// data-parallel replica that is not the leader, without ZeRO). What it writes: the optimizer's
+// segments of the parameters it owns (tensor-parallel replicas on tp rank 0, the tied
+// embedding on the first stage), or every owned parameter without an optimizer.
+void take_snapshot(const GPT& model, const AdamW* optimizer, bool writes, Snapshot& out);
 
-// Writes `state` (params, and moments when present); returns the step directory written.
-std::string save_checkpoint(const std::string& out_dir, const Config& cfg, const ModelState& model,
-                            const TrainState& state);
-// A single process's model and optimizer.
-inline std::string save_checkpoint(const std::string& out_dir, const Config& cfg, const GPT& model,
-                                   const AdamW* optimizer, const TrainState& state) {
-  return save_checkpoint(out_dir, cfg, collect_state(model, optimizer, nullptr, true, false),
-                         state);
-}
+// Writes a snapshot as `<dir>/step_XXXXXXXX` and returns that directory. `comm` (null: a single
+// process) is every rank of the job: the file is written by all of them, collectively, and rank
+// 0 renames it into place, moves `latest` and deletes all but the newest `keep_last` (0: none).
+// Throws CheckpointWriteError on every rank if any rank failed; the temporary is then removed
+// and the previous checkpoints stay as they were.
+std::string write_checkpoint(const Snapshot& snapshot, const GPTConfig& model, Communicator* comm,
+                             const std::string& dir, int keep_last);
 
-// Accepts a step directory, a checkpoints/ directory or a run directory (via `latest`), or
+// A single process's model and optimizer, written synchronously.
+std::string save_checkpoint(const std::string& dir, const Config& cfg, const GPT& model,
+                            const AdamW* optimizer, const TrainState& state);
+
+// <run.out_dir>/checkpoints unless [checkpoint] dir says otherwise.
+std::string checkpoint_dir(const Config& cfg);
+// Deletes the temporaries (*.tmp) a crash left in `dir`.
+void remove_incomplete_checkpoints(const std::string& dir);
+
+// Accepts a step directory, a checkpoints directory or a run directory (via `latest`), or
 // the state.h5 file itself; returns the path of state.h5.
 std::string resolve_checkpoint(const std::string& path);
 
@@ -71,27 +103,20 @@ std::string resolve_checkpoint(const std::string& path);
 Config checkpoint_config(const std::string& state_file);
 
 // Reads every tensor of a checkpoint (HDF5 verifies each chunk's Fletcher32 checksum) after its
-// format version and model dimensions. Throws CheckpointError naming what is wrong.
+// format version, config hash and model dimensions. Throws CheckpointError naming what is wrong.
 void verify_checkpoint(const std::string& state_file, const GPTConfig& model);
 
-// The state.h5 of the newest checkpoint under out_dir/checkpoints that verifies ("" if none);
-// each newer one that does not is reported in `rejected` ("<path>: <why>").
-std::string newest_valid_checkpoint(const std::string& out_dir, const GPTConfig& model,
+// The state.h5 of the newest checkpoint under dir that verifies ("" if none); each newer one
+// that does not is reported in `rejected` ("<path>: <why>").
+std::string newest_valid_checkpoint(const std::string& dir, const GPTConfig& model,
                                     std::vector<std::string>& rejected);
-
-// What a resumed run restores besides the tensors: the loss scale and one rank's gradient-
-// compression residuals (empty when the checkpoint has none for it).
-struct RunState {
-  double loss_scale = 1;
-  std::vector<float> residuals;
-};
 
 // Loads a checkpoint saved in any parallel layout into this rank's shard, after checking that
 // its model matches: the rank's slice of every parameter (into the fp32 master weights too,
-// when the model is 16-bit) and, with an optimizer, the Adam moments of the elements it holds;
-// with `run`, the loss scale and rank `rank`'s residuals. Throws CheckpointError naming the
-// file and the mismatch.
+// when the model is 16-bit) and, with an optimizer, the Adam moments of the elements it holds.
+// With `comm_state`, rank `rank`'s compression state (empty when the checkpoint has none for
+// it). Throws CheckpointError naming the file and the mismatch.
 TrainState load_checkpoint(const std::string& state_file, GPT& model, AdamW* optimizer,
-                           RunState* run = nullptr, int rank = 0);
+                           std::vector<float>* comm_state = nullptr, int rank = 0);
 
 }  // namespace trainer

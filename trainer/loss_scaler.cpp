@@ -19,6 +19,18 @@ LossScaler::LossScaler(const PrecisionConfig& cfg)
       max_min_scale_overflows_(cfg.max_min_scale_overflows),
       hysteresis_left_(cfg.hysteresis) {}
 
+LossScaler::State LossScaler::state() const {
+  return {scale_, clean_steps_, hysteresis_left_, min_scale_overflows_, overflows_};
+}
+
+void LossScaler::set_state(const State& s) {
+  scale_ = s.scale;
+  clean_steps_ = int(s.clean_steps);
+  hysteresis_left_ = int(s.hysteresis_left);
+  min_scale_overflows_ = int(s.min_scale_overflows);
+  overflows_ = s.overflows;
+}
+
 void LossScaler::update(bool overflow) {
   if (!overflow) {
     min_scale_overflows_ = 0;

@@ -22,7 +22,13 @@ class LossScaler {
   explicit LossScaler(const PrecisionConfig& cfg);
 
   double scale() const { return scale_; }
-  void set_scale(double scale) { scale_ = scale; }  // a resumed run's
+  // Everything that decides future scales, for checkpoints: a resumed run continues exactly.
+  struct State {
+    double scale = 1;
+    int64_t clean_steps = 0, hysteresis_left = 1, min_scale_overflows = 0, overflows = 0;
+  };
+  State state() const;
+  void set_state(const State& s);
   bool dynamic() const { return dynamic_; }
   // After a step's gradients are known: overflow = they hold inf or NaN (the step is skipped).
   void update(bool overflow);

@@ -31,6 +31,7 @@ void MetricsLog::step(const StepStats& s, bool print) {
                       {"bubble", s.bubble},
                       {"tokens_per_s", s.tokens_per_s},
                       {"mfu", s.mfu}};
+  if (!s.bad.empty()) j["bad"] = s.bad;
   out_ << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
   out_.flush();
   if (print)
@@ -46,8 +47,9 @@ void MetricsLog::step(const StepStats& s, bool print) {
                           double(s.bytes_uncompressed) / 1e6, s.compress_s * 1e3)
             : "",
         s.tokens_per_s, 100 * s.mfu,
-        s.skipped ? fmt::format(" | SKIPPED (non-finite gradients, loss scale {})", s.loss_scale)
-                  : "");
+        !s.bad.empty() ? fmt::format(" | SKIPPED ({})", s.bad)
+        : s.skipped ? fmt::format(" | SKIPPED (non-finite gradients, loss scale {})", s.loss_scale)
+                    : "");
 }
 
 void MetricsLog::event(const nlohmann::json& record) {

@@ -11,9 +11,12 @@ namespace trainer {
 struct StepStats {
   int64_t step = 0;
   double loss = 0, lr = 0, grad_norm = 0;
-  bool skipped = false;   // non-finite loss or gradient norm: no update applied
-  double loss_scale = 1;  // the (fp16) loss scale the step used
-  bool stop = false;      // a stop signal arrived on some rank: checkpoint and exit after it
+  bool skipped = false;         // non-finite loss or gradient norm: no update applied
+  double loss_scale = 1;        // the (fp16) loss scale the step used
+  bool stop = false;            // a stop signal arrived on some rank: checkpoint and exit after it
+  bool checkpoint_due = false;  // [checkpoint] every_minutes has passed (rank 0's clock)
+  std::string bad;              // why the step guard skipped it ("" if it did not)
+  bool rollback = false;        // too many bad steps in a row: back to the last checkpoint
   // Seconds per phase: waiting for data, forward, backward, norm + optimizer, and the total.
   double data_s = 0, forward_s = 0, backward_s = 0, optimizer_s = 0, total_s = 0;
   double tokens_per_s = 0, mfu = 0;

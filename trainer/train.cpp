@@ -14,6 +14,8 @@
 #include <fstream>
 #include <map>
 #include <optional>
+#include <set>
+#include <sstream>
 #include <thread>
 
 #include "comm/grad_reducer.h"
@@ -26,6 +28,7 @@
 #include "trainer/adamw.h"
 #include "trainer/blas_setup.h"
 #include "trainer/checkpoint.h"
+#include "trainer/checkpoint_writer.h"
 #include "trainer/loss_scaler.h"
 #include "trainer/lr_schedule.h"
 #include "trainer/metrics.h"
@@ -33,6 +36,7 @@
 #include "trainer/pipeline.h"
 #include "trainer/report_error.h"
 #include "trainer/sampler.h"
+#include "trainer/step_guard.h"
 
 namespace trainer {
 namespace {
@@ -153,6 +157,18 @@ std::pair<int64_t, int> injected_overflow() {
   return {step, rank};
 }
 
+// Test hook: TRAINER_TEST_INJECT_NAN="3,4,5" makes the loss of those steps NaN (once each: a
+// rolled-back run that repeats a step trains it normally), to check the step guard.
+std::set<int64_t> injected_nan_steps() {
+  std::set<int64_t> steps;
+  if (const char* spec = std::getenv("TRAINER_TEST_INJECT_NAN")) {
+    std::stringstream in(spec);
+    for (std::string item; std::getline(in, item, ',');)
+      if (!item.empty()) steps.insert(std::stoll(item));
+  }
+  return steps;
+}
+
 // SIGTERM / SIGUSR1 (what Slurm sends before preemption or the time limit): finish the step,
 // checkpoint, exit with kExitRequeue. A signal handler can only set a flag.
 volatile std::sig_atomic_t stop_requested = 0;
@@ -167,7 +183,7 @@ std::string resume_file(const Config& cfg, bool report) {
   if (r == "none") return "";
   if (r != "auto") return resolve_checkpoint(r);
   std::vector<std::string> rejected;
-  const std::string found = newest_valid_checkpoint(cfg.run.out_dir, cfg.model, rejected);
+  const std::string found = newest_valid_checkpoint(checkpoint_dir(cfg), cfg.model, rejected);
   if (report)
     for (const std::string& why : rejected)
       fmt::print(stderr, "trainer: skipping an unusable checkpoint: {}\n", why);
@@ -187,10 +203,13 @@ struct Run {
   GradReducer reducer;
   std::vector<Span> spans;  // what this rank updates and sums into the gradient norm
   AdamW optimizer;
-  DataLoader loader;
+  std::optional<DataLoader> loader;  // started where the run starts (and again on a rollback)
   Pipeline pipe;
   LossScaler scaler;
+  StepGuard guard;
+  CheckpointWriter writer;
   std::pair<int64_t, int> inject_inf = injected_overflow();
+  std::set<int64_t> inject_nan = injected_nan_steps();
   double flops_per_token;  // 6N + 12 L C T, as PaLM/nanoGPT count them
   double peak_flops = 0;   // per rank
 
@@ -232,7 +251,29 @@ struct Run {
     }
   }
 
-  Run(const Config& c, World& w, const std::string& origin, int64_t first_step)
+  // Where the data order stands: the samples consumed before step data_step, and how many of
+  // them rollbacks skipped.
+  int64_t data_step = 0, data_samples = 0, data_skipped = 0;
+  int64_t samples_per_step() const {
+    return int64_t(cfg.train.micro_batch) * cfg.train.grad_accum * dims.dp();
+  }
+  int64_t samples_at(int64_t step) const {
+    return data_samples + (step - data_step) * samples_per_step();
+  }
+  void start_data(int64_t step, int64_t samples) {
+    loader.reset();
+    data_step = step;
+    data_samples = samples;
+    loader.emplace(train_data, cfg.train.micro_batch, cfg.model.seq_len, cfg.train.grad_accum,
+                   cfg.run.seed, cfg.data.prefetch, samples, me.dp, dims.dp());
+  }
+
+  // The checkpoint writer's own communicator (a single process writes without MPI-IO).
+  static std::unique_ptr<Communicator> writer_comm(World& w) {
+    return w.size() > 1 ? w.comm().dup() : nullptr;
+  }
+
+  Run(const Config& c, World& w, const std::string& origin)
       : cfg(c),
         world(w),
         dims(layout(c, w.size(), origin)),
@@ -250,11 +291,12 @@ struct Run {
         optimizer(model, c.optim, optimizer_segments(spans, c.optim),
                   c.parallel.zero ? reducer.shard_grads() : model.grads(),
                   c.parallel.zero ? reducer.shard_elems() : model.table().total),
-        loader(train_data, c.train.micro_batch, c.model.seq_len, c.train.grad_accum, c.run.seed,
-               c.data.prefetch, first_step, me.dp, dims.dp()),
         pipe(model, *groups.pp, groups.tp.get(), c.train.grad_accum, c.train.micro_batch,
              c.model.seq_len),
         scaler(c.precision),
+        guard(c.faults, scaler.dynamic()),
+        writer(c.model, writer_comm(w), checkpoint_dir(c), c.checkpoint.keep_last,
+               c.checkpoint.async && (w.size() == 1 || w.thread_multiple())),
         flops_per_token(6.0 * double(gpt2_flop_params(c.model)) +
                         12.0 * c.model.n_layer * c.model.d_model * c.model.seq_len) {}
 
@@ -302,7 +344,7 @@ void poison_gradient(Run& run) {
 
 // One optimizer step: the micro-batches through the pipeline, gradient reduction, the global
 // norm, clipping and the update.
-StepStats train_step(Run& run, int64_t step) {
+StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   const Config& cfg = run.cfg;
   const int B = cfg.train.micro_batch, T = cfg.model.seq_len, M = cfg.train.grad_accum;
   const int dp = run.dims.dp();
@@ -319,13 +361,13 @@ StepStats train_step(Run& run, int64_t step) {
   // Gradients of loss x scale (fp16), averaged over the micro-batches and data-parallel ranks.
   const double scale = run.scaler.scale();
   s.loss_scale = scale;
-  const double loss_sum = run.pipe.step([&]() -> const Batch& { return run.loader.next(); },
+  const double loss_sum = run.pipe.step([&]() -> const Batch& { return run.loader->next(); },
                                         float(scale / (M * dp)), [&] { run.reducer.arm(); }, times);
   if (run.inject_inf.first == step && run.inject_inf.second == run.world.rank())
     poison_gradient(run);
   s.forward_s = times.forward_s;
   s.backward_s = times.backward_s;
-  s.data_s = run.loader.take_wait_seconds();
+  s.data_s = run.loader->take_wait_seconds();
 
   // The tied embedding's two copies (first and last stage) get the sum of both gradients.
   if (run.groups.emb->size() > 1)
@@ -339,20 +381,25 @@ StepStats train_step(Run& run, int64_t step) {
   // data-parallel replica, each gradient element once.
   const bool zero = cfg.parallel.zero == 1;
   const DPtr grads = run.optimizer.grads();
-  double sums[3] = {0, 0, double(stop_requested)};
+  double sums[4] = {0, 0, double(stop_requested), double(checkpoint_due)};
   if (run.model.shard().last_stage() && run.me.tp == 0) sums[0] = loss_sum / M / dp;
+  if (run.inject_nan.erase(step) && run.world.rank() == 0) sums[0] = NAN;
   if (zero || run.replica_leader())
     for (const Span& span : run.spans)
       if (span.param->owned())
         sums[1] += run.kernels->sum_squares(grads + span.shard_offset, span.count);
-  run.world.comm().all_reduce(host_ptr(sums), 3, ReduceOp::sum);
+  run.world.comm().all_reduce(host_ptr(sums), 4, ReduceOp::sum);
   s.stop = sums[2] > 0;  // a signal reached some rank: every rank stops after this step
+  s.checkpoint_due = sums[3] > 0;
   s.loss = sums[0];
   s.grad_norm = std::sqrt(sums[1]) / scale;
   s.lr = lr_at(cfg.optim, step, cfg.train.steps);
   // Every rank sees the same sums, so every rank skips the same steps.
-  s.skipped = !std::isfinite(s.loss) || !std::isfinite(s.grad_norm);
-  run.scaler.update(s.skipped);
+  const bool overflow = !std::isfinite(s.loss) || !std::isfinite(s.grad_norm);
+  const StepGuard::Verdict verdict = run.guard.check(s.loss, s.grad_norm, s.bad);
+  s.rollback = verdict == StepGuard::Verdict::rollback;
+  s.skipped = overflow || verdict != StepGuard::Verdict::good;
+  run.scaler.update(overflow);
   if (!s.skipped) {
     const double max_norm = cfg.optim.max_grad_norm;
     const double clip = max_norm > 0 && s.grad_norm > max_norm ? max_norm / s.grad_norm : 1.0;
@@ -472,6 +519,28 @@ void print_start(const Run& run) {
              cfg.run.peak_tflops > 0 ? "configured" : "measured sgemm", run.flops_per_token / 1e6);
 }
 
+// Restores a checkpoint on every rank (each takes its slice, whatever layout wrote it): the
+// tensors, the loss scaler, the compression state when the layout matches, the data position.
+// Returns the step it continues from.
+int64_t restore(Run& run, const std::string& file, bool report) {
+  std::vector<float> comm_state;
+  const TrainState ts =
+      load_checkpoint(file, run.model, &run.optimizer, &comm_state, run.world.rank());
+  run.scaler.set_state(ts.scaler);
+  if (run.cfg.comm.compression.method != "none") {
+    double restored = run.reducer.set_compression_state(comm_state) ? 1 : 0;
+    run.world.comm().all_reduce(host_ptr(&restored), 1, ReduceOp::sum);
+    if (report && restored < run.world.size())
+      fmt::print(
+          "compression state: not restored on {} of {} ranks (another layout or method); it "
+          "starts from zero\n",
+          run.world.size() - int(restored), run.world.size());
+  }
+  run.data_skipped = ts.data_skipped;
+  run.start_data(ts.step, ts.data_samples);
+  return ts.step;
+}
+
 }  // namespace
 
 int train(const std::string& config_path, const std::vector<std::string>& overrides, World& world) {
@@ -479,19 +548,22 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   Config cfg;
   std::unique_ptr<Run> run_ptr;
   std::string resume;
-  int64_t start_step = 0;
   if (auto failed = agree_on_setup(world, [&] {
         cfg = load_config(config_path, overrides);
         omp_set_num_threads(threads_per_rank(cfg, world));
         resume = resume_file(cfg, world.rank() == 0);
-        if (!resume.empty()) start_step = H5File::open_read(resume).attr_int("step");
-        run_ptr = std::make_unique<Run>(cfg, world, config_path, start_step);
+        if (!resume.empty()) checkpoint_config(resume);  // a readable checkpoint of ours
+        run_ptr = std::make_unique<Run>(cfg, world, config_path);
       }))
     return *failed;
   std::signal(SIGTERM, request_stop);
   std::signal(SIGUSR1, request_stop);
+  // A file-size limit (ulimit -f) must fail the write, not kill the process.
+  std::signal(SIGXFSZ, SIG_IGN);
+  world.set_collective_timeout(cfg.faults.collective_timeout_s);
   Run& run = *run_ptr;
   const bool leader = world.rank() == 0;
+  const std::string ckpt_dir = checkpoint_dir(cfg);
 
   // One rank measures the sgemm peak while the others wait, so that they do not compete.
   double peak = cfg.run.peak_tflops * 1e12;
@@ -507,6 +579,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     fs::create_directories(cfg.run.out_dir);
     write_file_atomic((fs::path(cfg.run.out_dir) / "config.toml").string(), config_to_toml(cfg));
     log.emplace((fs::path(cfg.run.out_dir) / "metrics.jsonl").string(), !resume.empty());
+    remove_incomplete_checkpoints(ckpt_dir);  // a crash mid-write left them
     print_start(run);
   }
 
@@ -522,79 +595,138 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   } else {
     run.model.init_parameters(cfg.run.seed);
   }
-  if (!resume.empty()) {  // any layout's checkpoint: each rank takes its slice
-    RunState state;
-    load_checkpoint(resume, run.model, &run.optimizer, &state, world.rank());
-    run.scaler.set_scale(state.loss_scale);
-    // This rank's error-feedback residuals, when the checkpoint has them for the same layout.
-    if (cfg.comm.compression.method != "none" && cfg.comm.compression.error_feedback) {
-      double restored = run.reducer.set_residuals(state.residuals) ? 1 : 0;
-      world.comm().all_reduce(host_ptr(&restored), 1, ReduceOp::sum);
-      if (leader && restored < world.size())
-        fmt::print(
-            "compression residuals: not restored on {} of {} ranks (another layout or "
-            "method); they start from zero\n",
-            world.size() - int(restored), world.size());
-    }
+  int64_t step = 0;
+  if (resume.empty()) {
+    run.start_data(0, 0);
+  } else {
+    step = restore(run, resume, leader);
     if (leader) {
-      fmt::print("resumed from {} at step {}\n", resume, start_step);
-      log->event({{"step", start_step}, {"resumed_from", resume}});
+      fmt::print("resumed from {} at step {} (data position: sample {})\n", resume, step,
+                 run.data_samples);
+      log->event({{"step", step}, {"resumed_from", resume}});
     }
   }
-  const int64_t tokens_per_step =
-      int64_t(cfg.train.micro_batch) * cfg.model.seq_len * cfg.train.grad_accum * run.dims.dp();
-  auto evaluate = [&](int64_t step) {
+  auto evaluate = [&](int64_t at) {
     const double val = validation_loss(run);
     if (!leader) return;
-    fmt::print("step {:6d} | val loss {:.4f}\n", step, val);
-    log->event({{"step", step}, {"val_loss", val}});
+    fmt::print("step {:6d} | val loss {:.4f}\n", at, val);
+    log->event({{"step", at}, {"val_loss", val}});
   };
-  auto sample = [&](int64_t step) {
-    const std::string text = sample_text(run, step);
+  auto sample = [&](int64_t at) {
+    const std::string text = sample_text(run, at);
     if (!leader) return;
-    fmt::print("step {:6d} | sample:\n{}{}\n---\n", step, cfg.train.sample_prompt, text);
-    log->event({{"step", step}, {"sample", text}});
+    fmt::print("step {:6d} | sample:\n{}{}\n---\n", at, cfg.train.sample_prompt, text);
+    log->event({{"step", at}, {"sample", text}});
   };
-  auto checkpoint = [&](int64_t step) {
-    const auto t0 = Clock::now();
-    ModelState state = collect_state(run.model, &run.optimizer, &world.comm(), run.replica_leader(),
-                                     cfg.parallel.zero == 1);
-    state.loss_scale = run.scaler.scale();
-    if (cfg.comm.compression.method != "none" && cfg.comm.compression.error_feedback) {
-      std::vector<float> mine;
-      for (const std::vector<float>* r : run.reducer.residuals())
-        mine.insert(mine.end(), r->begin(), r->end());
-      state.residuals = gather_per_rank(mine, world.comm());
+  // A finished write, as every rank saw it: logged by rank 0; false if it failed.
+  auto report = [&](const std::optional<CheckpointWriter::Result>& r) {
+    if (!r) return true;
+    if (leader && r->error.empty()) {
+      fmt::print("step {:6d} | checkpoint {} written ({:.0f} ms)\n", r->step, r->dir,
+                 r->write_s * 1e3);
+      log->event({{"step", r->step}, {"checkpoint", r->dir}, {"write_ms", r->write_s * 1e3}});
+    } else if (leader) {
+      fmt::print(stderr, "trainer: {} (the previous checkpoints are intact)\n", r->error);
+      log->event({{"step", r->step}, {"checkpoint_error", r->error}});
     }
-    if (!leader) return;
-    const std::string dir =
-        save_checkpoint(cfg.run.out_dir, cfg, state, {step, step * tokens_per_step});
-    fmt::print("step {:6d} | checkpoint {} ({:.0f} ms)\n", step, dir, seconds_since(t0) * 1e3);
-    log->event({{"step", step}, {"checkpoint", dir}});
+    return r->error.empty();
+  };
+  auto last_checkpoint_time = Clock::now();
+  // Training pays only for copying its state to host memory (the stall); the writer thread does
+  // the rest unless `sync`. Returns false if a synchronous write failed.
+  auto checkpoint = [&](int64_t at, bool sync) {
+    const auto t0 = Clock::now();
+    bool ok = report(run.writer.wait());  // one write at a time
+    Snapshot& snap = run.writer.snapshot();
+    take_snapshot(run.model, &run.optimizer, cfg.parallel.zero == 1 || run.replica_leader(), snap);
+    const int64_t samples = run.samples_at(at);
+    snap.state = {at, (samples - run.data_skipped) * cfg.model.seq_len, samples, run.data_skipped,
+                  run.scaler.state()};
+    snap.config_text = config_to_toml(cfg);
+    snap.layout = {world.size(),  run.dims.dp(),     run.dims.tp(),
+                   run.dims.pp(), cfg.parallel.zero, cfg.parallel.order};
+    snap.seed = cfg.run.seed;
+    snap.comm_state = run.reducer.compression_state();
+    double size = double(snap.comm_state.size());
+    std::vector<double> sizes(world.size());
+    world.comm().all_gather(host_ptr(&size), host_ptr(sizes.data()), 1);
+    snap.comm_state_sizes.assign(sizes.begin(), sizes.end());
+    run.writer.start(sync);
+    const double stall = seconds_since(t0);
+    last_checkpoint_time = Clock::now();
+    if (leader) {
+      const double mb = double(snap.params.size() * (snap.has_moments ? 3 : 1)) * 4 / (1 << 20);
+      fmt::print(
+          "step {:6d} | checkpoint: training stalled {:.0f} ms ({:.1f} MB copied on rank 0{})\n",
+          at, stall * 1e3, mb, sync ? ", written synchronously" : "");
+      log->event({{"step", at}, {"checkpoint_stall_ms", stall * 1e3}, {"async", !sync}});
+    }
+    if (sync) ok = report(run.writer.wait()) && ok;
+    return ok;
+  };
+  // Too many bad steps in a row: back to the newest checkpoint this run wrote or started from.
+  auto roll_back = [&](int64_t bad_step) {
+    report(run.writer.wait());
+    const std::string target =
+        !run.writer.last_written().empty() ? run.writer.last_written() + "/state.h5" : resume;
+    if (target.empty())
+      throw TrainingDiverged(
+          fmt::format("{} bad steps in a row up to step {} and no checkpoint to roll back to "
+                      "(set [checkpoint] every_steps)",
+                      cfg.faults.max_bad_steps, bad_step));
+    const int64_t next_samples = run.samples_at(bad_step + 1);
+    const int64_t at = restore(run, target, false);
+    if (cfg.faults.skip_data_on_rollback) {  // the batches since the checkpoint are not retried
+      run.data_skipped += next_samples - run.data_samples;
+      run.start_data(at, next_samples);
+    }
+    run.guard.rolled_back();
+    if (leader) {
+      fmt::print(stderr,
+                 "trainer: {} bad steps in a row up to step {}: rolled back to {} (step {}){}\n",
+                 cfg.faults.max_bad_steps, bad_step, target, at,
+                 cfg.faults.skip_data_on_rollback
+                     ? fmt::format(", skipping to sample {}", run.data_samples)
+                     : "");
+      log->event({{"step", bad_step},
+                  {"rollback_to", target},
+                  {"rollback_step", at},
+                  {"data_samples", run.data_samples}});
+    }
+    return at;
   };
 
-  for (int64_t step = start_step; step < cfg.train.steps; step++) {
+  while (step < cfg.train.steps) {
+    world.set_step(step);
     if (cfg.train.val_every > 0 && step % cfg.train.val_every == 0) evaluate(step);
     if (cfg.train.sample_every > 0 && step % cfg.train.sample_every == 0) sample(step);
+    const bool time_due = leader && cfg.checkpoint.every_minutes > 0 &&
+                          seconds_since(last_checkpoint_time) >= cfg.checkpoint.every_minutes * 60;
     StepStats stats;
     try {
-      stats = train_step(run, step);
+      stats = train_step(run, step, time_due);
+      if (stats.rollback) {
+        if (leader) log->step(stats, true);
+        step = roll_back(step);
+        continue;
+      }
     } catch (const TrainingDiverged&) {  // every rank decides the same: one line, no abort
       if (leader) return report_error(std::current_exception());
       return 1;
     }
     if (leader) log->step(stats, step % cfg.train.log_every == 0 || step + 1 == cfg.train.steps);
+    report(run.writer.poll());
+    step++;
     if (stats.stop) {  // preempted: a checkpoint of the finished steps, then "requeue me"
-      checkpoint(step + 1);
+      const bool ok = checkpoint(step, true);
       if (leader)
-        fmt::print("stopped by a signal after step {}: exit {} (requeue)\n", step, kExitRequeue);
-      return kExitRequeue;
+        fmt::print("stopped by a signal after step {}: exit {}\n", step - 1, ok ? kExitRequeue : 1);
+      return ok ? kExitRequeue : 1;
     }
-    if (cfg.train.checkpoint_every > 0 && (step + 1) % cfg.train.checkpoint_every == 0 &&
-        step + 1 < cfg.train.steps)
-      checkpoint(step + 1);
+    const bool every = cfg.checkpoint.every_steps > 0 && step % cfg.checkpoint.every_steps == 0;
+    if ((every || stats.checkpoint_due) && step < cfg.train.steps) checkpoint(step, false);
   }
-  // Peak memory of training proper (the final checkpoint gathers full tensors on top).
+  // Peak memory of training proper.
   const double rss = peak_rss_mb();
   double rss_max = rss;
   world.comm().all_reduce(host_ptr(&rss_max), 1, ReduceOp::max);
@@ -610,8 +742,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   const int64_t done = cfg.train.steps;
   if (cfg.train.val_every > 0) evaluate(done);
   if (cfg.train.sample_every > 0) sample(done);
-  checkpoint(done);
-  return 0;
+  return checkpoint(done, true) ? 0 : 1;
 }
 
 }  // namespace trainer

@@ -1,0 +1,57 @@
+#include "trainer/checkpoint_writer.h"
+
+#include <chrono>
+#include <stdexcept>
+#include <utility>
+
+namespace trainer {
+
+CheckpointWriter::CheckpointWriter(const GPTConfig& model, std::unique_ptr<Communicator> comm,
+                                   std::string dir, int keep_last, bool async)
+    : model_(model),
+      comm_(std::move(comm)),
+      dir_(std::move(dir)),
+      keep_last_(keep_last),
+      async_(async) {}
+
+CheckpointWriter::~CheckpointWriter() {
+  if (thread_.joinable()) thread_.join();
+}
+
+void CheckpointWriter::write() {
+  const auto t0 = std::chrono::steady_clock::now();
+  Result r;
+  r.step = snapshot_.state.step;
+  try {
+    r.dir = write_checkpoint(snapshot_, model_, comm_.get(), dir_, keep_last_);
+  } catch (const std::exception& e) {
+    r.error = e.what();
+  }
+  r.write_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  result_ = std::move(r);
+  done_ = true;
+}
+
+void CheckpointWriter::start(bool sync) {
+  if (thread_.joinable() || result_)
+    throw std::logic_error("CheckpointWriter::start: wait() for the previous write first");
+  done_ = false;
+  if (async_ && !sync) {
+    thread_ = std::thread([this] { write(); });
+  } else {
+    write();
+  }
+}
+
+std::optional<CheckpointWriter::Result> CheckpointWriter::wait() {
+  if (thread_.joinable()) thread_.join();
+  if (result_ && !result_->dir.empty()) last_written_ = result_->dir;
+  return std::exchange(result_, std::nullopt);
+}
+
+std::optional<CheckpointWriter::Result> CheckpointWriter::poll() {
+  if (!done_) return std::nullopt;
+  return wait();
+}
+
+}  // namespace trainer
