@@ -21,6 +21,18 @@ void fsync_path(const std::string& path) {
     throw DataError(fmt::format("{}: fsync failed: {}", path, strerror(errno)));
 }
 
+void check_space(const std::string& path, int64_t bytes) {
+  const int fd = ::open(path.c_str(), O_CREAT | O_WRONLY | O_TRUNC, 0644);
+  if (fd < 0) throw DataError(fmt::format("{}: cannot create: {}", path, strerror(errno)));
+  const int rc = ::fallocate(fd, 0, 0, bytes);
+  const int error = errno;
+  ::close(fd);
+  ::unlink(path.c_str());
+  if (rc != 0 && error != EOPNOTSUPP && error != ENOSYS)
+    throw DataError(fmt::format("{}: no room for {:.1f} MB: {}", path, double(bytes) / (1 << 20),
+                                strerror(error)));
+}
+
 void write_file_atomic(const std::string& path, const std::string& text) {
   const std::string tmp = path + ".tmp";
   FILE* f = std::fopen(tmp.c_str(), "wb");

@@ -1,4 +1,5 @@
 #pragma once
+#include <cstdint>
 #include <string>
 
 namespace trainer {
@@ -6,6 +7,12 @@ namespace trainer {
 // Writes `text` to `path` through a temporary file that is flushed, fsynced and renamed, so
 // that `path` is either the old file or the complete new one. Throws DataError on failure.
 void write_file_atomic(const std::string& path, const std::string& text);
+
+// Checks that `bytes` can be written at `path` (a file created, allocated and removed again):
+// a full disk or a file-size limit is then a clear error before a long write starts, not a
+// failure half-way through it. File systems that cannot preallocate are not checked. Throws
+// DataError naming the path, the size and the reason.
+void check_space(const std::string& path, int64_t bytes);
 
 // fsync of a file or directory (after a rename, the directory holding it).
 void fsync_path(const std::string& path);

@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 
 namespace trainer {
 namespace {
@@ -69,8 +71,12 @@ H5File::~H5File() {
 
 void H5File::close() {
   const hid_t id = std::exchange(id_, -1);
-  if (id >= 0 && H5Fclose(id) < 0)
-    throw H5Error(fmt::format("{}: cannot close the HDF5 file (disk full?)", path_));
+  errno = 0;
+  if (id >= 0 && H5Fclose(id) < 0) {
+    const int error = errno;
+    throw H5Error(fmt::format("{}: cannot close the HDF5 file: {}", path_,
+                              error ? std::strerror(error) : "write failed (disk full?)"));
+  }
 }
 
 bool H5File::exists(const std::string& name) const {

@@ -140,6 +140,18 @@ std::string stored_config(const H5File& f, const std::string& state_file) {
   return text;
 }
 
+// More than the file will take: the values, a checksum per chunk, and HDF5's metadata (object
+// headers, chunk indexes, attributes) at well under 16 KB per dataset.
+int64_t file_size_bound(const Snapshot& snap, const GPTConfig& model) {
+  int64_t values = 0, datasets = 0;
+  for (const ParamInfo& q : gpt2_param_table(model).params) {
+    values += q.logical_numel() * (snap.has_moments ? 3 : 1);
+    datasets += snap.has_moments ? 3 : 1;
+  }
+  for (int64_t n : snap.comm_state_sizes) values += n, datasets += n > 0;
+  return values * 4 + datasets * 16384 + int64_t(snap.config_text.size()) + (1 << 20);
+}
+
 }  // namespace
 
 void take_snapshot(const GPT& model, const AdamW* optimizer, bool writes, Snapshot& out) {
@@ -210,12 +222,14 @@ std::string write_checkpoint(const Snapshot& snap, const GPTConfig& model, Commu
     throw CheckpointWriteError(
         fmt::format("checkpoint at step {} not written: {}", snap.state.step, error));
   };
-  // Rank 0 makes the directory the others create the file in.
+  // Rank 0 makes the directory the others create the file in, after checking that there is
+  // room for it: HDF5 1.10 cannot recover from a write that fails while closing the file.
   std::string error;
   if (leader) try {
       fs::create_directories(root);
       fs::remove_all(tmp_dir);
       fs::create_directories(tmp_dir);
+      check_space((tmp_dir / "state.h5").string(), file_size_bound(snap, model));
     } catch (const std::exception& e) {
       error = e.what();
     }

@@ -49,6 +49,15 @@ std::optional<CheckpointWriter::Result> CheckpointWriter::wait() {
   return std::exchange(result_, std::nullopt);
 }
 
+bool CheckpointWriter::finishes_within(double seconds) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (seconds > 0 && thread_.joinable() && !done_) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return true;
+}
+
 std::optional<CheckpointWriter::Result> CheckpointWriter::poll() {
   if (!done_) return std::nullopt;
   return wait();

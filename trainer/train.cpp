@@ -631,12 +631,27 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     }
     return r->error.empty();
   };
+  // Waits for the write in flight and reports it. A write that hangs (a dead peer inside a
+  // parallel HDF5 collective, a stuck file system) ends the job like a hung collective.
+  auto await_writer = [&](int64_t at) {
+    const double limit = cfg.faults.collective_timeout_s;
+    if (!run.writer.finishes_within(limit)) {
+      fmt::print(stderr,
+                 "trainer: the checkpoint write did not finish within {} s at step {} "
+                 "(collective_timeout_s): a peer is dead or hung, or the file system is stuck; "
+                 "ending the job\n",
+                 limit, at);
+      std::fflush(stderr);
+      world.abort(1);
+    }
+    return report(run.writer.wait());
+  };
   auto last_checkpoint_time = Clock::now();
   // Training pays only for copying its state to host memory (the stall); the writer thread does
   // the rest unless `sync`. Returns false if a synchronous write failed.
   auto checkpoint = [&](int64_t at, bool sync) {
     const auto t0 = Clock::now();
-    bool ok = report(run.writer.wait());  // one write at a time
+    bool ok = await_writer(at);  // one write at a time
     Snapshot& snap = run.writer.snapshot();
     take_snapshot(run.model, &run.optimizer, cfg.parallel.zero == 1 || run.replica_leader(), snap);
     const int64_t samples = run.samples_at(at);
@@ -651,22 +666,22 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     std::vector<double> sizes(world.size());
     world.comm().all_gather(host_ptr(&size), host_ptr(sizes.data()), 1);
     snap.comm_state_sizes.assign(sizes.begin(), sizes.end());
-    run.writer.start(sync);
-    const double stall = seconds_since(t0);
+    const double mb = double(snap.params.size() * (snap.has_moments ? 3 : 1)) * 4 / (1 << 20);
+    run.writer.start(sync && !cfg.checkpoint.async);  // with a thread, sync waits for it below
+    if (sync) ok = await_writer(at) && ok;
+    const double stall = seconds_since(t0);  // what the step was blocked for
     last_checkpoint_time = Clock::now();
     if (leader) {
-      const double mb = double(snap.params.size() * (snap.has_moments ? 3 : 1)) * 4 / (1 << 20);
       fmt::print(
           "step {:6d} | checkpoint: training stalled {:.0f} ms ({:.1f} MB copied on rank 0{})\n",
           at, stall * 1e3, mb, sync ? ", written synchronously" : "");
       log->event({{"step", at}, {"checkpoint_stall_ms", stall * 1e3}, {"async", !sync}});
     }
-    if (sync) ok = report(run.writer.wait()) && ok;
     return ok;
   };
   // Too many bad steps in a row: back to the newest checkpoint this run wrote or started from.
   auto roll_back = [&](int64_t bad_step) {
-    report(run.writer.wait());
+    await_writer(bad_step);
     const std::string target =
         !run.writer.last_written().empty() ? run.writer.last_written() + "/state.h5" : resume;
     if (target.empty())
