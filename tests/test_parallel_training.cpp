@@ -20,6 +20,7 @@
 
 #include "io/hdf5_file.h"
 #include "model/param_table.h"
+#include "mpi_cli.h"
 #include "test_util.h"
 
 namespace trainer {
@@ -216,40 +217,6 @@ INSTANTIATE_TEST_SUITE_P(Layouts, ParallelTraining, ::testing::ValuesIn(layouts(
 namespace trainer {
 namespace {
 
-// The binary under mpirun when something is wrong: every rank stops, one line says why, the
-// exit code is 2, nothing is written, and nothing hangs (timeout would exit 124).
-class MpiCli : public test::TempDirTest {
- protected:
-  void SetUp() override {
-    TempDirTest::SetUp();
-    const auto r = test::run_command(std::string(TRAINER_BIN) + " prepare --input " + SOURCE_DIR +
-                                     "/tests/data/pride_and_prejudice_opening.txt" + " --out-dir " +
-                                     path("data"));
-    ASSERT_EQ(r.code, 0) << r.output;
-    std::ofstream(path("run.toml"))
-        << "[run]\nout_dir = \"" << path("out") << "\"\nthreads = 1\npeak_tflops = 1.0\n"
-        << "[model]\nseq_len = 16\nn_layer = 2\nn_head = 2\nd_model = 16\n"
-        << "[data]\ntrain = \"" << path("data/train.bin") << "\"\nval = \"" << path("data/val.bin")
-        << "\"\n"
-        << "[train]\nmicro_batch = 2\nsteps = 2\nval_every = 0\nsample_every = 0\n";
-  }
-  // env: "NAME=value " assignments for the ranks (local ranks inherit mpirun's environment).
-  std::string mpirun_command(int ranks, const std::string& settings) {
-    // -q: without Open MPI's own banner about the non-zero exit.
-    return "timeout 60 " + std::string(MPIEXEC) + " -q --allow-run-as-root --oversubscribe -np " +
-           std::to_string(ranks) + " " + TRAINER_BIN + " train " + path("run.toml") + " " +
-           settings;
-  }
-  test::CommandResult mpirun(int ranks, const std::string& settings, const std::string& env = "") {
-    return test::run_command(env + mpirun_command(ranks, settings));
-  }
-  static int count(const std::string& text, const std::string& what) {
-    int n = 0;
-    for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) n++;
-    return n;
-  }
-};
-
 TEST_F(MpiCli, BadLayoutsEndEveryRankWithOneLine) {
   const std::string cfg = path("run.toml") + ": [parallel] ";
   const std::vector<std::tuple<int, std::string, std::string>> cases = {
@@ -319,20 +286,6 @@ TEST_F(MpiCli, ZeroOneShardsTheOptimizerState) {
 namespace trainer {
 namespace {
 
-struct StepRecord {
-  int64_t step;
-  double loss, loss_scale;
-  bool skipped;
-};
-std::vector<StepRecord> steps_of(const std::string& metrics) {
-  std::vector<StepRecord> out;
-  std::ifstream in(metrics);
-  for (std::string line; std::getline(in, line);) {
-    auto j = nlohmann::json::parse(line);
-    if (j.contains("loss")) out.push_back({j["step"], j["loss"], j["loss_scale"], j["skipped"]});
-  }
-  return out;
-}
 double val_loss_at_end(const std::string& metrics) {
   double last = NAN;
   std::ifstream in(metrics);
@@ -495,157 +448,6 @@ TEST_F(MpiCli, CompressionMethodsTrainCloseToUncompressed) {
   EXPECT_NEAR(val3d, base, 0.06 * base);
   EXPECT_GT(p3d, 0);
   std::printf("[ powersgd dp2 x tp2 x pp2 ZeRO-1 ] final val loss %.4f\n", val3d);
-}
-
-}  // namespace
-}  // namespace trainer
-
-namespace trainer {
-namespace {
-
-// A quoted TOML string for --set through the shell.
-std::string quoted(const std::string& s) {
-  return "\\\"" + s + "\\\"";
-}
-
-std::vector<std::string> loss_texts(const std::string& metrics) {
-  std::vector<std::string> out;
-  std::ifstream in(metrics);
-  for (std::string line; std::getline(in, line);) {
-    auto j = nlohmann::json::parse(line);
-    if (j.contains("loss")) out.push_back(j["step"].dump() + " " + j["loss"].dump());
-  }
-  return out;
-}
-
-// A run stopped at step 6 and resumed continues bit for bit in the same layout (losses, final
-// weights and moments), and within reduction-order tolerance in other layouts.
-TEST_F(MpiCli, ResumeIsBitwiseAndReshards) {
-  const std::string common = "--set train.steps=12 --set checkpoint.every_steps=6 ";
-  const std::string dp2 = "--set parallel.dp=2 --set train.grad_accum=2 ";
-  auto r = mpirun(2, common + dp2 + "--set run.out_dir=" + quoted(path("full")));
-  ASSERT_EQ(r.code, 0) << r.output;
-  const std::string from =
-      " --set checkpoint.resume=" + quoted(path("full/checkpoints/step_00000006"));
-  r = mpirun(2, common + dp2 + "--set run.out_dir=" + quoted(path("same")) + from);
-  ASSERT_EQ(r.code, 0) << r.output;
-  EXPECT_NE(r.output.find("resumed from"), std::string::npos);
-  const auto full = loss_texts(path("full/metrics.jsonl"));
-  const auto same = loss_texts(path("same/metrics.jsonl"));
-  ASSERT_EQ(full.size(), 12u);
-  ASSERT_EQ(same.size(), 6u);
-  for (int i = 0; i < 6; i++) EXPECT_EQ(same[i], full[6 + i]);
-  H5File a = H5File::open_read(path("full/checkpoints/step_00000012/state.h5"));
-  H5File b = H5File::open_read(path("same/checkpoints/step_00000012/state.h5"));
-  GPTConfig cfg;
-  cfg.seq_len = 16, cfg.n_layer = 2, cfg.n_head = 2, cfg.d_model = 16;
-  for (const ParamInfo& p : gpt2_param_table(cfg).params)
-    for (const std::string group : {"params/", "optim/m/", "optim/v/"}) {
-      std::vector<float> x(p.logical_numel()), y(p.logical_numel());
-      a.read(group + p.name, p.shape, x.data());
-      b.read(group + p.name, p.shape, y.data());
-      ASSERT_EQ(x, y) << group << p.name;
-    }
-  // Other layouts with the same global batch: tp2 x pp2, and a single process.
-  const std::vector<std::pair<int, std::string>> layouts = {
-      {4, "--set parallel.tp=2 --set parallel.pp=2 --set train.grad_accum=4 "},
-      {1, "--set train.grad_accum=4 "}};
-  const auto f = steps_of(path("full/metrics.jsonl"));
-  for (const auto& [ranks, layout] : layouts) {
-    const std::string out = path("reshard" + std::to_string(ranks));
-    r = mpirun(ranks, common + layout + "--set run.out_dir=" + quoted(out) + from);
-    ASSERT_EQ(r.code, 0) << r.output;
-    const auto s = steps_of(out + "/metrics.jsonl");
-    ASSERT_EQ(s.size(), 6u);
-    for (int i = 0; i < 6; i++)
-      EXPECT_NEAR(s[i].loss, f[6 + i].loss, 1e-5 * f[6 + i].loss) << layout << " step " << i;
-  }
-}
-
-// SIGTERM to the ranks (as Slurm sends it before preemption): the step finishes, a checkpoint
-// of the steps done is written, every rank exits 75; the run resumes from it.
-TEST_F(MpiCli, SigtermCheckpointsAndExitsForRequeue) {
-  const std::string run = mpirun_command(2,
-                                         "--set train.steps=1000000 --set parallel.dp=2 "
-                                         "--set train.log_every=100000");
-  const auto r =
-      test::run_command("(" + run + ") & pid=$!; sleep 3; pkill -TERM -f '^" +
-                        std::string(TRAINER_BIN) + " train " + path("run.toml") + "'; wait $pid");
-  EXPECT_EQ(r.code, 75) << r.output;
-  EXPECT_EQ(count(r.output, "stopped by a signal after step"), 1) << r.output;
-  std::ifstream latest(path("out/checkpoints/latest"));
-  std::string name;
-  latest >> name;
-  ASSERT_TRUE(name.starts_with("step_")) << r.output;
-  const int64_t stopped = std::stoll(name.substr(5));
-  EXPECT_GT(stopped, 0);
-  const auto resumed = mpirun(2, "--set parallel.dp=2 --set checkpoint.resume=" + quoted("auto") +
-                                     " --set train.steps=" + std::to_string(stopped + 2));
-  EXPECT_EQ(resumed.code, 0) << resumed.output;
-  EXPECT_NE(resumed.output.find("at step " + std::to_string(stopped)), std::string::npos)
-      << resumed.output;
-}
-
-}  // namespace
-}  // namespace trainer
-
-namespace trainer {
-namespace {
-
-// A damaged newest checkpoint (a flipped byte: Fletcher32 catches it; a truncated file) is
-// reported and resume = "auto" takes the one before it.
-TEST_F(MpiCli, AutoResumeSkipsADamagedNewestCheckpoint) {
-  const std::string common =
-      "--set train.steps=12 --set checkpoint.every_steps=6 --set parallel.dp=2 ";
-  ASSERT_EQ(mpirun(2, common).code, 0);
-  const std::string newest = path("out/checkpoints/step_00000012/state.h5");
-  const auto size = fs::file_size(newest);
-  for (const std::string damage : {"flip", "truncate"}) {
-    SCOPED_TRACE(damage);
-    if (damage == "flip") {
-      std::fstream f(newest, std::ios::in | std::ios::out | std::ios::binary);
-      f.seekg(std::streamoff(size / 2));
-      char c;
-      f.get(c);
-      f.seekp(std::streamoff(size / 2));
-      f.put(char(~c));
-    } else {
-      fs::resize_file(newest, size / 2);
-    }
-    const auto r = mpirun(2, common + "--set checkpoint.resume=\\\"auto\\\" --set train.steps=8");
-    EXPECT_EQ(r.code, 0) << r.output;
-    EXPECT_EQ(count(r.output, "trainer: skipping an unusable checkpoint: " + newest), 1)
-        << r.output;
-    EXPECT_EQ(count(r.output, "resumed from " + path("out/checkpoints/step_00000006/state.h5") +
-                                  " at step 6"),
-              1)
-        << r.output;
-    fs::remove_all(path("out/checkpoints/step_00000008"));  // what that resumed run wrote
-  }
-}
-
-}  // namespace
-}  // namespace trainer
-
-namespace trainer {
-namespace {
-
-// With compression, the error-feedback residuals come back too: int8 at dp 2 resumes bit for
-// bit.
-TEST_F(MpiCli, ResumeRestoresCompressionResiduals) {
-  const std::string common =
-      "--set train.steps=12 --set checkpoint.every_steps=6 "
-      "--set parallel.dp=2 --set comm.compression.method=int8 ";
-  auto r = mpirun(2, common + "--set run.out_dir=" + quoted(path("full")));
-  ASSERT_EQ(r.code, 0) << r.output;
-  r = mpirun(2, common + "--set run.out_dir=" + quoted(path("resumed")) +
-                    " --set checkpoint.resume=" + quoted(path("full/checkpoints/step_00000006")));
-  ASSERT_EQ(r.code, 0) << r.output;
-  EXPECT_EQ(r.output.find("not restored"), std::string::npos) << r.output;
-  const auto full = loss_texts(path("full/metrics.jsonl"));
-  const auto resumed = loss_texts(path("resumed/metrics.jsonl"));
-  ASSERT_EQ(resumed.size(), 6u);
-  for (int i = 0; i < 6; i++) EXPECT_EQ(resumed[i], full[6 + i]);
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include "trainer/checkpoint.h"
 #include "trainer/lr_schedule.h"
 #include "trainer/sampler.h"
+#include "trainer/step_guard.h"
 
 namespace trainer {
 namespace {
@@ -174,6 +175,46 @@ TEST(Sampler, DeterministicForASeed) {
   auto g = sample_tokens(model, 8, {1, 2, 3}, o);
   o.seed = 10;
   EXPECT_EQ(g, sample_tokens(model, 8, {1, 2, 3}, o));
+}
+
+}  // namespace
+}  // namespace trainer
+
+namespace trainer {
+namespace {
+
+// The step guard: non-finite values and z-score spikes over a full window of good steps are bad;
+// max_bad_steps in a row call for a rollback; a good step ends the run of bad ones. Overflowed
+// gradients under dynamic fp16 scaling are the scaler's to skip, not the guard's.
+TEST(StepGuard, SpikesAndNonFiniteStepsAreBadAndRepeatsRollBack) {
+  FaultsConfig f;
+  f.spike_zscore = 6;
+  f.spike_window = 10;
+  f.max_bad_steps = 3;
+  StepGuard g(f, false);
+  std::string why;
+  using V = StepGuard::Verdict;
+  EXPECT_EQ(g.check(50.0, 1.0, why), V::good);  // the window is not full yet: no spike test
+  for (int i = 0; i < 10; i++)
+    EXPECT_EQ(g.check(3.0 + 0.01 * (i % 3), 1.0 + 0.1 * (i % 2), why), V::good);
+  EXPECT_EQ(g.check(3.5, 1.0, why), V::bad);
+  EXPECT_EQ(why, "loss 3.5000 spiked (z-score 56.1 over the last 10 steps)");
+  EXPECT_EQ(g.check(3.01, 4.0, why), V::bad);
+  EXPECT_TRUE(why.starts_with("gradient norm 4.0000 spiked")) << why;
+  EXPECT_EQ(g.check(NAN, 1.0, why), V::rollback);
+  EXPECT_EQ(why, "loss is nan");
+  g.rolled_back();
+  EXPECT_EQ(g.check(3.01, INFINITY, why), V::bad);
+  EXPECT_EQ(why, "gradient norm is inf");
+  EXPECT_EQ(g.check(3.02, 1.05, why), V::good);  // ends the run of bad steps
+  EXPECT_EQ(g.bad_in_a_row(), 0);
+  EXPECT_EQ(g.check(3.02, INFINITY, why), V::bad);
+  StepGuard fp16(f, true);
+  EXPECT_EQ(fp16.check(3.0, INFINITY, why), V::good);  // the loss scaler skips it
+  EXPECT_EQ(fp16.check(NAN, INFINITY, why), V::bad);
+  f.max_bad_steps = 0;  // never roll back
+  StepGuard never(f, false);
+  for (int i = 0; i < 5; i++) EXPECT_EQ(never.check(NAN, 1.0, why), V::bad);
 }
 
 }  // namespace

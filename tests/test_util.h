@@ -24,7 +24,8 @@ struct CommandResult {
   std::string output;
 };
 inline CommandResult run_command(const std::string& command) {
-  FILE* p = popen((command + " 2>&1").c_str(), "r");
+  // Grouped, so that background jobs and every command of a list share the redirection.
+  FILE* p = popen(("{ " + command + "\n} 2>&1").c_str(), "r");
   std::string out;
   std::array<char, 4096> buf;
   while (size_t n = fread(buf.data(), 1, buf.size(), p)) out.append(buf.data(), n);

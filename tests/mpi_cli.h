@@ -1,0 +1,80 @@
+#pragma once
+// The trainer binary under a real mpirun, for the end-to-end tests of parallel training and of
+// checkpoints and faults: a small model on an excerpt of Pride and Prejudice, run.toml in a
+// fresh directory per test.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "test_util.h"
+
+namespace trainer {
+
+// The binary under mpirun when something is wrong: every rank stops, one line says why, the
+// exit code is 2, nothing is written, and nothing hangs (timeout would exit 124).
+class MpiCli : public test::TempDirTest {
+ protected:
+  void SetUp() override {
+    TempDirTest::SetUp();
+    const auto r = test::run_command(std::string(TRAINER_BIN) + " prepare --input " + SOURCE_DIR +
+                                     "/tests/data/pride_and_prejudice_opening.txt" + " --out-dir " +
+                                     path("data"));
+    ASSERT_EQ(r.code, 0) << r.output;
+    std::ofstream(path("run.toml"))
+        << "[run]\nout_dir = \"" << path("out") << "\"\nthreads = 1\npeak_tflops = 1.0\n"
+        << "[model]\nseq_len = 16\nn_layer = 2\nn_head = 2\nd_model = 16\n"
+        << "[data]\ntrain = \"" << path("data/train.bin") << "\"\nval = \"" << path("data/val.bin")
+        << "\"\n"
+        << "[train]\nmicro_batch = 2\nsteps = 2\nval_every = 0\nsample_every = 0\n";
+  }
+  // env: "NAME=value " assignments for the ranks (local ranks inherit mpirun's environment).
+  std::string mpirun_command(int ranks, const std::string& settings) {
+    // -q: without Open MPI's own banner about the non-zero exit.
+    return "timeout 60 " + std::string(MPIEXEC) + " -q --allow-run-as-root --oversubscribe -np " +
+           std::to_string(ranks) + " " + TRAINER_BIN + " train " + path("run.toml") + " " +
+           settings;
+  }
+  test::CommandResult mpirun(int ranks, const std::string& settings, const std::string& env = "") {
+    return test::run_command(env + mpirun_command(ranks, settings));
+  }
+  static int count(const std::string& text, const std::string& what) {
+    int n = 0;
+    for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) n++;
+    return n;
+  }
+};
+
+struct StepRecord {
+  int64_t step;
+  double loss, loss_scale;
+  bool skipped;
+};
+inline std::vector<StepRecord> steps_of(const std::string& metrics) {
+  std::vector<StepRecord> out;
+  std::ifstream in(metrics);
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (j.contains("loss")) out.push_back({j["step"], j["loss"], j["loss_scale"], j["skipped"]});
+  }
+  return out;
+}
+
+// A quoted TOML string for --set through the shell.
+inline std::string quoted(const std::string& s) {
+  return "\\\"" + s + "\\\"";
+}
+
+inline std::vector<std::string> loss_texts(const std::string& metrics) {
+  std::vector<std::string> out;
+  std::ifstream in(metrics);
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (j.contains("loss")) out.push_back(j["step"].dump() + " " + j["loss"].dump());
+  }
+  return out;
+}
+
+}  // namespace trainer

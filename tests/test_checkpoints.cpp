@@ -1,0 +1,369 @@
+// Checkpoints and faults end to end, with real mpirun processes and real files: resume bit for
+// bit and in other layouts, preemption (SIGTERM), damaged and half-written checkpoints, a rank
+// killed under the supervisor, NaN steps and rollbacks, a full disk, a hung peer.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "io/hdf5_file.h"
+#include "model/param_table.h"
+#include "mpi_cli.h"
+#include "test_util.h"
+#include "trainer/checkpoint.h"
+
+namespace trainer {
+namespace {
+
+namespace fs = std::filesystem;
+
+// The model of MpiCli's run.toml.
+GPTConfig cli_model() {
+  GPTConfig cfg;
+  cfg.seq_len = 16, cfg.n_layer = 2, cfg.n_head = 2, cfg.d_model = 16;
+  return cfg;
+}
+
+// Every tensor of two checkpoints is bitwise equal (params, moments).
+void expect_same_tensors(const std::string& a_file, const std::string& b_file,
+                         const GPTConfig& cfg = cli_model()) {
+  H5File a = H5File::open_read(a_file);
+  H5File b = H5File::open_read(b_file);
+  for (const ParamInfo& p : gpt2_param_table(cfg).params)
+    for (const std::string group : {"params/", "optim/m/", "optim/v/"}) {
+      std::vector<float> x(p.logical_numel()), y(p.logical_numel());
+      a.read(group + p.name, p.shape, x.data());
+      b.read(group + p.name, p.shape, y.data());
+      ASSERT_EQ(x, y) << group << p.name;
+    }
+}
+
+std::string latest_of(const std::string& dir) {
+  std::ifstream in(dir + "/latest");
+  std::string name;
+  in >> name;
+  return name;
+}
+
+}  // namespace
+}  // namespace trainer
+
+namespace trainer {
+namespace {
+
+// A run saved at step 6 with dp = 4 (ZeRO-1) and resumed continues bit for bit in the same
+// layout (losses, final weights and moments), and in dp2 x tp2, tp2 x pp2 and one process within
+// reduction-order tolerance, with the data order continuing at the next unseen batch.
+TEST_F(MpiCli, ResumeIsBitwiseAndReshards) {
+  const std::string common = "--set train.steps=12 --set checkpoint.every_steps=6 ";
+  const std::string dp4 = "--set parallel.dp=4 --set parallel.zero=1 ";
+  auto r = mpirun(4, common + dp4 + "--set run.out_dir=" + quoted(path("full")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::string from =
+      " --set checkpoint.resume=" + quoted(path("full/checkpoints/step_00000006"));
+  r = mpirun(4, common + dp4 + "--set run.out_dir=" + quoted(path("same")) + from);
+  ASSERT_EQ(r.code, 0) << r.output;
+  // 6 steps of 4 ranks x 2 sequences were consumed.
+  EXPECT_NE(r.output.find("at step 6 (data position: sample 48)"), std::string::npos) << r.output;
+  const auto full = loss_texts(path("full/metrics.jsonl"));
+  const auto same = loss_texts(path("same/metrics.jsonl"));
+  ASSERT_EQ(full.size(), 12u);
+  ASSERT_EQ(same.size(), 6u);
+  for (int i = 0; i < 6; i++) EXPECT_EQ(same[i], full[6 + i]);
+  expect_same_tensors(path("full/checkpoints/step_00000012/state.h5"),
+                      path("same/checkpoints/step_00000012/state.h5"));
+  // Other layouts with the same global batch of 8 sequences.
+  const std::vector<std::pair<int, std::string>> layouts = {
+      {4, "--set parallel.dp=2 --set parallel.tp=2 --set train.grad_accum=2 "},
+      {4, "--set parallel.tp=2 --set parallel.pp=2 --set train.grad_accum=4 "},
+      {1, "--set train.grad_accum=4 "}};
+  const auto f = steps_of(path("full/metrics.jsonl"));
+  int n = 0;
+  for (const auto& [ranks, layout] : layouts) {
+    const std::string out = path("reshard" + std::to_string(n++));
+    r = mpirun(ranks, common + layout + "--set run.out_dir=" + quoted(out) + from);
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("(data position: sample 48)"), std::string::npos) << r.output;
+    const auto s = steps_of(out + "/metrics.jsonl");
+    ASSERT_EQ(s.size(), 6u);
+    for (int i = 0; i < 6; i++)
+      EXPECT_NEAR(s[i].loss, f[6 + i].loss, 1e-5 * f[6 + i].loss) << layout << " step " << i;
+  }
+}
+
+// Each rank writes only its slices (tensor-parallel parts, pipeline stages, ZeRO-1 pieces;
+// replicas once) as hyperslabs of the full tensors: at step 0 (initial weights, which do not
+// depend on the layout) the file a dp2 x tp2 x pp2 ZeRO-1 job writes equals the one process's.
+TEST_F(MpiCli, ParallelWritesAssembleTheFullTensors) {
+  auto r = mpirun(1, "--set train.steps=0 --set run.out_dir=" + quoted(path("one")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  r = mpirun(8,
+             "--set train.steps=0 --set parallel.dp=2 --set parallel.tp=2 --set parallel.pp=2 "
+             "--set parallel.zero=1 --set train.grad_accum=2 --set run.out_dir=" +
+                 quoted(path("eight")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  expect_same_tensors(path("one/checkpoints/step_00000000/state.h5"),
+                      path("eight/checkpoints/step_00000000/state.h5"));
+  H5File f = H5File::open_read(path("eight/checkpoints/step_00000000/state.h5"));
+  EXPECT_EQ(f.attr_int("layout_world"), 8);
+  EXPECT_EQ(f.attr_int("layout_tp"), 2);
+  EXPECT_EQ(f.attr_int("layout_zero"), 1);
+}
+
+// SIGTERM to the ranks (as Slurm sends it before preemption): the step finishes, a checkpoint
+// of the steps done is written, every rank exits 75; the run resumes from it.
+TEST_F(MpiCli, SigtermCheckpointsAndExitsForRequeue) {
+  const std::string run = mpirun_command(2,
+                                         "--set train.steps=1000000 --set parallel.dp=2 "
+                                         "--set train.log_every=100000");
+  const auto r =
+      test::run_command("(" + run + ") & pid=$!; sleep 3; pkill -TERM -f '^" +
+                        std::string(TRAINER_BIN) + " train " + path("run.toml") + "'; wait $pid");
+  EXPECT_EQ(r.code, 75) << r.output;
+  EXPECT_EQ(count(r.output, "stopped by a signal after step"), 1) << r.output;
+  const std::string name = latest_of(path("out/checkpoints"));
+  ASSERT_TRUE(name.starts_with("step_")) << r.output;
+  const int64_t stopped = std::stoll(name.substr(5));
+  EXPECT_GT(stopped, 0);
+  const auto resumed = mpirun(2, "--set parallel.dp=2 --set checkpoint.resume=" + quoted("auto") +
+                                     " --set train.steps=" + std::to_string(stopped + 2));
+  EXPECT_EQ(resumed.code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("at step " + std::to_string(stopped)), std::string::npos)
+      << resumed.output;
+}
+
+}  // namespace
+}  // namespace trainer
+
+namespace trainer {
+namespace {
+
+// A damaged newest checkpoint (a flipped byte: Fletcher32 catches it; a truncated file) is
+// reported and resume = "auto" takes the one before it.
+TEST_F(MpiCli, AutoResumeSkipsADamagedNewestCheckpoint) {
+  const std::string common =
+      "--set train.steps=12 --set checkpoint.every_steps=6 --set parallel.dp=2 ";
+  ASSERT_EQ(mpirun(2, common).code, 0);
+  const std::string newest = path("out/checkpoints/step_00000012/state.h5");
+  const auto size = fs::file_size(newest);
+  for (const std::string damage : {"flip", "truncate"}) {
+    SCOPED_TRACE(damage);
+    if (damage == "flip") {
+      std::fstream f(newest, std::ios::in | std::ios::out | std::ios::binary);
+      f.seekg(std::streamoff(size / 2));
+      char c;
+      f.get(c);
+      f.seekp(std::streamoff(size / 2));
+      f.put(char(~c));
+    } else {
+      fs::resize_file(newest, size / 2);
+    }
+    const auto r = mpirun(2, common + "--set checkpoint.resume=\\\"auto\\\" --set train.steps=8");
+    EXPECT_EQ(r.code, 0) << r.output;
+    EXPECT_EQ(count(r.output, "trainer: skipping an unusable checkpoint: " + newest), 1)
+        << r.output;
+    EXPECT_EQ(count(r.output, "resumed from " + path("out/checkpoints/step_00000006/state.h5") +
+                                  " at step 6"),
+              1)
+        << r.output;
+    fs::remove_all(path("out/checkpoints/step_00000008"));  // what that resumed run wrote
+  }
+}
+
+}  // namespace
+}  // namespace trainer
+
+namespace trainer {
+namespace {
+
+// With compression, the error-feedback residuals come back too: int8 at dp 2 resumes bit for
+// bit.
+TEST_F(MpiCli, ResumeRestoresCompressionResiduals) {
+  const std::string common =
+      "--set train.steps=12 --set checkpoint.every_steps=6 "
+      "--set parallel.dp=2 --set comm.compression.method=int8 ";
+  auto r = mpirun(2, common + "--set run.out_dir=" + quoted(path("full")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  r = mpirun(2, common + "--set run.out_dir=" + quoted(path("resumed")) +
+                    " --set checkpoint.resume=" + quoted(path("full/checkpoints/step_00000006")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(r.output.find("not restored"), std::string::npos) << r.output;
+  const auto full = loss_texts(path("full/metrics.jsonl"));
+  const auto resumed = loss_texts(path("resumed/metrics.jsonl"));
+  ASSERT_EQ(resumed.size(), 6u);
+  for (int i = 0; i < 6; i++) EXPECT_EQ(resumed[i], full[6 + i]);
+}
+
+}  // namespace
+}  // namespace trainer
+
+namespace trainer {
+namespace {
+
+// The supervisor relaunches a 4-rank job after one rank is SIGKILLed at a random step; the job
+// resumes from its newest checkpoint and finishes with weights and moments bitwise equal to an
+// uninterrupted run's.
+TEST_F(MpiCli, KilledRankUnderTheSupervisorFinishesBitwise) {
+  const std::string common =
+      "--set train.steps=200 --set checkpoint.every_steps=25 --set checkpoint.keep_last=2 "
+      "--set parallel.dp=2 --set parallel.tp=2 --set parallel.zero=1 "
+      "--set train.log_every=1000 ";
+  auto r = mpirun(4, common + "--set run.out_dir=" + quoted(path("full")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  std::mt19937 rng(std::random_device{}());
+  const int kill_at = std::uniform_int_distribution<int>(40, 160)(rng);
+  const int victim = std::uniform_int_distribution<int>(1, 4)(rng);  // among the 4 ranks
+  SCOPED_TRACE("SIGKILL to the rank listed " + std::to_string(victim) + " at step " +
+               std::to_string(kill_at));
+  const std::string job = mpirun_command(4, common + "--set checkpoint.resume=" + quoted("auto"));
+  const std::string ranks = "'^" + std::string(TRAINER_BIN) + " train " + path("run.toml") + "'";
+  r = test::run_command(
+      "(" + std::string(SOURCE_DIR) + "/scripts/supervise.sh --retries 2 --delay 0 -- " + job +
+      ") & sup=$!; for i in $(seq 1 2000); do grep -q '\"step\":" + std::to_string(kill_at) +
+      ",' " + path("out/metrics.jsonl") + " 2>/dev/null && break; sleep 0.02; done; kill -KILL " +
+      "$(pgrep -f " + ranks + " | sed -n " + std::to_string(victim) + "p); wait $sup");
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("supervise: attempt 1/3 exited with"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("supervise: attempt 2/3 exited with 0"), std::string::npos) << r.output;
+  expect_same_tensors(path("full/checkpoints/step_00000200/state.h5"),
+                      path("out/checkpoints/step_00000200/state.h5"));
+  // keep_last = 2: the two newest complete checkpoints remain.
+  std::vector<std::string> kept;
+  for (const auto& e : fs::directory_iterator(path("out/checkpoints")))
+    if (e.is_directory()) kept.push_back(e.path().filename().string());
+  std::sort(kept.begin(), kept.end());
+  EXPECT_EQ(kept, (std::vector<std::string>{"step_00000175", "step_00000200"}));
+}
+
+// A process killed while its writer thread is in the middle of a checkpoint: the temporary
+// is left behind, never taken for a checkpoint; `latest` and the previous one stay valid.
+TEST_F(MpiCli, CrashDuringWriteLeavesThePreviousCheckpoint) {
+  const std::string run = mpirun_command(
+      2, "--set train.steps=1000000 --set checkpoint.every_steps=5 --set parallel.dp=2");
+  const auto r = test::run_command("(TRAINER_TEST_WRITE_DELAY=10,60 " + run +
+                                   ") & pid=$!; for i in $(seq 1 1000); do " + "[ -e " +
+                                   path("out/checkpoints/step_00000010.tmp/state.h5") +
+                                   " ] && break; sleep 0.02; done; sleep 0.5; pkill -KILL -f '^" +
+                                   TRAINER_BIN + " train " + path("run.toml") + "'; wait $pid");
+  EXPECT_NE(r.code, 0) << r.output;
+  ASSERT_TRUE(fs::exists(path("out/checkpoints/step_00000010.tmp/state.h5"))) << r.output;
+  EXPECT_EQ(latest_of(path("out/checkpoints")), "step_00000005");
+  std::vector<std::string> rejected;
+  EXPECT_EQ(newest_valid_checkpoint(path("out/checkpoints"), cli_model(), rejected),
+            path("out/checkpoints/step_00000005/state.h5"));
+  EXPECT_TRUE(rejected.empty());
+  const auto resumed = mpirun(2,
+                              "--set train.steps=7 --set parallel.dp=2 "
+                              "--set checkpoint.resume=" +
+                                  quoted("auto"));
+  EXPECT_EQ(resumed.code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("at step 5"), std::string::npos) << resumed.output;
+  EXPECT_FALSE(fs::exists(path("out/checkpoints/step_00000010.tmp")));  // cleaned up
+}
+
+// A NaN loss skips the step on every rank; max_bad_steps of them in a row roll back to the last
+// checkpoint, and (the injection firing once per step) training then continues bit for bit
+// as if nothing had happened. With skip_data_on_rollback the batches since that checkpoint
+// are skipped instead. No checkpoint to go back to ends the run.
+TEST_F(MpiCli, NanStepsAreSkippedAndRolledBack) {
+  const std::string common =
+      "--set train.steps=16 --set checkpoint.every_steps=5 --set parallel.dp=2 "
+      "--set faults.max_bad_steps=3 ";
+  auto r = mpirun(2, common + "--set run.out_dir=" + quoted(path("clean")));
+  ASSERT_EQ(r.code, 0) << r.output;
+
+  r = mpirun(2, common + "--set run.out_dir=" + quoted(path("once")), "TRAINER_TEST_INJECT_NAN=3 ");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(count(r.output, "SKIPPED (loss is nan)"), 1) << r.output;
+  EXPECT_EQ(count(r.output, "rolled back"), 0) << r.output;
+
+  r = mpirun(2, common + "--set run.out_dir=" + quoted(path("rollback")),
+             "TRAINER_TEST_INJECT_NAN=7,8,9 ");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(count(r.output, "trainer: 3 bad steps in a row up to step 9: rolled back to " +
+                                path("rollback/checkpoints/step_00000005/state.h5") + " (step 5)"),
+            1)
+      << r.output;
+  expect_same_tensors(path("clean/checkpoints/step_00000016/state.h5"),
+                      path("rollback/checkpoints/step_00000016/state.h5"));
+
+  r = mpirun(
+      2,
+      common + "--set faults.skip_data_on_rollback=true --set run.out_dir=" + quoted(path("skip")),
+      "TRAINER_TEST_INJECT_NAN=7,8,9 ");
+  ASSERT_EQ(r.code, 0) << r.output;
+  // Steps 5..9 read samples 20..39 (2 ranks x 2 sequences a step): step 5 resumes at 40.
+  EXPECT_EQ(count(r.output, "(step 5), skipping to sample 40"), 1) << r.output;
+  H5File f = H5File::open_read(path("skip/checkpoints/step_00000016/state.h5"));
+  EXPECT_EQ(f.attr_int("data_skipped"), 20);
+  EXPECT_EQ(f.attr_int("data_samples"), 16 * 4 + 20);
+
+  r = mpirun(2,
+             common + "--set checkpoint.every_steps=0 --set run.out_dir=" + quoted(path("nowhere")),
+             "TRAINER_TEST_INJECT_NAN=2,3,4 ");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_EQ(count(r.output,
+                  "trainer: training diverged: 3 bad steps in a row up to step 4 and "
+                  "no checkpoint to roll back to"),
+            1)
+      << r.output;
+}
+
+// A file-size limit (as a full disk): the checkpoint is refused before HDF5 writes anything, the
+// error names the file, the size and the reason, training goes on, the previous checkpoint
+// stays `latest` and loads. The final checkpoint failing makes the exit code 1.
+TEST_F(MpiCli, DiskFullIsAClearErrorAndKeepsThePreviousCheckpoint) {
+  // A model whose checkpoint (~22 MB) exceeds the limit that Open MPI's own files stay under.
+  const std::string model = "--set model.d_model=192 --set model.n_head=4 ";
+  auto r = mpirun(1, model + "--set train.steps=5");
+  ASSERT_EQ(r.code, 0) << r.output;
+  r = test::run_command("ulimit -f 12000; " +
+                        mpirun_command(1, model +
+                                              "--set train.steps=12 --set "
+                                              "checkpoint.every_steps=5 --set "
+                                              "checkpoint.resume=" +
+                                              quoted("auto")));
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_EQ(
+      count(r.output, "trainer: checkpoint at step 10 not written: " +
+                          path("out/checkpoints/step_00000010.tmp/state.h5") + ": no room for "),
+      1)
+      << r.output;
+  EXPECT_NE(r.output.find("File too large (the previous checkpoints are intact)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("step     11 | loss"), std::string::npos) << "trained on";
+  EXPECT_EQ(latest_of(path("out/checkpoints")), "step_00000005");
+  EXPECT_FALSE(fs::exists(path("out/checkpoints/step_00000010.tmp")));
+  EXPECT_FALSE(fs::exists(path("out/checkpoints/step_00000012")));
+  r = mpirun(1, model + "--set train.steps=6 --set checkpoint.resume=" + quoted("auto"));
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("at step 5"), std::string::npos) << r.output;
+}
+
+// A stopped peer (SIGSTOP) never completes a collective: with collective_timeout_s the others
+// end the job, naming the operation and the step, instead of hanging.
+TEST_F(MpiCli, HungPeerEndsTheJobAfterTheCollectiveTimeout) {
+  const std::string run = mpirun_command(
+      2,
+      "--set train.steps=100000000 --set parallel.dp=2 --set faults.collective_timeout_s=2 "
+      "--set train.log_every=100000");
+  const auto r = test::run_command("(" + run + ") & pid=$!; sleep 3; pkill -STOP -n -f '^" +
+                                   TRAINER_BIN + " train " + path("run.toml") + "'; wait $pid");
+  EXPECT_EQ(r.code, 1) << r.output;
+  // (The stopped rank, continued by mpirun to be killed, may say the same.)
+  EXPECT_GE(count(r.output,
+                  "trainer: all-reduce on a group of 2 ranks did not finish within 2 s "
+                  "at step "),
+            1)
+      << r.output;
+  EXPECT_NE(r.output.find("(collective_timeout_s): a peer is dead or hung; ending the job"),
+            std::string::npos)
+      << r.output;
+}
+
+}  // namespace
+}  // namespace trainer
