@@ -98,7 +98,7 @@ void H5File::write(const std::string& name, const std::vector<int64_t>& shape, c
 }
 
 void H5File::write_part(const std::string& name, const std::vector<int64_t>& shape,
-                        const std::vector<Box>& boxes, const float* values) {
+                        const std::vector<Box>& boxes, const float* values, int writes) {
   if (shape.empty() || shape.size() > 2)
     throw std::logic_error("H5File::write_part: 1-D and 2-D datasets only");
   std::vector<hsize_t> dims(shape.begin(), shape.end());
@@ -109,32 +109,43 @@ void H5File::write_part(const std::string& name, const std::vector<int64_t>& sha
   // most ~1M elements along the first dimension (HDF5 caps a chunk at 4 GB).
   Handle dcpl{H5Pcreate(H5P_DATASET_CREATE), H5Pclose};
   if (dims[0] > 0) {
+    // As many rows as fit ~1M elements, evened out over the chunks: HDF5 stores a partial last
+    // chunk at full size.
     std::vector<hsize_t> chunk = dims;
     const hsize_t row = dims.size() == 2 ? std::max<hsize_t>(dims[1], 1) : 1;
-    chunk[0] = std::clamp<hsize_t>((hsize_t(1) << 20) / row, 1, dims[0]);
+    const hsize_t most = std::clamp<hsize_t>((hsize_t(1) << 20) / row, 1, dims[0]);
+    const hsize_t chunks = (dims[0] + most - 1) / most;
+    chunk[0] = (dims[0] + chunks - 1) / chunks;
     H5Pset_chunk(dcpl.id, int(chunk.size()), chunk.data());
     H5Pset_fletcher32(dcpl.id);
   }
   Handle ds{H5Dcreate2(id_, name.c_str(), H5T_IEEE_F32LE, space.id, lcpl.id, dcpl.id, H5P_DEFAULT),
             H5Dclose};
   if (ds.id < 0) throw H5Error(fmt::format("{}: cannot create dataset {}", path_, name));
-  hsize_t selected = 0;
-  H5Sselect_none(space.id);
-  for (const Box& b : boxes) {
-    if (b.rows <= 0 || b.cols <= 0) continue;
-    hsize_t start[2] = {hsize_t(b.row), hsize_t(b.col)},
-            count[2] = {hsize_t(b.rows), hsize_t(b.cols)};
-    if (dims.size() == 1) start[0] = hsize_t(b.col), count[0] = hsize_t(b.cols);
-    H5Sselect_hyperslab(space.id, H5S_SELECT_OR, start, nullptr, count, nullptr);
-    selected += hsize_t(b.rows) * hsize_t(b.cols);
+  // One write per box, each from a memory block of the box's own shape: HDF5 maps same-shaped
+  // selections chunk by chunk (a 1-D buffer against a 2-D selection goes element by element).
+  // In a parallel file every rank makes the same number of (collective) writes, empty ones to
+  // make up its count.
+  const hid_t xfer = xfer_ >= 0 ? xfer_ : H5P_DEFAULT;
+  const int n = std::max<int>(writes, int(boxes.size()));
+  for (int w = 0; w < n; w++) {
+    const Box b = w < int(boxes.size()) ? boxes[w] : Box{0, 0, 0, 0};
+    const bool empty = b.rows <= 0 || b.cols <= 0;
+    hsize_t start[2] = {hsize_t(b.row), hsize_t(b.col)};
+    hsize_t count[2] = {hsize_t(std::max<int64_t>(b.rows, 1)), hsize_t(std::max<int64_t>(b.cols, 1))};
+    if (dims.size() == 1) start[0] = hsize_t(b.col), count[0] = count[1];
+    Handle memory{H5Screate_simple(int(dims.size()), count, nullptr), H5Sclose};
+    if (empty) {
+      H5Sselect_none(space.id);
+      H5Sselect_none(memory.id);
+    } else {
+      H5Sselect_hyperslab(space.id, H5S_SELECT_SET, start, nullptr, count, nullptr);
+    }
+    const float dummy = 0;
+    if (H5Dwrite(ds.id, H5T_NATIVE_FLOAT, memory.id, space.id, xfer, empty ? &dummy : values) < 0)
+      throw H5Error(fmt::format("{}: cannot write dataset {} (disk full?)", path_, name));
+    if (!empty) values += b.rows * b.cols;
   }
-  const hsize_t mdims = std::max<hsize_t>(selected, 1);
-  Handle memory{H5Screate_simple(1, &mdims, nullptr), H5Sclose};
-  if (selected == 0) H5Sselect_none(memory.id);
-  const float dummy = 0;
-  if (H5Dwrite(ds.id, H5T_NATIVE_FLOAT, memory.id, space.id, xfer_ >= 0 ? xfer_ : H5P_DEFAULT,
-               selected ? values : &dummy) < 0)
-    throw H5Error(fmt::format("{}: cannot write dataset {} (disk full?)", path_, name));
 }
 
 std::vector<int64_t> H5File::shape(const std::string& name) const {

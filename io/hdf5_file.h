@@ -46,10 +46,11 @@ class H5File {
 
   // Chunked, each chunk with a Fletcher32 checksum.
   void write(const std::string& name, const std::vector<int64_t>& shape, const float* data);
-  // Creates the dataset (collectively, in a parallel file) and writes this rank's part: the
-  // union of `boxes`, whose elements `values` holds in row-major order. Boxes must not overlap.
+  // Creates the dataset (collectively, in a parallel file) and writes this rank's part:
+  // `boxes`, whose elements `values` holds box after box, each in row-major order. In a
+  // parallel file every rank passes the same `writes`, at least its number of boxes.
   void write_part(const std::string& name, const std::vector<int64_t>& shape,
-                  const std::vector<Box>& boxes, const float* values);
+                  const std::vector<Box>& boxes, const float* values, int writes = 0);
   std::vector<int64_t> shape(const std::string& name) const;
   // Reads into data, after checking the stored shape equals `shape`.
   void read(const std::string& name, const std::vector<int64_t>& shape, float* data) const;

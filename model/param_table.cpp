@@ -83,6 +83,18 @@ int64_t ParamInfo::logical_index(int64_t i) const {
   return (outer * shape[split_dim] + global_j) * inner + k;
 }
 
+int64_t ParamInfo::contiguous_from(int64_t i) const {
+  if (split_dim < 0) return local_numel() - i;
+  const std::vector<int64_t> local = local_shape();
+  int64_t inner = 1;
+  for (size_t d = split_dim + 1; d < shape.size(); d++) inner *= shape[d];
+  const int64_t len = local[split_dim];
+  const int64_t j = i / inner % len, k = i % inner;
+  const int64_t piece = split_extent / split_parts / tp_size;
+  // To the end of this rank's piece along the split dimension (or of its real rows).
+  return std::min(piece - j % piece, len - j) * inner - k;
+}
+
 const ParamInfo& ParamTable::at(const std::string& name) const {
   auto it = index.find(name);
   if (it == index.end()) throw std::out_of_range("no parameter named " + name);

@@ -8,6 +8,7 @@
 // parallelism, one rank's slice of each matrix (Megatron: QKV and MLP up-projection split by
 // output rows, the two projections back into the residual stream split by input columns, the
 // embedding split by vocabulary rows; norms and the biases added after a reduction replicated).
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <unordered_map>
@@ -61,6 +62,19 @@ struct ParamInfo {
   int64_t local_numel() const;
   // The index into the full logical tensor (row-major) of this rank's local element i.
   int64_t logical_index(int64_t i) const;
+  // Calls f(local, logical, n) for the runs of local elements [begin, end) whose logical indices
+  // are consecutive, in order (logical order is local order): one run for a replicated
+  // parameter, one per piece and row for a split one.
+  template <class F>
+  void for_each_run(int64_t begin, int64_t end, F&& f) const {
+    for (int64_t i = begin; i < end;) {
+      const int64_t n = std::min(contiguous_from(i), end - i);
+      f(i, logical_index(i), n);
+      i += n;
+    }
+  }
+  // How many local elements from i on have consecutive logical indices.
+  int64_t contiguous_from(int64_t i) const;
   bool replicated() const { return split_dim < 0; }
   // Whether this rank's copy counts for sums over the model (gradient norm, checkpoint
   // gathering): a replicated parameter is counted on tp rank 0, a tied copy not at all.

@@ -179,22 +179,27 @@ TEST_F(MpiCli, AutoResumeSkipsADamagedNewestCheckpoint) {
 namespace trainer {
 namespace {
 
-// With compression, the error-feedback residuals come back too: int8 at dp 2 resumes bit for
-// bit.
-TEST_F(MpiCli, ResumeRestoresCompressionResiduals) {
-  const std::string common =
-      "--set train.steps=12 --set checkpoint.every_steps=6 "
-      "--set parallel.dp=2 --set comm.compression.method=int8 ";
-  auto r = mpirun(2, common + "--set run.out_dir=" + quoted(path("full")));
-  ASSERT_EQ(r.code, 0) << r.output;
-  r = mpirun(2, common + "--set run.out_dir=" + quoted(path("resumed")) +
-                    " --set checkpoint.resume=" + quoted(path("full/checkpoints/step_00000006")));
-  ASSERT_EQ(r.code, 0) << r.output;
-  EXPECT_EQ(r.output.find("not restored"), std::string::npos) << r.output;
-  const auto full = loss_texts(path("full/metrics.jsonl"));
-  const auto resumed = loss_texts(path("resumed/metrics.jsonl"));
-  ASSERT_EQ(resumed.size(), 6u);
-  for (int i = 0; i < 6; i++) EXPECT_EQ(resumed[i], full[6 + i]);
+// With compression, the compressors' state comes back too: int8 (error-feedback residuals) and
+// PowerSGD (residuals and the warm-started Q) at dp 2 resume bit for bit.
+TEST_F(MpiCli, ResumeRestoresCompressionState) {
+  for (const std::string method : {"int8", "powersgd"}) {
+    SCOPED_TRACE(method);
+    const std::string common =
+        "--set train.steps=12 --set checkpoint.every_steps=6 --set parallel.dp=2 "
+        "--set comm.compression.method=" +
+        method + " ";
+    auto r = mpirun(2, common + "--set run.out_dir=" + quoted(path(method + "_full")));
+    ASSERT_EQ(r.code, 0) << r.output;
+    r = mpirun(2, common + "--set run.out_dir=" + quoted(path(method + "_resumed")) +
+                      " --set checkpoint.resume=" +
+                      quoted(path(method + "_full/checkpoints/step_00000006")));
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_EQ(r.output.find("not restored"), std::string::npos) << r.output;
+    const auto full = loss_texts(path(method + "_full/metrics.jsonl"));
+    const auto resumed = loss_texts(path(method + "_resumed/metrics.jsonl"));
+    ASSERT_EQ(resumed.size(), 6u);
+    for (int i = 0; i < 6; i++) EXPECT_EQ(resumed[i], full[6 + i]);
+  }
 }
 
 }  // namespace

@@ -54,7 +54,7 @@ std::vector<std::string> complete_checkpoints(const fs::path& root) {
 
 // The rectangles (in the dataset's (rows, last dimension) view) that hold a parameter's local
 // elements [begin, begin + count): runs of consecutive logical indices cut at row ends, rows
-// stacked where they line up. A column slice of a matrix is one box, a row range one, the q, k
+// stacked where they line up. (Values are written in local order, which is logical order.) A column slice of a matrix is one box, a row range one, the q, k
 // and v blocks of a head-split QKV three.
 void append_boxes(const ParamInfo& p, int64_t begin, int64_t count, std::vector<Box>& boxes) {
   const int64_t cols = p.shape.back();
@@ -72,21 +72,7 @@ void append_boxes(const ParamInfo& p, int64_t begin, int64_t count, std::vector<
       len -= b.rows * b.cols;
     }
   };
-  int64_t run_start = p.logical_index(begin), run_len = 1;
-  for (int64_t i = begin + 1; i < begin + count; i++) {
-    const int64_t li = p.logical_index(i);
-    if (li == run_start + run_len) {
-      run_len++;
-      continue;
-    }
-    // Writing values in local order relies on it being the file's row-major order.
-    if (li < run_start + run_len)
-      throw std::logic_error(p.name + ": local order is not logical order");
-    add_run(run_start, run_len);
-    run_start = li;
-    run_len = 1;
-  }
-  add_run(run_start, run_len);
+  p.for_each_run(begin, begin + count, [&](int64_t, int64_t logical, int64_t n) { add_run(logical, n); });
 }
 
 // After a step every rank may have failed at: the first failing rank's message on every rank
@@ -156,11 +142,8 @@ int64_t file_size_bound(const Snapshot& snap, const GPTConfig& model) {
 
 void take_snapshot(const GPT& model, const AdamW* optimizer, bool writes, Snapshot& out) {
   out.parts.clear();
-  out.params.clear();
-  out.m.clear();
-  out.v.clear();
   out.has_moments = optimizer != nullptr;
-  if (!writes) return;
+  if (!writes) return out.params.clear(), out.m.clear(), out.v.clear();
   const ParamTable& table = model.table();
   struct Source {
     int64_t offset, count, state_offset;
@@ -192,8 +175,10 @@ void take_snapshot(const GPT& model, const AdamW* optimizer, bool writes, Snapsh
     total += c.part.count;
   }
   Kernels& k = model.kernels();
+  // Every element is overwritten below: the same sizes as last time cost nothing here.
   out.params.resize(total);
-  if (optimizer) out.m.resize(total), out.v.resize(total);
+  out.m.resize(optimizer ? total : 0);
+  out.v.resize(optimizer ? total : 0);
   for (const Copy& c : copies) {
     const int64_t n = c.part.count, at = c.part.at;
     if (optimizer && optimizer->master())  // the exact fp32 values of a 16-bit model
@@ -262,23 +247,31 @@ std::string write_checkpoint(const Snapshot& snap, const GPTConfig& model, Commu
     f.set_attr("layout_order", l.order);
     f.set_attr("rng_seed", int64_t(snap.seed));
 
-    // Every rank creates every dataset, in the same order; each writes its own boxes.
+    // Every rank creates every dataset, in the same order, and writes its own boxes in as many
+    // collective writes as the rank with the most boxes in that dataset.
     const ParamTable full = gpt2_param_table(model);
-    auto write_group = [&](const std::string& group, const std::vector<float>& values) {
-      size_t next = 0;  // parts are in table order
-      for (const ParamInfo& q : full.params) {
-        std::vector<Box> boxes;
-        const float* start = values.data();
-        bool first = true;
-        for (; next < snap.parts.size() && snap.parts[next].param->name == q.name; next++) {
-          const Snapshot::Part& part = snap.parts[next];
-          if (first) start = values.data() + part.at;
-          first = false;
-          append_boxes(*part.param, part.begin, part.count, boxes);
-        }
-        f.write_part(group + q.name, q.shape, boxes, start);
+    std::vector<std::vector<Box>> boxes(full.params.size());
+    std::vector<int64_t> starts(full.params.size(), 0);  // where its values are in a group
+    std::vector<double> writes(full.params.size(), 0);
+    size_t next = 0;  // parts are in table order
+    for (size_t t = 0; t < full.params.size(); t++) {
+      for (; next < snap.parts.size() && snap.parts[next].param->name == full.params[t].name;
+           next++) {
+        const Snapshot::Part& part = snap.parts[next];
+        if (boxes[t].empty()) starts[t] = part.at;
+        append_boxes(*part.param, part.begin, part.count, boxes[t]);
       }
-      if (next != snap.parts.size()) throw std::logic_error("snapshot parts out of table order");
+      writes[t] = double(boxes[t].size());
+    }
+    if (next != snap.parts.size()) throw std::logic_error("snapshot parts out of table order");
+    if (comm && comm->size() > 1)
+      comm->all_reduce(host_ptr(writes.data()), int64_t(writes.size()), ReduceOp::max);
+    auto write_group = [&](const std::string& group, const std::vector<float>& values) {
+      for (size_t t = 0; t < full.params.size(); t++) {
+        const ParamInfo& q = full.params[t];
+        f.write_part(group + q.name, q.shape, boxes[t], values.data() + starts[t],
+                     int(writes[t]));
+      }
     };
     write_group("params/", snap.params);
     test_write_delay(s.step);
@@ -423,7 +416,9 @@ TrainState load_checkpoint(const std::string& state_file, GPT& model, AdamW* opt
       const ParamInfo& q = full.at(p.name);
       std::vector<float> values(q.logical_numel());
       f.read(group + p.name, q.shape, values.data());
-      for (int64_t i = 0; i < p.local_numel(); i++) flat[p.offset + i] = values[p.logical_index(i)];
+      p.for_each_run(0, p.local_numel(), [&](int64_t local, int64_t logical, int64_t n) {
+        std::copy_n(values.begin() + logical, n, flat.begin() + p.offset + local);
+      });
     }
     return flat;
   };

@@ -1,10 +1,16 @@
 #include "trainer/checkpoint_writer.h"
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <stdexcept>
 #include <utility>
 
 namespace trainer {
+
+constexpr int kWriterNice = 10;
 
 CheckpointWriter::CheckpointWriter(const GPTConfig& model, std::unique_ptr<Communicator> comm,
                                    std::string dir, int keep_last, bool async)
@@ -37,7 +43,12 @@ void CheckpointWriter::start(bool sync) {
     throw std::logic_error("CheckpointWriter::start: wait() for the previous write first");
   done_ = false;
   if (async_ && !sync) {
-    thread_ = std::thread([this] { write(); });
+    thread_ = std::thread([this] {
+      // Below the training threads: on a node without spare cores the write should take
+      // their idle time, not slow the step down (Linux: per-thread niceness).
+      setpriority(PRIO_PROCESS, pid_t(syscall(SYS_gettid)), kWriterNice);
+      write();
+    });
   } else {
     write();
   }

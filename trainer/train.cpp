@@ -606,6 +606,11 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
       log->event({{"step", step}, {"resumed_from", resume}});
     }
   }
+  // The snapshot buffers are touched now, so that the first periodic checkpoint's stall is a
+  // copy, not the page faults of allocating gigabytes.
+  if (cfg.checkpoint.async && (cfg.checkpoint.every_steps > 0 || cfg.checkpoint.every_minutes > 0))
+    take_snapshot(run.model, &run.optimizer, cfg.parallel.zero == 1 || run.replica_leader(),
+                  run.writer.snapshot());
   auto evaluate = [&](int64_t at) {
     const double val = validation_loss(run);
     if (!leader) return;
