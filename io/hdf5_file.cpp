@@ -90,38 +90,50 @@ bool H5File::exists(const std::string& name) const {
   }
 }
 
-void H5File::write(const std::string& name, const std::vector<int64_t>& shape, const float* data) {
-  const int64_t cols = shape.empty() ? 1 : shape.back();
-  int64_t rows = 1;
-  for (size_t d = 0; d + 1 < shape.size(); d++) rows *= shape[d];
-  write_part(name, shape, {{0, 0, rows, cols}}, data);
-}
+namespace {
 
-void H5File::write_part(const std::string& name, const std::vector<int64_t>& shape,
-                        const std::vector<Box>& boxes, const float* values, int writes) {
-  if (shape.empty() || shape.size() > 2)
-    throw std::logic_error("H5File::write_part: 1-D and 2-D datasets only");
-  std::vector<hsize_t> dims(shape.begin(), shape.end());
+// A float dataset of any rank, chunked along its first dimension with HDF5's Fletcher32
+// checksum filter (a flipped byte fails the read); groups on its path are created.
+hid_t create_dataset(hid_t file, const std::string& path, const std::string& name,
+                     const std::vector<hsize_t>& dims) {
   Handle space{H5Screate_simple(int(dims.size()), dims.data(), nullptr), H5Sclose};
   Handle lcpl{H5Pcreate(H5P_LINK_CREATE), H5Pclose};
   H5Pset_create_intermediate_group(lcpl.id, 1);
-  // Chunked with HDF5's Fletcher32 checksum filter: a flipped byte fails the read. Chunks of at
-  // most ~1M elements along the first dimension (HDF5 caps a chunk at 4 GB).
   Handle dcpl{H5Pcreate(H5P_DATASET_CREATE), H5Pclose};
-  if (dims[0] > 0) {
-    // As many rows as fit ~1M elements, evened out over the chunks: HDF5 stores a partial last
-    // chunk at full size.
+  if (!dims.empty() && dims[0] > 0) {
+    // As many rows as fit ~1M elements (HDF5 caps a chunk at 4 GB), evened out over the
+    // chunks: HDF5 stores a partial last chunk at full size.
     std::vector<hsize_t> chunk = dims;
-    const hsize_t row = dims.size() == 2 ? std::max<hsize_t>(dims[1], 1) : 1;
+    hsize_t row = 1;
+    for (size_t d = 1; d < dims.size(); d++) row *= std::max<hsize_t>(dims[d], 1);
     const hsize_t most = std::clamp<hsize_t>((hsize_t(1) << 20) / row, 1, dims[0]);
     const hsize_t chunks = (dims[0] + most - 1) / most;
     chunk[0] = (dims[0] + chunks - 1) / chunks;
     H5Pset_chunk(dcpl.id, int(chunk.size()), chunk.data());
     H5Pset_fletcher32(dcpl.id);
   }
-  Handle ds{H5Dcreate2(id_, name.c_str(), H5T_IEEE_F32LE, space.id, lcpl.id, dcpl.id, H5P_DEFAULT),
-            H5Dclose};
-  if (ds.id < 0) throw H5Error(fmt::format("{}: cannot create dataset {}", path_, name));
+  const hid_t ds =
+      H5Dcreate2(file, name.c_str(), H5T_IEEE_F32LE, space.id, lcpl.id, dcpl.id, H5P_DEFAULT);
+  if (ds < 0) throw H5Error(fmt::format("{}: cannot create dataset {}", path, name));
+  return ds;
+}
+
+}  // namespace
+
+void H5File::write(const std::string& name, const std::vector<int64_t>& shape, const float* data) {
+  Handle ds{create_dataset(id_, path_, name, {shape.begin(), shape.end()}), H5Dclose};
+  if (H5Dwrite(ds.id, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, xfer_ >= 0 ? xfer_ : H5P_DEFAULT, data) <
+      0)
+    throw H5Error(fmt::format("{}: cannot write dataset {} (disk full?)", path_, name));
+}
+
+void H5File::write_part(const std::string& name, const std::vector<int64_t>& shape,
+                        const std::vector<Box>& boxes, const float* values, int writes) {
+  if (shape.empty() || shape.size() > 2)
+    throw std::logic_error("H5File::write_part: 1-D and 2-D datasets only");
+  const std::vector<hsize_t> dims(shape.begin(), shape.end());
+  Handle ds{create_dataset(id_, path_, name, dims), H5Dclose};
+  Handle space{H5Dget_space(ds.id), H5Sclose};
   // One write per box, each from a memory block of the box's own shape: HDF5 maps same-shaped
   // selections chunk by chunk (a 1-D buffer against a 2-D selection goes element by element).
   // In a parallel file every rank makes the same number of (collective) writes, empty ones to
@@ -132,7 +144,8 @@ void H5File::write_part(const std::string& name, const std::vector<int64_t>& sha
     const Box b = w < int(boxes.size()) ? boxes[w] : Box{0, 0, 0, 0};
     const bool empty = b.rows <= 0 || b.cols <= 0;
     hsize_t start[2] = {hsize_t(b.row), hsize_t(b.col)};
-    hsize_t count[2] = {hsize_t(std::max<int64_t>(b.rows, 1)), hsize_t(std::max<int64_t>(b.cols, 1))};
+    hsize_t count[2] = {hsize_t(std::max<int64_t>(b.rows, 1)),
+                        hsize_t(std::max<int64_t>(b.cols, 1))};
     if (dims.size() == 1) start[0] = hsize_t(b.col), count[0] = count[1];
     Handle memory{H5Screate_simple(int(dims.size()), count, nullptr), H5Sclose};
     if (empty) {

@@ -3,7 +3,7 @@
 set -euo pipefail
 
 packages=(
-  build-essential cmake pkg-config git
+  build-essential cmake pkg-config git procps
   libtomlplusplus-dev libcli11-dev libfmt-dev nlohmann-json3-dev
   libopenblas-openmp-dev libopenblas0-openmp
   libopenmpi-dev openmpi-bin libhdf5-openmpi-dev

@@ -306,6 +306,19 @@ TEST_F(MpiCli, NanStepsAreSkippedAndRolledBack) {
   EXPECT_EQ(f.attr_int("data_skipped"), 20);
   EXPECT_EQ(f.attr_int("data_samples"), 16 * 4 + 20);
 
+  // The same bad steps after every rollback: the fourth rollback to one checkpoint ends the run.
+  r = mpirun(2, common + "--set run.out_dir=" + quoted(path("again")),
+             "TRAINER_TEST_INJECT_NAN=7,8,9,7,8,9,7,8,9,7,8,9 ");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_EQ(count(r.output, "rolled back to"), 3) << r.output;
+  EXPECT_EQ(
+      count(r.output,
+            "trainer: training diverged: 3 bad steps in a row up to step 9 after "
+            "3 rollbacks to " +
+                path("again/checkpoints/step_00000005/state.h5") + ": the bad steps come back"),
+      1)
+      << r.output;
+
   r = mpirun(2,
              common + "--set checkpoint.every_steps=0 --set run.out_dir=" + quoted(path("nowhere")),
              "TRAINER_TEST_INJECT_NAN=2,3,4 ");

@@ -54,8 +54,8 @@ std::vector<std::string> complete_checkpoints(const fs::path& root) {
 
 // The rectangles (in the dataset's (rows, last dimension) view) that hold a parameter's local
 // elements [begin, begin + count): runs of consecutive logical indices cut at row ends, rows
-// stacked where they line up. (Values are written in local order, which is logical order.) A column slice of a matrix is one box, a row range one, the q, k
-// and v blocks of a head-split QKV three.
+// stacked where they line up. (Values are written in local order, which is logical order.) A column
+// slice of a matrix is one box, a row range one, the q, k and v blocks of a head-split QKV three.
 void append_boxes(const ParamInfo& p, int64_t begin, int64_t count, std::vector<Box>& boxes) {
   const int64_t cols = p.shape.back();
   auto add_run = [&](int64_t start, int64_t len) {
@@ -72,7 +72,8 @@ void append_boxes(const ParamInfo& p, int64_t begin, int64_t count, std::vector<
       len -= b.rows * b.cols;
     }
   };
-  p.for_each_run(begin, begin + count, [&](int64_t, int64_t logical, int64_t n) { add_run(logical, n); });
+  p.for_each_run(begin, begin + count,
+                 [&](int64_t, int64_t logical, int64_t n) { add_run(logical, n); });
 }
 
 // After a step every rank may have failed at: the first failing rank's message on every rank
@@ -269,8 +270,7 @@ std::string write_checkpoint(const Snapshot& snap, const GPTConfig& model, Commu
     auto write_group = [&](const std::string& group, const std::vector<float>& values) {
       for (size_t t = 0; t < full.params.size(); t++) {
         const ParamInfo& q = full.params[t];
-        f.write_part(group + q.name, q.shape, boxes[t], values.data() + starts[t],
-                     int(writes[t]));
+        f.write_part(group + q.name, q.shape, boxes[t], values.data() + starts[t], int(writes[t]));
       }
     };
     write_group("params/", snap.params);
@@ -285,7 +285,7 @@ std::string write_checkpoint(const Snapshot& snap, const GPTConfig& model, Commu
       if (n == 0) continue;
       std::vector<Box> mine;
       if (int(r) == me) mine.push_back({0, 0, 1, n});
-      f.write_part(fmt::format("comm/state/rank_{}", r), {n}, mine, snap.comm_state.data());
+      f.write_part(fmt::format("comm/state/rank_{}", r), {n}, mine, snap.comm_state.data(), 1);
     }
     f.close();
   } catch (const std::exception& e) {

@@ -157,10 +157,11 @@ std::pair<int64_t, int> injected_overflow() {
   return {step, rank};
 }
 
-// Test hook: TRAINER_TEST_INJECT_NAN="3,4,5" makes the loss of those steps NaN (once each: a
-// rolled-back run that repeats a step trains it normally), to check the step guard.
-std::set<int64_t> injected_nan_steps() {
-  std::set<int64_t> steps;
+// Test hook: TRAINER_TEST_INJECT_NAN="3,4,5" makes the loss of those steps NaN, once per
+// listing (a rolled-back run that repeats a step listed once trains it normally), to check the
+// step guard.
+std::multiset<int64_t> injected_nan_steps() {
+  std::multiset<int64_t> steps;
   if (const char* spec = std::getenv("TRAINER_TEST_INJECT_NAN")) {
     std::stringstream in(spec);
     for (std::string item; std::getline(in, item, ',');)
@@ -209,7 +210,7 @@ struct Run {
   StepGuard guard;
   CheckpointWriter writer;
   std::pair<int64_t, int> inject_inf = injected_overflow();
-  std::set<int64_t> inject_nan = injected_nan_steps();
+  std::multiset<int64_t> inject_nan = injected_nan_steps();
   double flops_per_token;  // 6N + 12 L C T, as PaLM/nanoGPT count them
   double peak_flops = 0;   // per rank
 
@@ -383,7 +384,10 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   const DPtr grads = run.optimizer.grads();
   double sums[4] = {0, 0, double(stop_requested), double(checkpoint_due)};
   if (run.model.shard().last_stage() && run.me.tp == 0) sums[0] = loss_sum / M / dp;
-  if (run.inject_nan.erase(step) && run.world.rank() == 0) sums[0] = NAN;
+  if (auto it = run.inject_nan.find(step); it != run.inject_nan.end()) {
+    run.inject_nan.erase(it);
+    if (run.world.rank() == 0) sums[0] = NAN;
+  }
   if (zero || run.replica_leader())
     for (const Span& span : run.spans)
       if (span.param->owned())
@@ -685,6 +689,11 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     return ok;
   };
   // Too many bad steps in a row: back to the newest checkpoint this run wrote or started from.
+  // The same bad steps coming back after kMaxRollbacks rollbacks to one checkpoint (the data is
+  // not skipped, or the model itself has gone bad) end the run instead of looping.
+  constexpr int kMaxRollbacks = 3;
+  std::string last_target;
+  int rollbacks = 0;
   auto roll_back = [&](int64_t bad_step) {
     await_writer(bad_step);
     const std::string target =
@@ -694,6 +703,12 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
           fmt::format("{} bad steps in a row up to step {} and no checkpoint to roll back to "
                       "(set [checkpoint] every_steps)",
                       cfg.faults.max_bad_steps, bad_step));
+    rollbacks = target == last_target ? rollbacks + 1 : 1;
+    last_target = target;
+    if (rollbacks > kMaxRollbacks)
+      throw TrainingDiverged(fmt::format(
+          "{} bad steps in a row up to step {} after {} rollbacks to {}: the bad steps come back",
+          cfg.faults.max_bad_steps, bad_step, kMaxRollbacks, target));
     const int64_t next_samples = run.samples_at(bad_step + 1);
     const int64_t at = restore(run, target, false);
     if (cfg.faults.skip_data_on_rollback) {  // the batches since the checkpoint are not retried
@@ -743,8 +758,10 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
         fmt::print("stopped by a signal after step {}: exit {}\n", step - 1, ok ? kExitRequeue : 1);
       return ok ? kExitRequeue : 1;
     }
+    // Not in the middle of bad steps: a rollback must find the state from before them.
     const bool every = cfg.checkpoint.every_steps > 0 && step % cfg.checkpoint.every_steps == 0;
-    if ((every || stats.checkpoint_due) && step < cfg.train.steps) checkpoint(step, false);
+    if ((every || stats.checkpoint_due) && step < cfg.train.steps && run.guard.bad_in_a_row() == 0)
+      checkpoint(step, false);
   }
   // Peak memory of training proper.
   const double rss = peak_rss_mb();
