@@ -87,6 +87,22 @@ class Communicator {
   void recv(DPtr buf, int64_t n, int peer, int tag) { irecv(buf, n, peer, tag).wait(); }
 };
 
+// The lowest rank of `comm` on which `failed` is true, or -1 when it is false everywhere
+// (collective).
+inline int first_failing_rank(Communicator& comm, bool failed) {
+  double first = failed ? comm.size() - comm.rank() : 0;  // max = the lowest failing rank
+  comm.all_reduce(host_ptr(&first), 1, ReduceOp::max);
+  return first == 0 ? -1 : comm.size() - int(first);
+}
+
+// Root's text on every rank of `comm` (collective).
+inline void broadcast_string(Communicator& comm, std::string& text, int root) {
+  double length = double(text.size());
+  comm.broadcast(host_ptr(&length), 1, root);
+  text.resize(size_t(length));
+  comm.broadcast(host_ptr(reinterpret_cast<std::byte*>(text.data())), int64_t(length), root);
+}
+
 // The processes of a job: the world communicator, node detection and group creation.
 class World {
  public:

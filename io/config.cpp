@@ -423,6 +423,7 @@ Config parse_config(const std::string& text, const std::string& origin,
     r.field("max_bad_steps", f.max_bad_steps, at_least(0));
     r.field("skip_data_on_rollback", f.skip_data_on_rollback);
     r.field("collective_timeout_s", f.collective_timeout_s, at_least(0));
+    r.field("checkpoint_timeout_s", f.checkpoint_timeout_s, at_least(0));
     r.finish();
   }
   return c;
@@ -519,7 +520,8 @@ std::string config_to_toml(const Config& c) {
                              {"spike_window", c.faults.spike_window},
                              {"max_bad_steps", c.faults.max_bad_steps},
                              {"skip_data_on_rollback", c.faults.skip_data_on_rollback},
-                             {"collective_timeout_s", c.faults.collective_timeout_s}}},
+                             {"collective_timeout_s", c.faults.collective_timeout_s},
+                             {"checkpoint_timeout_s", c.faults.checkpoint_timeout_s}}},
   };
   std::stringstream ss;
   // Basic strings only: toml++ writes "\n" as a multi-line literal that does not read back.

@@ -94,6 +94,7 @@ struct CompressionConfig {
   bool error_feedback = true;
   int warmup_steps = 0;      // uncompressed steps first
   double min_bucket_kb = 0;  // smaller buckets go uncompressed
+  bool operator==(const CompressionConfig&) const = default;
 };
 struct CommConfig {
   CompressionConfig compression;
@@ -118,6 +119,7 @@ struct FaultsConfig {
   int max_bad_steps = 3;    // bad (non-finite or spiking) steps in a row before a rollback
   bool skip_data_on_rollback = false;  // after a rollback, skip the offending window's batches
   double collective_timeout_s = 0;     // a collective blocked longer ends the job; 0 = never
+  double checkpoint_timeout_s = 0;     // the same for waiting on a checkpoint write
 };
 
 struct Config {

@@ -9,6 +9,7 @@
 # The trainer's exit codes decide what happens next:
 #   0        finished                                -> exit 0
 #   2        bad config, data or checkpoint          -> exit 2 at once (a retry cannot help)
+#   3        training diverged                       -> exit 3 at once (it would again)
 #   75       stopped by SIGTERM/SIGUSR1 after writing a checkpoint -> restart
 #   anything else (a crash, a rank killed by a signal, mpirun's own codes) -> restart
 # Every restart counts against --retries (default 3, so at most 4 attempts); when it is
@@ -94,6 +95,8 @@ describe() {
     printf '%s (stopped after checkpoint)' "$rc"
   elif ((rc == 2)); then
     printf '%s (bad input)' "$rc"
+  elif ((rc == 3)); then
+    printf '%s (training diverged)' "$rc"
   else
     printf '%s' "$rc"
   fi
@@ -167,9 +170,9 @@ for ((k = 1; k <= attempts; k++)); do
     say "$what; done"
     exit 0
   fi
-  if ((rc == 2)); then
+  if ((rc == 2 || rc == 3)); then
     say "$what; not retrying"
-    exit 2
+    exit "$rc"
   fi
   if [[ -n $signalled ]]; then
     say "$what after SIG$signalled; not restarting"

@@ -355,7 +355,7 @@ TEST_F(MpiCli, OverflowsAtTheMinimumScaleEndTheRun) {
                         "\\\"fp16\\\" --set precision.min_scale=65536 "
                         "--set precision.max_min_scale_overflows=1",
                         "TRAINER_TEST_INJECT_INF=2,0 ");
-  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_EQ(r.code, 3) << r.output;
   EXPECT_EQ(count(r.output, "trainer: training diverged: the gradients overflowed in 1 steps"), 1)
       << r.output;
 }

@@ -93,14 +93,23 @@ elif [[ $(count "$c") != 1 ]]; then fail $name "$(count "$c") attempts, want 1"
 elif ! has "attempt 1/4 exited with 2 (bad input); not retrying"; then fail $name "message"
 else pass $name; fi
 
+# --- a diverged run (exit 3) is not retried either ----------------------------------------
+name=diverged_no_retry
+c="$tmp/$name"
+run_sup --delay 0 -- bash -c 'echo x >>"$1"; exit 3' _ "$c"
+if [[ $rc != 3 ]]; then fail $name "exit $rc, want 3"
+elif [[ $(count "$c") != 1 ]]; then fail $name "$(count "$c") attempts, want 1"
+elif ! has "attempt 1/4 exited with 3 (training diverged); not retrying"; then fail $name "message"
+else pass $name; fi
+
 # --- always fails: retries+1 attempts, then the last code ---------------------------------
 name=always_fails_gives_up
 c="$tmp/$name"
-run_sup --retries 2 --delay 0 -- bash -c 'echo x >>"$1"; exit 3' _ "$c"
-if [[ $rc != 3 ]]; then fail $name "exit $rc, want 3"
+run_sup --retries 2 --delay 0 -- bash -c 'echo x >>"$1"; exit 4' _ "$c"
+if [[ $rc != 4 ]]; then fail $name "exit $rc, want 4"
 elif [[ $(count "$c") != 3 ]]; then fail $name "$(count "$c") attempts, want 3"
-elif ! has "supervise: attempt 2/3 exited with 3; restarting in 0 s" ||
-  ! has "supervise: giving up after 3 attempts, last exit 3" ||
+elif ! has "supervise: attempt 2/3 exited with 4; restarting in 0 s" ||
+  ! has "supervise: giving up after 3 attempts, last exit 4" ||
   has "attempt 4/"; then fail $name "messages"
 else pass $name; fi
 

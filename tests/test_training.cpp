@@ -116,7 +116,7 @@ TEST_F(CheckpointTest, RoundTripIsBitwise) {
   model.backward();
   opt.update(1e-3f, 1.0f, 1);
   const std::string step_dir =
-      save_checkpoint((dir_ / "checkpoints").string(), cfg, model, &opt, {7, 56, 112, 0, {}});
+      save_checkpoint((dir_ / "checkpoints").string(), cfg, model, &opt, {7, 56, 112, 0, {}, {}});
   EXPECT_EQ(step_dir, (dir_ / "checkpoints" / "step_00000007").string());
   EXPECT_FALSE(fs::exists(dir_ / "checkpoints" / "step_00000007.tmp"));
 
@@ -142,7 +142,7 @@ TEST_F(CheckpointTest, MismatchedModelIsAClearError) {
   cfg.model = tiny_model();
   GPT model(cfg.model, *k, DType::f32, 1, 8);
   const std::string dir =
-      save_checkpoint((dir_ / "checkpoints").string(), cfg, model, nullptr, {1, 8, 1, 0, {}});
+      save_checkpoint((dir_ / "checkpoints").string(), cfg, model, nullptr, {1, 8, 1, 0, {}, {}});
   GPTConfig other = tiny_model();
   other.n_layer = 3;
   GPT wrong(other, *k, DType::f32, 1, 8);

@@ -1,8 +1,10 @@
 #include "trainer/adamw.h"
 
+#include "model/init.h"
+
 namespace trainer {
 
-static std::vector<AdamW::Segment> whole_model(const GPT& model, const OptimConfig& cfg) {
+std::vector<AdamW::Segment> whole_model(const GPT& model, const OptimConfig& cfg) {
   std::vector<AdamW::Segment> segments;
   for (const ParamInfo& p : model.table().params)
     segments.push_back({p.offset, p.numel, p.offset, AdamW::weight_decay(cfg, p)});
@@ -58,9 +60,31 @@ void AdamW::update(float lr, float grad_scale, int64_t step) {
                    s.weight_decay,
                    step,
                    grad_scale};
-    model_.kernels().adamw_update(model_.params() + s.offset, grads_ + s.state_offset,
-                                  m_ + s.state_offset, v_ + s.state_offset, s.count, args);
+    Kernels& k = model_.kernels();
+    if (!master_) {
+      k.adamw_update(model_.params() + s.offset, grads_ + s.state_offset, m_ + s.state_offset,
+                     v_ + s.state_offset, s.count, args);
+      continue;
+    }
+    // 16-bit model: the update goes to the fp32 master weights, which are then rounded into the
+    // compute copy (stochastically with a seed per step and segment, when asked).
+    k.adamw_update(master_ + s.state_offset, grads_ + s.state_offset, m_ + s.state_offset,
+                   v_ + s.state_offset, s.count, args);
+    round_into_model(s, step);
   }
+}
+
+void AdamW::round_into_model(const Segment& s, int64_t step) {
+  const uint64_t seed =
+      stochastic_seed_
+          ? mix64(stochastic_seed_ ^ mix64(uint64_t(step) << 32 ^ uint64_t(s.offset))) | 1
+          : 0;
+  model_.kernels().convert(model_.params() + s.offset, master_ + s.state_offset, s.count, seed);
+}
+
+void AdamW::round_master(int64_t step) {
+  if (master_)
+    for (const Segment& s : segments_) round_into_model(s, step);
 }
 
 }  // namespace trainer

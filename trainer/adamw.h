@@ -35,6 +35,9 @@ class AdamW {
   void init_master(DPtr full);
   // bf16: round the master weights into the compute copy stochastically (seeded per step).
   void set_stochastic_rounding(uint64_t seed) { stochastic_seed_ = seed; }
+  // Rounds the master weights into the compute copy as update `step` did (a resumed run's
+  // compute copy then equals the uninterrupted run's, stochastic rounding included).
+  void round_master(int64_t step);
   static float weight_decay(const OptimConfig& cfg, const ParamInfo& p);
 
   const std::vector<Segment>& segments() const { return segments_; }
@@ -45,6 +48,8 @@ class AdamW {
   int64_t state_elems() const { return state_elems_; }
 
  private:
+  void round_into_model(const Segment& s, int64_t step);
+
   GPT& model_;
   OptimConfig cfg_;
   std::vector<Segment> segments_;

@@ -80,15 +80,10 @@ void append_boxes(const ParamInfo& p, int64_t begin, int64_t count, std::vector<
 // ("" when none failed).
 std::string agree_on_error(Communicator* comm, std::string error) {
   if (!comm || comm->size() == 1) return error;
-  double first = error.empty() ? 0 : comm->size() - comm->rank();  // max = lowest failing rank
-  comm->all_reduce(host_ptr(&first), 1, ReduceOp::max);
-  if (first == 0) return "";
-  const int root = comm->size() - int(first);
-  double length = double(error.size());
-  comm->broadcast(host_ptr(&length), 1, root);
-  error.resize(size_t(length));
-  comm->broadcast(host_ptr(reinterpret_cast<std::byte*>(error.data())), int64_t(length), root);
-  return comm->size() > 1 && root != comm->rank() ? fmt::format("rank {}: {}", root, error) : error;
+  const int root = first_failing_rank(*comm, !error.empty());
+  if (root < 0) return "";
+  broadcast_string(*comm, error, root);
+  return root != comm->rank() ? fmt::format("rank {}: {}", root, error) : error;
 }
 
 // Test hook: TRAINER_TEST_WRITE_DELAY="step,seconds" stalls the writing of that step's
@@ -239,7 +234,7 @@ std::string write_checkpoint(const Snapshot& snap, const GPTConfig& model, Commu
     f.set_attr("loss_scale_hysteresis_left", s.scaler.hysteresis_left);
     f.set_attr("loss_scale_min_scale_overflows", s.scaler.min_scale_overflows);
     f.set_attr("loss_scale_overflows", s.scaler.overflows);
-    const Layout& l = snap.layout;
+    const Layout& l = s.layout;
     f.set_attr("layout_world", int64_t(l.world));
     f.set_attr("layout_dp", int64_t(l.dp));
     f.set_attr("layout_tp", int64_t(l.tp));
@@ -287,28 +282,40 @@ std::string write_checkpoint(const Snapshot& snap, const GPTConfig& model, Commu
       if (int(r) == me) mine.push_back({0, 0, 1, n});
       f.write_part(fmt::format("comm/state/rank_{}", r), {n}, mine, snap.comm_state.data(), 1);
     }
+    f.flush();  // collective: every rank's data is on the file system before the rename
     f.close();
   } catch (const std::exception& e) {
     error = e.what();
   }
   if (!(error = agree_on_error(comm, error)).empty()) fail(error);
 
-  // Complete on every rank: rank 0 puts it in place, then moves `latest`.
+  // Complete on every rank: rank 0 puts it in place, then moves `latest`. A checkpoint of the
+  // same step already there (a finished run resumed) is replaced only once the new one is.
   if (leader) try {
       write_file_atomic((tmp_dir / "config.toml").string(), snap.config_text);
       fsync_path(state_file);
-      fs::remove_all(final_dir);
+      const fs::path old_dir = root / (name + ".old.tmp");
+      if (fs::exists(final_dir)) fs::rename(final_dir, old_dir);
       fs::rename(tmp_dir, final_dir);
       fsync_path(root.string());
-      write_file_atomic((root / "latest").string(), name + "\n");
-      if (keep_last > 0) {  // older ones go only now that a newer one is complete
-        const std::vector<std::string> steps = complete_checkpoints(root);
-        for (size_t i = keep_last; i < steps.size(); i++) fs::remove_all(root / steps[i]);
-      }
+      fs::remove_all(old_dir);
     } catch (const std::exception& e) {
       error = e.what();
     }
   if (!(error = agree_on_error(comm, error)).empty()) fail(error);
+  // The checkpoint is complete: what fails from here on is a warning, not a lost checkpoint.
+  if (leader) try {
+      write_file_atomic((root / "latest").string(), name + "\n");
+      if (keep_last > 0) {  // older ones go only now that a newer one is complete
+        const std::vector<std::string> steps = complete_checkpoints(root);
+        // Newest first, from this one down: newer leftovers of another run are not touched.
+        int kept = 0;
+        for (const std::string& step : steps)
+          if (step <= name && ++kept > keep_last) fs::remove_all(root / step);
+      }
+    } catch (const std::exception& e) {
+      fmt::print(stderr, "trainer: warning: after writing {}: {}\n", final_dir.string(), e.what());
+    }
   return final_dir.string();
 }
 
@@ -451,6 +458,9 @@ TrainState load_checkpoint(const std::string& state_file, GPT& model, AdamW* opt
   s.tokens = f.attr_int("tokens");
   s.data_samples = f.attr_int("data_samples");
   s.data_skipped = f.attr_int("data_skipped");
+  s.layout = {int(f.attr_int("layout_world")), int(f.attr_int("layout_dp")),
+              int(f.attr_int("layout_tp")),    int(f.attr_int("layout_pp")),
+              int(f.attr_int("layout_zero")),  f.attr_string("layout_order")};
   s.scaler = {f.attr_double("loss_scale"), f.attr_int("loss_scale_clean_steps"),
               f.attr_int("loss_scale_hysteresis_left"),
               f.attr_int("loss_scale_min_scale_overflows"), f.attr_int("loss_scale_overflows")};

@@ -37,6 +37,13 @@ class CheckpointWriteError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// The parallel layout a checkpoint was saved from (a record: any layout loads it).
+struct Layout {
+  int world = 1, dp = 1, tp = 1, pp = 1, zero = 0;
+  std::string order = "tp-pp-dp";
+  bool operator==(const Layout&) const = default;
+};
+
 // Where a run is, besides its tensors.
 struct TrainState {
   int64_t step = 0;          // optimizer steps completed
@@ -44,12 +51,7 @@ struct TrainState {
   int64_t data_samples = 0;  // global samples the data order has passed (the next one is next)
   int64_t data_skipped = 0;  // of those, skipped by rollbacks
   LossScaler::State scaler;
-};
-
-// The parallel layout a checkpoint was saved from (a record: any layout loads it).
-struct Layout {
-  int world = 1, dp = 1, tp = 1, pp = 1, zero = 0;
-  std::string order = "tp-pp-dp";
+  Layout layout;
 };
 
 // This rank's part of a checkpoint, copied into host memory when it is taken, so that training
@@ -57,7 +59,6 @@ struct Layout {
 struct Snapshot {
   TrainState state;
   std::string config_text;
-  Layout layout;
   uint64_t seed = 0;
   // The runs of each parameter's elements this rank writes, in the model's table order and by
   // increasing local index: values at `at` in params, m and v.

@@ -39,8 +39,7 @@ class CheckpointWriter {
   std::optional<Result> wait();
   // The result of a write that has finished, without blocking (none while one is running).
   std::optional<Result> poll();
-  // Whether the write in flight (if any) finishes within `seconds` (<= 0: waits for it). A
-  // false answer means a peer or the file system hangs: the caller ends the job.
+  // Whether the write in flight (if any) finishes within `seconds` (<= 0: waits for it).
   bool finishes_within(double seconds);
   // The newest checkpoint this run wrote ("" before the first).
   const std::string& last_written() const { return last_written_; }

@@ -26,7 +26,7 @@ int report_error(const std::exception_ptr& error) {
     return kExitBadInput;
   } catch (const TrainingDiverged& e) {
     fmt::print(stderr, "trainer: training diverged: {}\n", e.what());
-    return 1;
+    return kExitDiverged;
   } catch (const std::exception& e) {  // a bug, not bad input: still one line, no abort
     fmt::print(stderr, "trainer: internal error: {}\n", e.what());
     return 1;

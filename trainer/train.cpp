@@ -302,6 +302,12 @@ struct Run {
                         12.0 * c.model.n_layer * c.model.d_model * c.model.seq_len) {}
 
   bool replica_leader() const { return me.dp == 0; }
+  // Whether this rank writes its part of a checkpoint: a data-parallel replica only once, but
+  // every ZeRO-1 shard.
+  bool writes_checkpoint() const { return cfg.parallel.zero == 1 || replica_leader(); }
+  Layout layout() const {
+    return {world.size(), dims.dp(), dims.tp(), dims.pp(), cfg.parallel.zero, cfg.parallel.order};
+  }
   // Every group this rank communicates in, the pipeline's last: the time blocked in the others
   // is exposed communication, in the pipeline's it is waiting for the neighbouring stages.
   std::vector<Communicator*> traffic_groups() const {
@@ -328,10 +334,8 @@ std::optional<int> agree_on_setup(World& world, F&& setup) {
     if (error) return report_error(error);
     return std::nullopt;
   }
-  double first_failed = error ? world.size() - world.rank() : 0;  // max = lowest failing rank
-  world.comm().all_reduce(host_ptr(&first_failed), 1, ReduceOp::max);
-  if (first_failed == 0) return std::nullopt;
-  const int failed_rank = world.size() - int(first_failed);
+  const int failed_rank = first_failing_rank(world.comm(), bool(error));
+  if (failed_rank < 0) return std::nullopt;
   double code = 0;
   if (world.rank() == failed_rank) code = report_error(error);
   world.comm().broadcast(host_ptr(&code), 1, failed_rank);
@@ -524,24 +528,35 @@ void print_start(const Run& run) {
 }
 
 // Restores a checkpoint on every rank (each takes its slice, whatever layout wrote it): the
-// tensors, the loss scaler, the compression state when the layout matches, the data position.
-// Returns the step it continues from.
-int64_t restore(Run& run, const std::string& file, bool report) {
+// tensors, the loss scaler, the compression state when the gradients were exchanged the same
+// way (layout, buckets, method), and the data order at `samples` (-1: where the checkpoint
+// left it). Returns the step it continues from.
+int64_t restore(Run& run, const std::string& file, bool report, int64_t samples = -1) {
   std::vector<float> comm_state;
   const TrainState ts =
       load_checkpoint(file, run.model, &run.optimizer, &comm_state, run.world.rank());
   run.scaler.set_state(ts.scaler);
-  if (run.cfg.comm.compression.method != "none") {
-    double restored = run.reducer.set_compression_state(comm_state) ? 1 : 0;
+  if (run.optimizer.master() && run.cfg.precision.stochastic_rounding) {
+    run.optimizer.round_master(ts.step);  // the last update's rounding, not nearest-even
+    run.reducer.gather_params();          // ZeRO-1: the other ranks' pieces
+  }
+  const Config& cfg = run.cfg;
+  if (cfg.comm.compression.method != "none") {
+    const Config saved = checkpoint_config(file);
+    const bool same_exchange = ts.layout == run.layout() &&
+                               saved.parallel.bucket_mb == cfg.parallel.bucket_mb &&
+                               saved.parallel.allreduce == cfg.parallel.allreduce &&
+                               saved.comm.compression == cfg.comm.compression;
+    double restored = same_exchange && run.reducer.set_compression_state(comm_state) ? 1 : 0;
     run.world.comm().all_reduce(host_ptr(&restored), 1, ReduceOp::sum);
     if (report && restored < run.world.size())
       fmt::print(
-          "compression state: not restored on {} of {} ranks (another layout or method); it "
-          "starts from zero\n",
+          "compression state: not restored on {} of {} ranks (saved with another layout, "
+          "buckets or method); it starts from zero\n",
           run.world.size() - int(restored), run.world.size());
   }
-  run.data_skipped = ts.data_skipped;
-  run.start_data(ts.step, ts.data_samples);
+  run.data_skipped = ts.data_skipped + (samples >= 0 ? samples - ts.data_samples : 0);
+  run.start_data(ts.step, samples >= 0 ? samples : ts.data_samples);
   return ts.step;
 }
 
@@ -552,10 +567,16 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   Config cfg;
   std::unique_ptr<Run> run_ptr;
   std::string resume;
+  // Rank 0 alone picks the checkpoint to resume from (reading it back whole) and tells the
+  // others, so that every rank resumes from the same one.
   if (auto failed = agree_on_setup(world, [&] {
         cfg = load_config(config_path, overrides);
+        if (world.rank() == 0) resume = resume_file(cfg, true);
+      }))
+    return *failed;
+  broadcast_string(world.comm(), resume, 0);
+  if (auto failed = agree_on_setup(world, [&] {
         omp_set_num_threads(threads_per_rank(cfg, world));
-        resume = resume_file(cfg, world.rank() == 0);
         if (!resume.empty()) checkpoint_config(resume);  // a readable checkpoint of ours
         run_ptr = std::make_unique<Run>(cfg, world, config_path);
       }))
@@ -564,7 +585,6 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   std::signal(SIGUSR1, request_stop);
   // A file-size limit (ulimit -f) must fail the write, not kill the process.
   std::signal(SIGXFSZ, SIG_IGN);
-  world.set_collective_timeout(cfg.faults.collective_timeout_s);
   Run& run = *run_ptr;
   const bool leader = world.rank() == 0;
   const std::string ckpt_dir = checkpoint_dir(cfg);
@@ -576,6 +596,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     world.comm().broadcast(host_ptr(&peak), 1, 0);
   }
   run.peak_flops = peak;
+  world.set_collective_timeout(cfg.faults.collective_timeout_s);  // not over the measurement
 
   namespace fs = std::filesystem;
   std::optional<MetricsLog> log;
@@ -613,8 +634,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   // The snapshot buffers are touched now, so that the first periodic checkpoint's stall is a
   // copy, not the page faults of allocating gigabytes.
   if (cfg.checkpoint.async && (cfg.checkpoint.every_steps > 0 || cfg.checkpoint.every_minutes > 0))
-    take_snapshot(run.model, &run.optimizer, cfg.parallel.zero == 1 || run.replica_leader(),
-                  run.writer.snapshot());
+    take_snapshot(run.model, &run.optimizer, run.writes_checkpoint(), run.writer.snapshot());
   auto evaluate = [&](int64_t at) {
     const double val = validation_loss(run);
     if (!leader) return;
@@ -643,11 +663,11 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   // Waits for the write in flight and reports it. A write that hangs (a dead peer inside a
   // parallel HDF5 collective, a stuck file system) ends the job like a hung collective.
   auto await_writer = [&](int64_t at) {
-    const double limit = cfg.faults.collective_timeout_s;
+    const double limit = cfg.faults.checkpoint_timeout_s;
     if (!run.writer.finishes_within(limit)) {
       fmt::print(stderr,
                  "trainer: the checkpoint write did not finish within {} s at step {} "
-                 "(collective_timeout_s): a peer is dead or hung, or the file system is stuck; "
+                 "(checkpoint_timeout_s): a peer is dead or hung, or the file system is stuck; "
                  "ending the job\n",
                  limit, at);
       std::fflush(stderr);
@@ -662,13 +682,15 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     const auto t0 = Clock::now();
     bool ok = await_writer(at);  // one write at a time
     Snapshot& snap = run.writer.snapshot();
-    take_snapshot(run.model, &run.optimizer, cfg.parallel.zero == 1 || run.replica_leader(), snap);
+    take_snapshot(run.model, &run.optimizer, run.writes_checkpoint(), snap);
     const int64_t samples = run.samples_at(at);
-    snap.state = {at, (samples - run.data_skipped) * cfg.model.seq_len, samples, run.data_skipped,
-                  run.scaler.state()};
+    snap.state = {at,
+                  (samples - run.data_skipped) * cfg.model.seq_len,
+                  samples,
+                  run.data_skipped,
+                  run.scaler.state(),
+                  run.layout()};
     snap.config_text = config_to_toml(cfg);
-    snap.layout = {world.size(),  run.dims.dp(),     run.dims.tp(),
-                   run.dims.pp(), cfg.parallel.zero, cfg.parallel.order};
     snap.seed = cfg.run.seed;
     snap.comm_state = run.reducer.compression_state();
     double size = double(snap.comm_state.size());
@@ -677,7 +699,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     snap.comm_state_sizes.assign(sizes.begin(), sizes.end());
     const double mb = double(snap.params.size() * (snap.has_moments ? 3 : 1)) * 4 / (1 << 20);
     run.writer.start(sync && !cfg.checkpoint.async);  // with a thread, sync waits for it below
-    if (sync) ok = await_writer(at) && ok;
+    if (sync) ok = await_writer(at);         // this one decides (an earlier failure was reported)
     const double stall = seconds_since(t0);  // what the step was blocked for
     last_checkpoint_time = Clock::now();
     if (leader) {
@@ -709,12 +731,9 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
       throw TrainingDiverged(fmt::format(
           "{} bad steps in a row up to step {} after {} rollbacks to {}: the bad steps come back",
           cfg.faults.max_bad_steps, bad_step, kMaxRollbacks, target));
-    const int64_t next_samples = run.samples_at(bad_step + 1);
-    const int64_t at = restore(run, target, false);
-    if (cfg.faults.skip_data_on_rollback) {  // the batches since the checkpoint are not retried
-      run.data_skipped += next_samples - run.data_samples;
-      run.start_data(at, next_samples);
-    }
+    // With skip_data_on_rollback the batches since the checkpoint are not tried again.
+    const int64_t at = restore(
+        run, target, false, cfg.faults.skip_data_on_rollback ? run.samples_at(bad_step + 1) : -1);
     run.guard.rolled_back();
     if (leader) {
       fmt::print(stderr,
@@ -747,7 +766,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
       }
     } catch (const TrainingDiverged&) {  // every rank decides the same: one line, no abort
       if (leader) return report_error(std::current_exception());
-      return 1;
+      return kExitDiverged;
     }
     if (leader) log->step(stats, step % cfg.train.log_every == 0 || step + 1 == cfg.train.steps);
     report(run.writer.poll());
@@ -776,7 +795,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
                 {"peak_rss_mb_max", rss_max},
                 {"skipped_steps", run.scaler.overflows()}});
   }
-  const int64_t done = cfg.train.steps;
+  const int64_t done = step;  // train.steps, or later for a run resumed past it
   if (cfg.train.val_every > 0) evaluate(done);
   if (cfg.train.sample_every > 0) sample(done);
   return checkpoint(done, true) ? 0 : 1;
