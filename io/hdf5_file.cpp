@@ -210,6 +210,25 @@ void H5File::set_attr(const std::string& name, const std::string& value) {
     throw H5Error(fmt::format("{}: cannot write attribute {}", path_, name));
 }
 
+void H5File::set_attr(const std::string& name, const std::vector<double>& values) {
+  const hsize_t n = values.size();
+  Handle space{H5Screate_simple(1, &n, nullptr), H5Sclose};
+  Handle a{H5Acreate2(id_, name.c_str(), H5T_IEEE_F64LE, space.id, H5P_DEFAULT, H5P_DEFAULT),
+           H5Aclose};
+  if (a.id < 0 || H5Awrite(a.id, H5T_NATIVE_DOUBLE, values.data()) < 0)
+    throw H5Error(fmt::format("{}: cannot write attribute {}", path_, name));
+}
+
+std::vector<double> H5File::attr_doubles(const std::string& name) const {
+  Handle a{H5Aopen(id_, name.c_str(), H5P_DEFAULT), H5Aclose};
+  if (a.id < 0) throw H5Error(fmt::format("{}: attribute {} is missing", path_, name));
+  Handle space{H5Aget_space(a.id), H5Sclose};
+  std::vector<double> v(std::max<hssize_t>(H5Sget_simple_extent_npoints(space.id), 0));
+  if (H5Aread(a.id, H5T_NATIVE_DOUBLE, v.data()) < 0)
+    throw H5Error(fmt::format("{}: cannot read attribute {}", path_, name));
+  return v;
+}
+
 int64_t H5File::attr_int(const std::string& name) const {
   Handle a{H5Aopen(id_, name.c_str(), H5P_DEFAULT), H5Aclose};
   int64_t v = 0;

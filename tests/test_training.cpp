@@ -103,6 +103,12 @@ TEST(Init, NormalSamplerMoments) {
 
 using CheckpointTest = test::TempDirTest;
 
+TrainState state_at(int64_t step, int64_t tokens, int64_t samples) {
+  TrainState s;
+  s.step = step, s.tokens = tokens, s.data_samples = samples;
+  return s;
+}
+
 TEST_F(CheckpointTest, RoundTripIsBitwise) {
   auto k = make_cpu_kernels();
   Config cfg;
@@ -116,7 +122,7 @@ TEST_F(CheckpointTest, RoundTripIsBitwise) {
   model.backward();
   opt.update(1e-3f, 1.0f, 1);
   const std::string step_dir =
-      save_checkpoint((dir_ / "checkpoints").string(), cfg, model, &opt, {7, 56, 112, 0, {}, {}});
+      save_checkpoint((dir_ / "checkpoints").string(), cfg, model, &opt, state_at(7, 56, 112));
   EXPECT_EQ(step_dir, (dir_ / "checkpoints" / "step_00000007").string());
   EXPECT_FALSE(fs::exists(dir_ / "checkpoints" / "step_00000007.tmp"));
 
@@ -142,7 +148,7 @@ TEST_F(CheckpointTest, MismatchedModelIsAClearError) {
   cfg.model = tiny_model();
   GPT model(cfg.model, *k, DType::f32, 1, 8);
   const std::string dir =
-      save_checkpoint((dir_ / "checkpoints").string(), cfg, model, nullptr, {1, 8, 1, 0, {}, {}});
+      save_checkpoint((dir_ / "checkpoints").string(), cfg, model, nullptr, state_at(1, 8, 1));
   GPTConfig other = tiny_model();
   other.n_layer = 3;
   GPT wrong(other, *k, DType::f32, 1, 8);
@@ -203,7 +209,11 @@ TEST(StepGuard, SpikesAndNonFiniteStepsAreBadAndRepeatsRollBack) {
   EXPECT_TRUE(why.starts_with("gradient norm 4.0000 spiked")) << why;
   EXPECT_EQ(g.check(NAN, 1.0, why), V::rollback);
   EXPECT_EQ(why, "loss is nan");
-  g.rolled_back();
+  const std::vector<double> losses = g.recent_losses(), norms = g.recent_norms();
+  EXPECT_EQ(losses.size(), 10u);
+  g.restore(losses, norms);  // as a rollback does: the run of bad steps ends, the windows stay
+  EXPECT_EQ(g.bad_in_a_row(), 0);
+  EXPECT_EQ(g.recent_losses(), losses);
   EXPECT_EQ(g.check(3.01, INFINITY, why), V::bad);
   EXPECT_EQ(why, "gradient norm is inf");
   EXPECT_EQ(g.check(3.02, 1.05, why), V::good);  // ends the run of bad steps

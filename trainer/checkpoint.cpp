@@ -242,6 +242,8 @@ std::string write_checkpoint(const Snapshot& snap, const GPTConfig& model, Commu
     f.set_attr("layout_zero", int64_t(l.zero));
     f.set_attr("layout_order", l.order);
     f.set_attr("rng_seed", int64_t(snap.seed));
+    if (!s.recent_losses.empty()) f.set_attr("recent_losses", s.recent_losses);
+    if (!s.recent_norms.empty()) f.set_attr("recent_norms", s.recent_norms);
 
     // Every rank creates every dataset, in the same order, and writes its own boxes in as many
     // collective writes as the rank with the most boxes in that dataset.
@@ -461,6 +463,8 @@ TrainState load_checkpoint(const std::string& state_file, GPT& model, AdamW* opt
   s.layout = {int(f.attr_int("layout_world")), int(f.attr_int("layout_dp")),
               int(f.attr_int("layout_tp")),    int(f.attr_int("layout_pp")),
               int(f.attr_int("layout_zero")),  f.attr_string("layout_order")};
+  if (f.exists_attr("recent_losses")) s.recent_losses = f.attr_doubles("recent_losses");
+  if (f.exists_attr("recent_norms")) s.recent_norms = f.attr_doubles("recent_norms");
   s.scaler = {f.attr_double("loss_scale"), f.attr_int("loss_scale_clean_steps"),
               f.attr_int("loss_scale_hysteresis_left"),
               f.attr_int("loss_scale_min_scale_overflows"), f.attr_int("loss_scale_overflows")};

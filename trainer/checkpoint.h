@@ -9,7 +9,8 @@
 //                               PowerSGD's Q), when compressing
 //   root attributes: format_version, step, tokens, data_samples, data_skipped, config (TOML
 //   text), config_hash, model dimensions, the loss scaler's state, the layout it was saved
-//   from (layout_world, layout_dp, layout_tp, layout_pp, layout_zero, layout_order) and
+//   from (layout_world, layout_dp, layout_tp, layout_pp, layout_zero, layout_order), the step
+//   guard's windows (recent_losses, recent_norms: arrays, when not empty) and
 //   rng_seed (every random stream is a function of the seed and a step or sample index).
 // Written with parallel HDF5: each rank writes only the elements it holds (its tensor-parallel
 // slice, its pipeline stage, its ZeRO-1 piece; replicas once) as hyperslabs, collectively.
@@ -52,6 +53,7 @@ struct TrainState {
   int64_t data_skipped = 0;  // of those, skipped by rollbacks
   LossScaler::State scaler;
   Layout layout;
+  std::vector<double> recent_losses, recent_norms;  // the step guard's windows of good steps
 };
 
 // This rank's part of a checkpoint, copied into host memory when it is taken, so that training

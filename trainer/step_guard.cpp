@@ -25,6 +25,12 @@ void StepGuard::Window::push(double x, size_t size) {
   if (values.size() > size) values.pop_front();
 }
 
+void StepGuard::restore(const std::vector<double>& losses, const std::vector<double>& norms) {
+  loss_.values.assign(losses.begin(), losses.end());
+  norm_.values.assign(norms.begin(), norms.end());
+  bad_in_a_row_ = 0;
+}
+
 StepGuard::Verdict StepGuard::check(double loss, double grad_norm, std::string& why) {
   why.clear();
   const size_t window = size_t(cfg_.spike_window);

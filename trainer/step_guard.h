@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <deque>
 #include <string>
+#include <vector>
 
 #include "io/config.h"
 
@@ -20,8 +21,11 @@ class StepGuard {
   enum class Verdict { good, bad, rollback };
   // `why` says what was wrong with a bad step.
   Verdict check(double loss, double grad_norm, std::string& why);
-  // After a rollback: the bad run ends; the window of good steps is kept.
-  void rolled_back() { bad_in_a_row_ = 0; }
+  // The windows of recent good losses and gradient norms (oldest first), for checkpoints; a
+  // restored run or a rollback sets them back, and the run of bad steps ends.
+  std::vector<double> recent_losses() const { return {loss_.values.begin(), loss_.values.end()}; }
+  std::vector<double> recent_norms() const { return {norm_.values.begin(), norm_.values.end()}; }
+  void restore(const std::vector<double>& losses, const std::vector<double>& norms);
   int bad_in_a_row() const { return bad_in_a_row_; }
 
  private:

@@ -536,6 +536,7 @@ int64_t restore(Run& run, const std::string& file, bool report, int64_t samples 
   const TrainState ts =
       load_checkpoint(file, run.model, &run.optimizer, &comm_state, run.world.rank());
   run.scaler.set_state(ts.scaler);
+  run.guard.restore(ts.recent_losses, ts.recent_norms);
   if (run.optimizer.master() && run.cfg.precision.stochastic_rounding) {
     run.optimizer.round_master(ts.step);  // the last update's rounding, not nearest-even
     run.reducer.gather_params();          // ZeRO-1: the other ranks' pieces
@@ -689,7 +690,9 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
                   samples,
                   run.data_skipped,
                   run.scaler.state(),
-                  run.layout()};
+                  run.layout(),
+                  run.guard.recent_losses(),
+                  run.guard.recent_norms()};
     snap.config_text = config_to_toml(cfg);
     snap.seed = cfg.run.seed;
     snap.comm_state = run.reducer.compression_state();
@@ -734,7 +737,6 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     // With skip_data_on_rollback the batches since the checkpoint are not tried again.
     const int64_t at = restore(
         run, target, false, cfg.faults.skip_data_on_rollback ? run.samples_at(bad_step + 1) : -1);
-    run.guard.rolled_back();
     if (leader) {
       fmt::print(stderr,
                  "trainer: {} bad steps in a row up to step {}: rolled back to {} (step {}){}\n",
