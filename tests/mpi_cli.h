@@ -40,6 +40,15 @@ class MpiCli : public test::TempDirTest {
   test::CommandResult mpirun(int ranks, const std::string& settings, const std::string& env = "") {
     return test::run_command(env + mpirun_command(ranks, settings));
   }
+  // Shell: waits (up to 60 s) until the run in out/ has logged step `step`.
+  std::string wait_for_step(int step) {
+    return "for i in $(seq 1 3000); do grep -q '\"step\":" + std::to_string(step) + ",' " +
+           path("out/metrics.jsonl") + " 2>/dev/null && break; sleep 0.02; done; ";
+  }
+  // Shell: a pgrep/pkill pattern for the ranks of run.toml.
+  std::string ranks_pattern() {
+    return "'^" + std::string(TRAINER_BIN) + " train " + path("run.toml") + "'";
+  }
   static int count(const std::string& text, const std::string& what) {
     int n = 0;
     for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) n++;

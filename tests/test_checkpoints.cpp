@@ -129,9 +129,8 @@ TEST_F(MpiCli, SigtermCheckpointsAndExitsForRequeue) {
   const std::string run = mpirun_command(2,
                                          "--set train.steps=1000000 --set parallel.dp=2 "
                                          "--set train.log_every=100000");
-  const auto r =
-      test::run_command("(" + run + ") & pid=$!; sleep 3; pkill -TERM -f '^" +
-                        std::string(TRAINER_BIN) + " train " + path("run.toml") + "'; wait $pid");
+  const auto r = test::run_command("(" + run + ") & pid=$!; " + wait_for_step(50) +
+                                   "pkill -TERM -f " + ranks_pattern() + "; wait $pid");
   EXPECT_EQ(r.code, 75) << r.output;
   EXPECT_EQ(count(r.output, "stopped by a signal after step"), 1) << r.output;
   const std::string name = latest_of(path("out/checkpoints"));
@@ -260,12 +259,10 @@ TEST_F(MpiCli, KilledRankUnderTheSupervisorFinishesBitwise) {
   SCOPED_TRACE("SIGKILL to the rank listed " + std::to_string(victim) + " at step " +
                std::to_string(kill_at));
   const std::string job = mpirun_command(4, common + "--set checkpoint.resume=" + quoted("auto"));
-  const std::string ranks = "'^" + std::string(TRAINER_BIN) + " train " + path("run.toml") + "'";
-  r = test::run_command(
-      "(" + std::string(SOURCE_DIR) + "/scripts/supervise.sh --retries 2 --delay 0 -- " + job +
-      ") & sup=$!; for i in $(seq 1 2000); do grep -q '\"step\":" + std::to_string(kill_at) +
-      ",' " + path("out/metrics.jsonl") + " 2>/dev/null && break; sleep 0.02; done; kill -KILL " +
-      "$(pgrep -f " + ranks + " | sed -n " + std::to_string(victim) + "p); wait $sup");
+  r = test::run_command("(" + std::string(SOURCE_DIR) +
+                        "/scripts/supervise.sh --retries 2 --delay 0 -- " + job + ") & sup=$!; " +
+                        wait_for_step(kill_at) + "kill -KILL $(pgrep -f " + ranks_pattern() +
+                        " | sed -n " + std::to_string(victim) + "p); wait $sup");
   EXPECT_EQ(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("supervise: attempt 1/3 exited with"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("supervise: attempt 2/3 exited with 0"), std::string::npos) << r.output;
@@ -405,8 +402,9 @@ TEST_F(MpiCli, HungPeerEndsTheJobAfterTheCollectiveTimeout) {
       2,
       "--set train.steps=100000000 --set parallel.dp=2 --set faults.collective_timeout_s=2 "
       "--set train.log_every=100000");
-  const auto r = test::run_command("(" + run + ") & pid=$!; sleep 3; pkill -STOP -n -f '^" +
-                                   TRAINER_BIN + " train " + path("run.toml") + "'; wait $pid");
+  // Stopped once training runs (the timeout is armed after start-up).
+  const auto r = test::run_command("(" + run + ") & pid=$!; " + wait_for_step(50) +
+                                   "pkill -STOP -n -f " + ranks_pattern() + "; wait $pid");
   EXPECT_EQ(r.code, 1) << r.output;
   // (The stopped rank, continued by mpirun to be killed, may say the same.)
   EXPECT_GE(count(r.output,

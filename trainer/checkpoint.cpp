@@ -134,6 +134,16 @@ int64_t file_size_bound(const Snapshot& snap, const GPTConfig& model) {
   return values * 4 + datasets * 16384 + int64_t(snap.config_text.size()) + (1 << 20);
 }
 
+// Rank r's compression state (empty when it has none).
+std::vector<float> comm_state_of(const H5File& f, int rank) {
+  const std::string name = fmt::format("comm/state/rank_{}", rank);
+  if (!f.exists(name)) return {};
+  const std::vector<int64_t> shape = f.shape(name);
+  std::vector<float> values(shape.at(0));
+  f.read(name, shape, values.data());
+  return values;
+}
+
 }  // namespace
 
 void take_snapshot(const GPT& model, const AdamW* optimizer, bool writes, Snapshot& out) {
@@ -388,12 +398,7 @@ void verify_checkpoint(const std::string& state_file, const GPTConfig& model) {
       if (group == "params/" || f.exists(group + q.name))
         f.read(group + q.name, q.shape, values.data());
   }
-  for (int r = 0; f.exists(fmt::format("comm/state/rank_{}", r)); r++) {
-    const std::string name = fmt::format("comm/state/rank_{}", r);
-    const std::vector<int64_t> shape = f.shape(name);
-    std::vector<float> values(shape.at(0));
-    f.read(name, shape, values.data());
-  }
+  for (int64_t r = 0; r < f.attr_int("layout_world"); r++) comm_state_of(f, int(r));
 }
 
 std::string newest_valid_checkpoint(const std::string& dir, const GPTConfig& model,
@@ -446,15 +451,7 @@ TrainState load_checkpoint(const std::string& state_file, GPT& model, AdamW* opt
     to_state(local("optim/m/"), optimizer->m());
     to_state(local("optim/v/"), optimizer->v());
   }
-  if (comm_state) {
-    const std::string name = fmt::format("comm/state/rank_{}", rank);
-    comm_state->clear();
-    if (f.exists(name)) {
-      const std::vector<int64_t> shape = f.shape(name);
-      comm_state->resize(shape.at(0));
-      f.read(name, shape, comm_state->data());
-    }
-  }
+  if (comm_state) *comm_state = comm_state_of(f, rank);
   TrainState s;
   s.step = f.attr_int("step");
   s.tokens = f.attr_int("tokens");
