@@ -183,6 +183,29 @@ void H5File::read(const std::string& name, const std::vector<int64_t>& expected,
     throw H5Error(fmt::format("{}: cannot read dataset {} (corrupt?)", path_, name));
 }
 
+void H5File::read_part(const std::string& name, const std::vector<int64_t>& expected,
+                       const std::vector<Box>& boxes, float* values) const {
+  std::vector<int64_t> found = shape(name);
+  if (found != expected)
+    throw H5Error(fmt::format("{}: dataset {} has shape {}, the model expects {}", path_, name,
+                              shape_string(found), shape_string(expected)));
+  if (found.empty() || found.size() > 2)
+    throw std::logic_error("H5File::read_part: 1-D and 2-D datasets only");
+  Handle ds{H5Dopen2(id_, name.c_str(), H5P_DEFAULT), H5Dclose};
+  Handle space{H5Dget_space(ds.id), H5Sclose};
+  for (const Box& b : boxes) {
+    if (b.rows <= 0 || b.cols <= 0) continue;
+    hsize_t start[2] = {hsize_t(b.row), hsize_t(b.col)},
+            count[2] = {hsize_t(b.rows), hsize_t(b.cols)};
+    if (found.size() == 1) start[0] = hsize_t(b.col), count[0] = hsize_t(b.cols);
+    Handle memory{H5Screate_simple(int(found.size()), count, nullptr), H5Sclose};
+    H5Sselect_hyperslab(space.id, H5S_SELECT_SET, start, nullptr, count, nullptr);
+    if (H5Dread(ds.id, H5T_NATIVE_FLOAT, memory.id, space.id, H5P_DEFAULT, values) < 0)
+      throw H5Error(fmt::format("{}: cannot read dataset {} (corrupt?)", path_, name));
+    values += b.rows * b.cols;
+  }
+}
+
 void H5File::set_attr(const std::string& name, int64_t value) {
   Handle space{H5Screate(H5S_SCALAR), H5Sclose};
   Handle a{H5Acreate2(id_, name.c_str(), H5T_STD_I64LE, space.id, H5P_DEFAULT, H5P_DEFAULT),

@@ -54,6 +54,9 @@ class H5File {
   std::vector<int64_t> shape(const std::string& name) const;
   // Reads into data, after checking the stored shape equals `shape`.
   void read(const std::string& name, const std::vector<int64_t>& shape, float* data) const;
+  // Reads only `boxes` (1-D and 2-D datasets), box after box, each in row-major order.
+  void read_part(const std::string& name, const std::vector<int64_t>& shape,
+                 const std::vector<Box>& boxes, float* values) const;
 
   void set_attr(const std::string& name, int64_t value);
   void set_attr(const std::string& name, double value);

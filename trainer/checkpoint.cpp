@@ -424,15 +424,13 @@ TrainState load_checkpoint(const std::string& state_file, GPT& model, AdamW* opt
   const int64_t total = model.table().total;
   Kernels& k = model.kernels();
   // This rank's elements of a group of tensors, in the flat layout of its parameters.
+  // Each rank reads only the boxes of its slices (the values arrive in local order).
   auto local = [&](const std::string& group) {
     std::vector<float> flat(total, 0.0f);
     for (const ParamInfo& p : model.table().params) {
-      const ParamInfo& q = full.at(p.name);
-      std::vector<float> values(q.logical_numel());
-      f.read(group + p.name, q.shape, values.data());
-      p.for_each_run(0, p.local_numel(), [&](int64_t local, int64_t logical, int64_t n) {
-        std::copy_n(values.begin() + logical, n, flat.begin() + p.offset + local);
-      });
+      std::vector<Box> boxes;
+      append_boxes(p, 0, p.local_numel(), boxes);
+      f.read_part(group + p.name, full.at(p.name).shape, boxes, flat.data() + p.offset);
     }
     return flat;
   };
