@@ -276,6 +276,29 @@ TEST_F(MpiCli, KilledRankUnderTheSupervisorFinishesBitwise) {
   EXPECT_EQ(kept, (std::vector<std::string>{"step_00000175", "step_00000200"}));
 }
 
+// every_minutes: rank 0's clock decides and every rank follows (the decision rides on the step's
+// all-reduce); checkpoints go to [checkpoint] dir, and resume = "auto" looks there.
+TEST_F(MpiCli, TimedCheckpointsGoToTheConfiguredDirectory) {
+  const std::string dir = path("elsewhere");
+  const std::string common =
+      "--set parallel.dp=2 --set checkpoint.every_minutes=0.002 --set checkpoint.keep_last=3 "
+      "--set checkpoint.dir=" +
+      quoted(dir) + " ";
+  auto r = mpirun(2, common + "--set train.steps=3000 --set train.log_every=1000");
+  ASSERT_EQ(r.code, 0) << r.output;
+  int periodic = 0;
+  for (const auto& e : fs::directory_iterator(dir))
+    periodic += e.is_directory() && e.path().filename() != "step_00003000";
+  EXPECT_GE(periodic, 2) << r.output;
+  EXPECT_EQ(latest_of(dir), "step_00003000");
+  EXPECT_FALSE(fs::exists(path("out/checkpoints")));
+  r = mpirun(2, common + "--set train.steps=3002 --set checkpoint.resume=" + quoted("auto"));
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("resumed from " + dir + "/step_00003000/state.h5 at step 3000"),
+            std::string::npos)
+      << r.output;
+}
+
 // A process killed while its writer thread is in the middle of a checkpoint: the temporary
 // is left behind, never taken for a checkpoint; `latest` and the previous one stay valid.
 TEST_F(MpiCli, CrashDuringWriteLeavesThePreviousCheckpoint) {
