@@ -773,7 +773,9 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     if (leader) log->step(stats, step % cfg.train.log_every == 0 || step + 1 == cfg.train.steps);
     report(run.writer.poll());
     step++;
-    if (stats.stop) {  // preempted: a checkpoint of the finished steps, then "requeue me"
+    // Preempted: a checkpoint of the finished steps, then "requeue me" (after the last step the
+    // run simply finishes).
+    if (stats.stop && step < cfg.train.steps) {
       const bool ok = checkpoint(step, true);
       if (leader)
         fmt::print("stopped by a signal after step {}: exit {}\n", step - 1, ok ? kExitRequeue : 1);
