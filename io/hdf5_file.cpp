@@ -54,7 +54,7 @@ H5File H5File::create_parallel(const std::string& path, MPI_Comm comm) {
   // Filtered (checksummed) datasets can only be written collectively.
   hid_t xfer = H5Pcreate(H5P_DATASET_XFER);
   H5Pset_dxpl_mpio(xfer, H5FD_MPIO_COLLECTIVE);
-  return H5File(path, id, xfer);
+  return H5File(path, id, xfer, comm);
 }
 
 H5File H5File::open_read(const std::string& path) {
@@ -128,7 +128,7 @@ void H5File::write(const std::string& name, const std::vector<int64_t>& shape, c
 }
 
 void H5File::write_part(const std::string& name, const std::vector<int64_t>& shape,
-                        const std::vector<Box>& boxes, const float* values, int writes) {
+                        const std::vector<Box>& boxes, const float* values) {
   if (shape.empty() || shape.size() > 2)
     throw std::logic_error("H5File::write_part: 1-D and 2-D datasets only");
   const std::vector<hsize_t> dims(shape.begin(), shape.end());
@@ -136,10 +136,12 @@ void H5File::write_part(const std::string& name, const std::vector<int64_t>& sha
   Handle space{H5Dget_space(ds.id), H5Sclose};
   // One write per box, each from a memory block of the box's own shape: HDF5 maps same-shaped
   // selections chunk by chunk (a 1-D buffer against a 2-D selection goes element by element).
-  // In a parallel file every rank makes the same number of (collective) writes, empty ones to
-  // make up its count.
+  // In a parallel file every rank makes as many (collective) writes as the rank with the most
+  // boxes, empty ones to make up its count.
   const hid_t xfer = xfer_ >= 0 ? xfer_ : H5P_DEFAULT;
-  const int n = std::max<int>(writes, int(boxes.size()));
+  int n = int(boxes.size());
+  if (comm_ != MPI_COMM_NULL && MPI_Allreduce(MPI_IN_PLACE, &n, 1, MPI_INT, MPI_MAX, comm_) != 0)
+    throw H5Error(fmt::format("{}: cannot agree on the writes of dataset {}", path_, name));
   for (int w = 0; w < n; w++) {
     const Box b = w < int(boxes.size()) ? boxes[w] : Box{0, 0, 0, 0};
     const bool empty = b.rows <= 0 || b.cols <= 0;

@@ -37,7 +37,8 @@ class H5File {
   H5File(H5File&& o) noexcept
       : path_(std::move(o.path_)),
         id_(std::exchange(o.id_, -1)),
-        xfer_(std::exchange(o.xfer_, -1)) {}
+        xfer_(std::exchange(o.xfer_, -1)),
+        comm_(o.comm_) {}
   H5File(const H5File&) = delete;
   H5File& operator=(const H5File&) = delete;
 
@@ -47,10 +48,10 @@ class H5File {
   // Chunked, each chunk with a Fletcher32 checksum.
   void write(const std::string& name, const std::vector<int64_t>& shape, const float* data);
   // Creates the dataset (collectively, in a parallel file) and writes this rank's part:
-  // `boxes`, whose elements `values` holds box after box, each in row-major order. In a
-  // parallel file every rank passes the same `writes`, at least its number of boxes.
+  // `boxes` (none is fine), whose elements `values` holds box after box, each in row-major
+  // order.
   void write_part(const std::string& name, const std::vector<int64_t>& shape,
-                  const std::vector<Box>& boxes, const float* values, int writes = 0);
+                  const std::vector<Box>& boxes, const float* values);
   std::vector<int64_t> shape(const std::string& name) const;
   // Reads into data, after checking the stored shape equals `shape`.
   void read(const std::string& name, const std::vector<int64_t>& shape, float* data) const;
@@ -73,11 +74,12 @@ class H5File {
   void close();
 
  private:
-  H5File(std::string path, hid_t id, hid_t xfer = -1)
-      : path_(std::move(path)), id_(id), xfer_(xfer) {}
+  H5File(std::string path, hid_t id, hid_t xfer = -1, MPI_Comm comm = MPI_COMM_NULL)
+      : path_(std::move(path)), id_(id), xfer_(xfer), comm_(comm) {}
   std::string path_;
   hid_t id_ = -1;
   hid_t xfer_ = -1;  // the data-transfer properties: collective MPI-IO in a parallel file
+  MPI_Comm comm_;    // the ranks writing a parallel file (MPI_COMM_NULL: one process)
 };
 
 std::string shape_string(const std::vector<int64_t>& shape);

@@ -124,9 +124,9 @@ std::string stored_config(const H5File& f, const std::string& state_file) {
 
 // More than the file will take: the values, a checksum per chunk, and HDF5's metadata (object
 // headers, chunk indexes, attributes) at well under 16 KB per dataset.
-int64_t file_size_bound(const Snapshot& snap, const GPTConfig& model) {
+int64_t file_size_bound(const Snapshot& snap, const ParamTable& full) {
   int64_t values = 0, datasets = 0;
-  for (const ParamInfo& q : gpt2_param_table(model).params) {
+  for (const ParamInfo& q : full.params) {
     values += q.logical_numel() * (snap.has_moments ? 3 : 1);
     datasets += snap.has_moments ? 3 : 1;
   }
@@ -201,6 +201,7 @@ void take_snapshot(const GPT& model, const AdamW* optimizer, bool writes, Snapsh
 
 std::string write_checkpoint(const Snapshot& snap, const GPTConfig& model, Communicator* comm,
                              const std::string& dir, int keep_last) {
+  const ParamTable full = gpt2_param_table(model);
   const bool leader = !comm || comm->rank() == 0;
   const fs::path root(dir);
   const std::string name = step_name(snap.state.step);
@@ -220,7 +221,7 @@ std::string write_checkpoint(const Snapshot& snap, const GPTConfig& model, Commu
       fs::create_directories(root);
       fs::remove_all(tmp_dir);
       fs::create_directories(tmp_dir);
-      check_space((tmp_dir / "state.h5").string(), file_size_bound(snap, model));
+      check_space((tmp_dir / "state.h5").string(), file_size_bound(snap, full));
     } catch (const std::exception& e) {
       error = e.what();
     }
@@ -255,13 +256,11 @@ std::string write_checkpoint(const Snapshot& snap, const GPTConfig& model, Commu
     if (!s.recent_losses.empty()) f.set_attr("recent_losses", s.recent_losses);
     if (!s.recent_norms.empty()) f.set_attr("recent_norms", s.recent_norms);
 
-    // Every rank creates every dataset, in the same order, and writes its own boxes in as many
-    // collective writes as the rank with the most boxes in that dataset.
-    const ParamTable full = gpt2_param_table(model);
+    // Every rank creates every dataset, in the same order, and writes its own boxes (the same
+    // for the weights and both moments).
     std::vector<std::vector<Box>> boxes(full.params.size());
     std::vector<int64_t> starts(full.params.size(), 0);  // where its values are in a group
-    std::vector<double> writes(full.params.size(), 0);
-    size_t next = 0;  // parts are in table order
+    size_t next = 0;                                     // parts are in table order
     for (size_t t = 0; t < full.params.size(); t++) {
       for (; next < snap.parts.size() && snap.parts[next].param->name == full.params[t].name;
            next++) {
@@ -269,15 +268,12 @@ std::string write_checkpoint(const Snapshot& snap, const GPTConfig& model, Commu
         if (boxes[t].empty()) starts[t] = part.at;
         append_boxes(*part.param, part.begin, part.count, boxes[t]);
       }
-      writes[t] = double(boxes[t].size());
     }
     if (next != snap.parts.size()) throw std::logic_error("snapshot parts out of table order");
-    if (comm && comm->size() > 1)
-      comm->all_reduce(host_ptr(writes.data()), int64_t(writes.size()), ReduceOp::max);
     auto write_group = [&](const std::string& group, const std::vector<float>& values) {
       for (size_t t = 0; t < full.params.size(); t++) {
         const ParamInfo& q = full.params[t];
-        f.write_part(group + q.name, q.shape, boxes[t], values.data() + starts[t], int(writes[t]));
+        f.write_part(group + q.name, q.shape, boxes[t], values.data() + starts[t]);
       }
     };
     write_group("params/", snap.params);
@@ -292,7 +288,7 @@ std::string write_checkpoint(const Snapshot& snap, const GPTConfig& model, Commu
       if (n == 0) continue;
       std::vector<Box> mine;
       if (int(r) == me) mine.push_back({0, 0, 1, n});
-      f.write_part(fmt::format("comm/state/rank_{}", r), {n}, mine, snap.comm_state.data(), 1);
+      f.write_part(fmt::format("comm/state/rank_{}", r), {n}, mine, snap.comm_state.data());
     }
     f.flush();  // collective: every rank's data is on the file system before the rename
     f.close();

@@ -15,7 +15,7 @@
 // Written with parallel HDF5: each rank writes only the elements it holds (its tensor-parallel
 // slice, its pipeline stage, its ZeRO-1 piece; replicas once) as hyperslabs, collectively.
 // Every dataset is chunked with a Fletcher32 checksum. A checkpoint is written under
-// step_XXXXXXXX.tmp, flushed, renamed, and only then does `<dir>/latest` move to it.
+// step_NNNNNNNN.tmp, flushed, renamed, and only then does `<dir>/latest` move to it.
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -81,7 +81,7 @@ struct Snapshot {
 // embedding on the first stage), or every owned parameter without an optimizer.
 void take_snapshot(const GPT& model, const AdamW* optimizer, bool writes, Snapshot& out);
 
-// Writes a snapshot as `<dir>/step_XXXXXXXX` and returns that directory. `comm` (null: a single
+// Writes a snapshot as `<dir>/step_NNNNNNNN` and returns that directory. `comm` (null: a single
 // process) is every rank of the job: the file is written by all of them, collectively, and rank
 // 0 renames it into place, moves `latest` and deletes all but the newest `keep_last` (0: none).
 // Throws CheckpointWriteError on every rank if any rank failed; the temporary is then removed
