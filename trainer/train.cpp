@@ -12,7 +12,6 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <map>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -20,6 +19,7 @@
 
 #include "comm/grad_reducer.h"
 #include "comm/parallel_dims.h"
+#include "comm/rank_groups.h"
 #include "io/atomic_file.h"
 #include "io/dataset.h"
 #include "io/hdf5_file.h"
@@ -44,58 +44,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-// This rank's communicators, one per group it belongs to.
-struct Groups {
-  std::unique_ptr<Communicator> dp, tp, pp;
-  std::unique_ptr<Communicator> emb;           // first and last stage: the tied embedding
-  std::unique_ptr<Communicator> intra, inter;  // hierarchical reduction: dp split by node
-};
-
-// The data-parallel peers split by node: those on this rank's node, and those on other nodes
-// at the same position within theirs. Every node must hold the same number of peers.
-std::pair<std::vector<int>, std::vector<int>> split_by_node(const std::vector<int>& peers, int rank,
-                                                            const std::function<int(int)>& node) {
-  std::map<int, std::vector<int>> by_node;
-  std::vector<int> node_order;
-  for (int r : peers) {
-    if (!by_node.count(node(r))) node_order.push_back(node(r));
-    by_node[node(r)].push_back(r);
-  }
-  const std::vector<int>& mine = by_node[node(rank)];
-  for (const auto& [n, members] : by_node)
-    if (members.size() != mine.size())
-      throw ConfigError(fmt::format(
-          "[parallel] allreduce = \"hierarchical\" needs the same number of data-parallel ranks "
-          "on every node, found {} on node {} and {} on node {} (set ranks_per_node)",
-          mine.size(), node(rank), members.size(), n));
-  const size_t position = std::find(mine.begin(), mine.end(), rank) - mine.begin();
-  std::vector<int> across;
-  for (int n : node_order) across.push_back(by_node[n][position]);
-  return {mine, across};
-}
-
-Groups make_groups(World& world, const ParallelDims& dims, const ParallelConfig& pc) {
-  const int rank = world.rank();
-  Groups g;
-  g.dp = world.group(dims.group(Axis::dp, rank));
-  g.tp = world.group(dims.group(Axis::tp, rank));
-  g.pp = world.group(dims.group(Axis::pp, rank));
-  const std::vector<int> stages = dims.group(Axis::pp, rank);
-  const RankCoords me = dims.coords(rank);
-  const bool ends = me.pp == 0 || me.pp == dims.pp() - 1;
-  g.emb = world.group(dims.pp() > 1 && ends ? std::vector<int>{stages.front(), stages.back()}
-                                            : std::vector<int>{rank});
-  if (pc.allreduce == "hierarchical") {
-    auto node = [&](int r) {
-      return pc.ranks_per_node > 0 ? r / pc.ranks_per_node : world.node_of(r);
-    };
-    auto [intra, inter] = split_by_node(dims.group(Axis::dp, rank), rank, node);
-    g.intra = world.group(intra);
-    g.inter = world.group(inter);
-  }
-  return g;
 }
 
 // A run of elements of one parameter in this rank's part of the flat buffers: all of them, or
