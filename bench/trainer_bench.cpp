@@ -3,6 +3,11 @@
 // bench/torch_bench.py on the same workloads.
 //
 //   trainer_bench --workload W-S|W-M [--warmup N] [--steps N] [--threads N] [--seed N]
+//                 [--device cpu|cuda] [--dtype fp32|bf16|fp16] [--batch B]
+//
+// On the GPU the phases are timed after synchronising the device, MFU is against the GPU's
+// data-sheet peak for the dtype (dense tensor-core FLOP/s for 16-bit), and peak_gpu_mb is the
+// most of the memory arena ever in use.
 #include <omp.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -64,6 +69,9 @@ struct Options {
   int warmup = -1, steps = -1;  // -1: the workload's default
   int threads = 2;
   uint64_t seed = 1337;
+  std::string device = "cpu";
+  std::string dtype = "fp32";
+  int batch = 0;  // 0: the workload's
 };
 
 Options parse_args(int argc, char** argv) {
@@ -73,7 +81,7 @@ Options parse_args(int argc, char** argv) {
     if (arg == "-h" || arg == "--help") {
       std::puts(
           "usage: trainer_bench --workload W-S|W-M [--warmup N] [--steps N] [--threads N]"
-          " [--seed N]");
+          " [--seed N] [--device cpu|cuda] [--dtype fp32|bf16|fp16] [--batch B]");
       std::exit(0);
     }
     if (i + 1 >= argc) throw std::invalid_argument("missing value after " + arg);
@@ -88,6 +96,15 @@ Options parse_args(int argc, char** argv) {
       o.threads = std::stoi(value);
     } else if (arg == "--seed") {
       o.seed = std::stoull(value);
+    } else if (arg == "--device") {
+      if (value != "cpu" && value != "cuda") throw std::invalid_argument("--device cpu|cuda");
+      o.device = value;
+    } else if (arg == "--dtype") {
+      if (value != "fp32" && value != "bf16" && value != "fp16")
+        throw std::invalid_argument("--dtype fp32|bf16|fp16");
+      o.dtype = value;
+    } else if (arg == "--batch") {
+      o.batch = std::stoi(value);
     } else {
       throw std::invalid_argument("unknown option " + arg);
     }
@@ -127,14 +144,23 @@ int run(const Options& opt) {
   const Workload w = workload(opt.workload);
   const int warmup = opt.warmup >= 0 ? opt.warmup : w.default_warmup;
   const int steps = opt.steps > 0 ? opt.steps : w.default_steps;
-  const int B = w.B, T = w.model.seq_len;
+  const int B = opt.batch > 0 ? opt.batch : w.B, T = w.model.seq_len;
   omp_set_num_threads(opt.threads);
+  const bool gpu = opt.device == "cuda";
+  const trainer::DType dtype = opt.dtype == "bf16"   ? trainer::DType::bf16
+                               : opt.dtype == "fp16" ? trainer::DType::f16
+                                                     : trainer::DType::f32;
+  if (!gpu && dtype != trainer::DType::f32)
+    throw std::invalid_argument("16-bit dtypes are benchmarked on the GPU (--device cuda)");
 
   trainer::OptimConfig optim;  // defaults: lr 3e-4, betas 0.9/0.95, eps 1e-8, wd 0.1, clip 1.0
-  auto kernels = trainer::make_cpu_kernels();
-  trainer::GPT model(w.model, *kernels, trainer::DType::f32, B, T);
+  auto kernels = gpu ? trainer::make_cuda_kernels({}) : trainer::make_cpu_kernels();
+  trainer::GPTOptions model_options;
+  model_options.grad_dtype = trainer::DType::f32;  // mixed precision keeps fp32 gradients
+  trainer::GPT model(w.model, *kernels, dtype, B, T, model_options);
   model.init_parameters(opt.seed);
   trainer::AdamW optimizer(model, optim);
+  if (optimizer.master()) model.init_parameters(opt.seed, optimizer.master());
 
   std::mt19937_64 rng(opt.seed);
   std::uniform_int_distribution<int32_t> token(0, w.model.vocab_size - 1);
@@ -142,8 +168,9 @@ int run(const Options& opt) {
   for (auto& t : tokens) t = token(rng);
   for (auto& t : targets) t = token(rng);
 
-  // Best of 10: the default best-of-3 varies by +-30% on these shared machines.
-  const double peak = trainer::measure_sgemm_flops(1536, 10);
+  // CPU: best of 10 sgemm runs (the default best-of-3 varies by +-30% on these shared
+  // machines). GPU: the data sheet.
+  const double peak = gpu ? kernels->peak_flops(dtype) : trainer::measure_sgemm_flops(1536, 10);
   const int64_t n_params = trainer::gpt2_flop_params(w.model);
   const double flops_per_token =
       6.0 * double(n_params) + 12.0 * w.model.n_layer * w.model.d_model * T;
@@ -157,11 +184,12 @@ int run(const Options& opt) {
     const auto t_step = Clock::now();
     model.zero_grad();
     auto t0 = Clock::now();
-    loss = model.forward(tokens.data(), targets.data(), B, T);
+    loss = model.forward(tokens.data(), targets.data(), B, T);  // returns the loss: synchronises
     if (step == 0) first_loss = loss;
     const double fwd = seconds_since(t0);
     t0 = Clock::now();
     model.backward(1.0f);
+    kernels->synchronize();
     const double bwd = seconds_since(t0);
     t0 = Clock::now();
     const double norm = std::sqrt(kernels->sum_squares(model.grads(), model.table().total));
@@ -170,6 +198,7 @@ int run(const Options& opt) {
       const float clip = max_norm > 0 && norm > max_norm ? float(max_norm / norm) : 1.0f;
       optimizer.update(float(optim.lr), clip, step + 1);
     }
+    kernels->synchronize();
     const double opt_s = seconds_since(t0);
     const double total = seconds_since(t_step);
     if (step < warmup) continue;
@@ -194,8 +223,11 @@ int run(const Options& opt) {
       {"workload", w.name},
       {"tokens_per_s", tokens_per_s},
       {"ms_per_step", step_s * 1e3},
-      {"mfu", flops_per_token * tokens_per_s / peak},
+      {"device", kernels->name()},
+      {"dtype", opt.dtype},
+      {"mfu", peak > 0 ? flops_per_token * tokens_per_s / peak : 0.0},
       {"peak_gflops", peak / 1e9},
+      {"peak_gpu_mb", double(kernels->memory().peak) / (1 << 20)},
       {"flops_per_token", flops_per_token},
       {"params", n_params},
       {"threads", omp_get_max_threads()},

@@ -76,6 +76,9 @@ class Communicator {
     double wait_s = 0;
   };
   virtual Traffic traffic() const = 0;
+  // The communicator this one uses for host buffers (itself, unless it wraps one: NCCL and
+  // staged communicators wrap MPI).
+  virtual Communicator& host_comm() { return *this; }
 
   void all_reduce(DPtr buf, int64_t n, ReduceOp op) { iall_reduce(buf, n, op).wait(); }
   void reduce_scatter(DPtr send, DPtr recv, int64_t count) {
@@ -126,6 +129,8 @@ class World {
   // hanging on a dead or stopped peer.
   virtual void set_collective_timeout(double seconds) = 0;
   virtual void set_step(int64_t step) = 0;
+  virtual double collective_timeout() const = 0;
+  virtual int64_t step() const = 0;
   // Whether two threads may communicate at once (on different communicators).
   virtual bool thread_multiple() const = 0;
 };

@@ -144,11 +144,18 @@ bool GradReducer::set_compression_state(const std::vector<float>& all) {
 // messages are all-gathered or summed, never reduce-scattered), then ZeRO-1 keeps its piece.
 void GradReducer::reduce_compressed(Bucket& b) {
   const auto t0 = std::chrono::steady_clock::now();
-  float* g = reinterpret_cast<float*>((grads_ + b.begin).p);
-  b.compressor->all_reduce(dp_, g, b.count);
+  // Compressors work on host memory: a GPU's bucket makes a round trip.
+  const DPtr bucket = grads_ + b.begin;
+  if (bucket.device) {
+    host_bucket_.resize(size_t(b.count));
+    k_.copy_to_host(host_bucket_.data(), bucket, b.count);
+    b.compressor->all_reduce(dp_, host_bucket_.data(), b.count);
+    k_.copy_from_host(bucket, host_bucket_.data(), b.count);
+  } else {
+    b.compressor->all_reduce(dp_, bucket.as<float>(), b.count);
+  }
   if (opts_.shard)
-    std::memcpy((shard_ + b.begin / dp_.size()).p, (grads_ + b.piece_offset).p,
-                (b.count / dp_.size()) * sizeof(float));
+    k_.convert(shard_ + b.begin / dp_.size(), grads_ + b.piece_offset, b.count / dp_.size(), 0);
   compression_stats_.uncompressed_bytes += uncompressed_bytes(b.count, dp_.size());
   compression_stats_.seconds +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -106,6 +106,7 @@ class GradReducer {
   DPtr grads_, scratch_, shard_;
   bool compressing_ = false;
   CompressionStats compression_stats_;
+  std::vector<float> host_bucket_;  // a device bucket's copy for the (host) compressors
   int64_t shard_elems_ = 0;
   bool armed_ = false;
 };

@@ -309,6 +309,8 @@ class MpiWorld final : public World {
   }
   void set_collective_timeout(double seconds) override { watch_.timeout_s = seconds; }
   void set_step(int64_t step) override { watch_.step = step; }
+  double collective_timeout() const override { return watch_.timeout_s; }
+  int64_t step() const override { return watch_.step; }
   bool thread_multiple() const override { return thread_multiple_; }
 
  private:
@@ -325,7 +327,7 @@ class MpiWorld final : public World {
 }  // namespace
 
 MPI_Comm mpi_comm_of(Communicator& comm) {
-  auto* mpi = dynamic_cast<MpiCommunicator*>(&comm);
+  auto* mpi = dynamic_cast<MpiCommunicator*>(&comm.host_comm());
   if (!mpi) throw std::logic_error("mpi_comm_of: not an MPI communicator");
   return mpi->handle();
 }

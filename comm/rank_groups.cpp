@@ -37,24 +37,30 @@ std::pair<std::vector<int>, std::vector<int>> split_by_node(const std::vector<in
 
 }  // namespace
 
-Groups make_groups(World& world, const ParallelDims& dims, const ParallelConfig& pc) {
+Groups make_groups(World& world, const ParallelDims& dims, const ParallelConfig& pc,
+                   const GroupWrapper& wrap) {
   const int rank = world.rank();
+  // Collective: every rank makes the same groups in the same order.
+  auto group = [&](const std::vector<int>& members) {
+    std::unique_ptr<Communicator> c = world.group(members);
+    return wrap ? wrap(std::move(c)) : std::move(c);
+  };
   Groups g;
-  g.dp = world.group(dims.group(Axis::dp, rank));
-  g.tp = world.group(dims.group(Axis::tp, rank));
-  g.pp = world.group(dims.group(Axis::pp, rank));
+  g.dp = group(dims.group(Axis::dp, rank));
+  g.tp = group(dims.group(Axis::tp, rank));
+  g.pp = group(dims.group(Axis::pp, rank));
   const std::vector<int> stages = dims.group(Axis::pp, rank);
   const RankCoords me = dims.coords(rank);
   const bool ends = me.pp == 0 || me.pp == dims.pp() - 1;
-  g.emb = world.group(dims.pp() > 1 && ends ? std::vector<int>{stages.front(), stages.back()}
-                                            : std::vector<int>{rank});
+  g.emb = group(dims.pp() > 1 && ends ? std::vector<int>{stages.front(), stages.back()}
+                                      : std::vector<int>{rank});
   if (pc.allreduce == "hierarchical") {
     auto node = [&](int r) {
       return pc.ranks_per_node > 0 ? r / pc.ranks_per_node : world.node_of(r);
     };
     auto [intra, inter] = split_by_node(dims.group(Axis::dp, rank), rank, node);
-    g.intra = world.group(intra);
-    g.inter = world.group(inter);
+    g.intra = group(intra);
+    g.inter = group(inter);
   }
   return g;
 }

@@ -267,7 +267,9 @@ Config parse_config(const std::string& text, const std::string& origin,
     r.field("name", c.run.name);
     r.field("out_dir", c.run.out_dir);
     r.field("seed", c.run.seed);
-    r.field("device", c.run.device, one_of({"cpu"}));
+    r.field("device", c.run.device, one_of({"cpu", "cuda"}));
+    r.field("gpu_memory_fraction", c.run.gpu_memory_fraction, in_range(0.01, 1.0));
+    r.field("gpu_collectives", c.run.gpu_collectives, one_of({"auto", "nccl", "mpi"}));
     r.field("threads", c.run.threads, in_range(0, 1024));
     r.field("peak_tflops", c.run.peak_tflops, at_least(0));
     r.finish();
@@ -449,6 +451,8 @@ std::string config_to_toml(const Config& c) {
                           {"out_dir", c.run.out_dir},
                           {"seed", int64_t(c.run.seed)},
                           {"device", c.run.device},
+                          {"gpu_memory_fraction", c.run.gpu_memory_fraction},
+                          {"gpu_collectives", c.run.gpu_collectives},
                           {"threads", c.run.threads},
                           {"peak_tflops", c.run.peak_tflops}}},
       {"model", toml::table{{"vocab_size", c.model.vocab_size},

@@ -16,9 +16,11 @@ struct RunConfig {
   std::string name = "default";
   std::string out_dir = "runs/default";  // metrics.jsonl, config.toml, checkpoints/
   uint64_t seed = 1337;                  // init and data order
-  std::string device = "cpu";
-  int threads = 0;         // OpenMP/OpenBLAS threads; 0 = all cores
-  double peak_tflops = 0;  // MFU denominator; 0 = measure sgemm at start-up
+  std::string device = "cpu";            // cpu | cuda (one GPU per rank, by node-local rank)
+  double gpu_memory_fraction = 0.9;      // of a GPU's free memory, reserved at start-up
+  std::string gpu_collectives = "auto";  // nccl | mpi (staged through host memory) | auto
+  int threads = 0;                       // OpenMP/OpenBLAS threads; 0 = all cores
+  double peak_tflops = 0;                // MFU denominator; 0 = measure sgemm at start-up
 };
 
 struct DataConfig {

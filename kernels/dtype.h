@@ -64,13 +64,17 @@ constexpr DType dtype_of<std::byte>() {
   return DType::u8;
 }
 
-// A pointer into backend memory plus its element type. Arithmetic is in elements.
+// A pointer into backend memory plus its element type and where it lives: host memory (the CPU
+// backend's, and host buffers handed to collectives) or a device's, which the host cannot
+// dereference (communicators move such buffers with NCCL or stage them through host memory).
+// Arithmetic is in elements.
 struct DPtr {
   std::byte* p = nullptr;
   DType dtype = DType::f32;
+  bool device = false;
 
   DPtr operator+(int64_t elems) const {
-    return {p + elems * static_cast<int64_t>(dtype_size(dtype)), dtype};
+    return {p + elems * static_cast<int64_t>(dtype_size(dtype)), dtype, device};
   }
   template <class T>
   T* as() const {

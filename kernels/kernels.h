@@ -20,7 +20,7 @@ namespace trainer {
 // holds Vp / tp.
 struct VocabSlice {
   int start = 0, valid = 0, width = 0;
-  bool holds(int32_t token) const { return token >= start && token < start + valid; }
+  TRAINER_HD bool holds(int32_t token) const { return token >= start && token < start + valid; }
 };
 
 struct AdamWArgs {
@@ -40,6 +40,18 @@ class Kernels {
   virtual void zero(DPtr p, int64_t elems) = 0;
   virtual void copy_to_host(void* dst, DPtr src, int64_t elems) = 0;
   virtual void copy_from_host(DPtr dst, const void* src, int64_t elems) = 0;
+  // Host memory the device can copy from and to asynchronously (pinned on a GPU).
+  virtual void* alloc_host(int64_t bytes) = 0;
+  virtual void free_host(void* p) = 0;
+  // Waits until all work enqueued so far has finished (for timing; a no-op on the CPU).
+  virtual void synchronize() {}
+  // Device memory reserved for the job and the most of it ever in use; zero on the CPU.
+  struct MemoryUse {
+    int64_t reserved = 0, peak = 0;
+  };
+  virtual MemoryUse memory() const { return {}; }
+  // Peak dense matrix-multiply FLOP/s in `dtype` (the MFU denominator), or 0 when unknown.
+  virtual double peak_flops(DType) const { return 0; }
   // fp32 host values from and to a buffer of any dtype (16-bit and f64 converted on the way).
   void download_f32(float* dst, DPtr src, int64_t elems) {
     if (src.dtype == DType::f32) return copy_to_host(dst, src, elems);
@@ -127,5 +139,19 @@ class Kernels {
 
 // The CPU backend (OpenBLAS + OpenMP). Computes in the dtype of its arguments (f32 or f64).
 std::unique_ptr<Kernels> make_cpu_kernels();
+
+// The CUDA backend, on one GPU of this node; see kernels/cuda/cuda_kernels.h.
+struct CudaOptions {
+  int device = 0;
+  // Of the GPU's memory, the share reserved at start-up (one cudaMalloc) for this process (at
+  // most 95% of what is free then); ranks sharing one GPU split it.
+  double memory_fraction = 0.9;
+};
+// Whether this trainer was built with the CUDA backend, and how many GPUs this process sees (0
+// without a driver or a device; never throws).
+bool cuda_built();
+int cuda_device_count();
+// Throws std::runtime_error when built without CUDA.
+std::unique_ptr<Kernels> make_cuda_kernels(const CudaOptions& options);
 
 }  // namespace trainer

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "kernels/kernels.h"
 #include "test_util.h"
 
 namespace trainer {
@@ -91,6 +92,26 @@ TEST_F(Cli, ConfigErrorsExitTwo) {
   EXPECT_EQ(r.output,
             "trainer: config error: --set model.n_head=x: [model] n_head: expected an integer, "
             "found a string\n");
+}
+
+// device = "cuda" where CUDA cannot run (a build without nvcc, or no GPU): a config error
+// naming the key, not a crash; and the GPU settings are validated like every other key.
+TEST_F(Cli, CudaWithoutAGpuIsAConfigError) {
+  if (cuda_device_count() > 0) GTEST_SKIP() << "a GPU is visible: tests/test_cuda.cpp trains on it";
+  prepare_data();
+  const std::string config = write_config("run.toml", "out", 2);
+  Result r = run("train " + config + " --set run.device=\"cuda\"");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("trainer: config error: " + config + ": [run] device = \"cuda\", but "),
+            std::string::npos)
+      << r.output;
+  EXPECT_FALSE(std::filesystem::exists(path("out/metrics.jsonl")));
+  r = run("train " + config + " --set run.device=\"tpu\"");
+  EXPECT_EQ(r.code, 2) << r.output;
+  r = run("train " + config + " --set run.gpu_memory_fraction=1.5");
+  EXPECT_EQ(r.code, 2) << r.output;
+  r = run("train " + config + " --set run.gpu_collectives=\"gloo\"");
+  EXPECT_EQ(r.code, 2) << r.output;
 }
 
 TEST_F(Cli, DataErrorsExitTwoAndWriteNothing) {

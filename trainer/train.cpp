@@ -29,6 +29,7 @@
 #include "trainer/blas_setup.h"
 #include "trainer/checkpoint.h"
 #include "trainer/checkpoint_writer.h"
+#include "trainer/device.h"
 #include "trainer/loss_scaler.h"
 #include "trainer/lr_schedule.h"
 #include "trainer/metrics.h"
@@ -145,8 +146,9 @@ struct Run {
   World& world;
   ParallelDims dims;
   RankCoords me;
+  std::unique_ptr<Kernels> kernels;  // before the groups: NCCL communicators need the GPU
+  std::string collectives;           // how device buffers travel: nccl, mpi, or "" on the CPU
   Groups groups;
-  std::unique_ptr<Kernels> kernels;
   Dataset train_data, val_data;
   GPT model;
   GradReducer reducer;
@@ -227,8 +229,9 @@ struct Run {
         world(w),
         dims(layout(c, w.size(), origin)),
         me(dims.coords(w.rank())),
-        groups(make_groups(w, dims, c.parallel)),
-        kernels(make_cpu_kernels()),
+        kernels(make_kernels(c, w, origin)),
+        collectives(gpu_collectives(c, w, origin)),
+        groups(make_groups(w, dims, c.parallel, group_wrapper(c, w, *kernels, origin))),
         train_data(c.data.train, c.model.vocab_size, c.model.seq_len),
         val_data(c.data.val, c.model.vocab_size, c.model.seq_len),
         model(c.model, *kernels, compute_dtype(c.precision), c.train.micro_batch, c.model.seq_len,
@@ -377,7 +380,9 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   s.bubble = s.pipe_wait_s / s.total_s;
   const double tokens = double(B) * T * M * dp;
   s.tokens_per_s = tokens / s.total_s;
-  s.mfu = run.flops_per_token * s.tokens_per_s / (run.peak_flops * run.world.size());
+  s.mfu = run.peak_flops > 0
+              ? run.flops_per_token * s.tokens_per_s / (run.peak_flops * run.world.size())
+              : 0;
   return s;
 }
 
@@ -417,9 +422,16 @@ double peak_rss_mb() {
 void print_start(const Run& run) {
   const Config& cfg = run.cfg;
   const ParallelDims& dims = run.dims;
-  fmt::print("trainer {} | run {} | device cpu, {} ranks x {} threads, OpenBLAS {} kernels\n",
-             TRAINER_VERSION, cfg.run.name, run.world.size(), omp_get_max_threads(),
-             blas_core_name());
+  if (cfg.run.device == "cpu")
+    fmt::print("trainer {} | run {} | device cpu, {} ranks x {} threads, OpenBLAS {} kernels\n",
+               TRAINER_VERSION, cfg.run.name, run.world.size(), omp_get_max_threads(),
+               blas_core_name());
+  else
+    fmt::print(
+        "trainer {} | run {} | device {} (rank 0), {} ranks, collectives {}, {:.1f} GiB "
+        "reserved per rank\n",
+        TRAINER_VERSION, cfg.run.name, run.kernels->name(), run.world.size(), run.collectives,
+        double(run.kernels->memory().reserved) / (1 << 30));
   fmt::print(
       "model: {} layers, {} heads, d_model {}, seq_len {}, vocab {} (padded {}), {:.2f}M params\n",
       cfg.model.n_layer, cfg.model.n_head, cfg.model.d_model, cfg.model.seq_len,
@@ -472,7 +484,11 @@ void print_start(const Run& run) {
                         megabytes(2 * params), megabytes(run.reducer.shard_elems()))
           : "");
   fmt::print("MFU peak: {:.1f} GFLOP/s per rank ({}), {:.1f} MFLOP/token\n", run.peak_flops / 1e9,
-             cfg.run.peak_tflops > 0 ? "configured" : "measured sgemm", run.flops_per_token / 1e6);
+             cfg.run.peak_tflops > 0   ? "configured"
+             : cfg.run.device == "cpu" ? "measured sgemm"
+             : run.peak_flops > 0      ? "the GPU's data sheet"
+                                       : "unknown GPU: set [run] peak_tflops",
+             run.flops_per_token / 1e6);
 }
 
 // Restores a checkpoint on every rank (each takes its slice, whatever layout wrote it): the
@@ -540,7 +556,9 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
 
   // One rank measures the sgemm peak while the others wait, so that they do not compete.
   double peak = cfg.run.peak_tflops * 1e12;
-  if (peak <= 0) {
+  if (peak <= 0 && cfg.run.device == "cuda")  // every rank has the same GPU model
+    peak = run.kernels->peak_flops(compute_dtype(cfg.precision));
+  else if (peak <= 0) {
     if (leader) peak = measure_sgemm_flops();
     world.comm().broadcast(host_ptr(&peak), 1, 0);
   }
@@ -738,8 +756,15 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   const double rss = peak_rss_mb();
   double rss_max = rss;
   world.comm().all_reduce(host_ptr(&rss_max), 1, ReduceOp::max);
+  double gpu_peak = double(run.kernels->memory().peak) / (1 << 20), gpu_peak_max = gpu_peak;
+  world.comm().all_reduce(host_ptr(&gpu_peak_max), 1, ReduceOp::max);
   if (leader) {
     fmt::print("peak memory: {:.0f} MB on rank 0, {:.0f} MB on the largest rank\n", rss, rss_max);
+    if (cfg.run.device == "cuda") {
+      fmt::print("peak GPU memory: {:.0f} MB on rank 0, {:.0f} MB on the largest rank\n", gpu_peak,
+                 gpu_peak_max);
+      log->event({{"peak_gpu_mb_rank0", gpu_peak}, {"peak_gpu_mb_max", gpu_peak_max}});
+    }
     if (run.scaler.overflows() > 0)
       fmt::print("skipped steps (non-finite gradients): {}, loss scale now {}\n",
                  run.scaler.overflows(), run.scaler.scale());

@@ -150,6 +150,12 @@ class CpuKernels final : public Kernels {
   void copy_from_host(DPtr dst, const void* src, int64_t elems) override {
     std::memcpy(dst.p, src, elems * dtype_size(dst.dtype));
   }
+  void* alloc_host(int64_t bytes) override {
+    void* p = std::aligned_alloc(64, std::max<size_t>(64, (size_t(bytes) + 63) / 64 * 64));
+    if (!p) throw std::bad_alloc();
+    return p;
+  }
+  void free_host(void* p) override { std::free(p); }
 
   void encoder_forward(DPtr out, const int32_t* tokens, DPtr wte, DPtr wpe, int B, int T, int C,
                        VocabSlice v) override {
@@ -328,7 +334,7 @@ class CpuKernels final : public Kernels {
       bf16* d = dst.as<bf16>();
 #pragma omp parallel for schedule(static)
       for (int64_t i = 0; i < n; i++)  // counter-based bits: the same for any thread count
-        d[i] = to_bf16_stochastic(f[i], uint32_t(cpu::random_bits(stochastic_seed, uint64_t(i))));
+        d[i] = to_bf16_stochastic(f[i], uint32_t(random_bits(stochastic_seed, uint64_t(i))));
       return;
     }
     if (is_half(dst.dtype) && from.dtype == DType::f32)

@@ -59,14 +59,6 @@ double crossentropy_finish(T* losses, T* probs, const T* rowmax, const T* sumexp
 template <class T>
 void crossentropy_backward(T* probs, const int32_t* targets, float dloss, int64_t N, VocabSlice v);
 
-// 64 random bits as a pure function of (seed, index): SplitMix64 of their combination.
-inline uint64_t random_bits(uint64_t seed, uint64_t index) {
-  uint64_t z = seed * 0x9e3779b97f4a7c15ull + index + 0x632be59bd9b4e019ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
 template <class T>
 double sum_squares(const T* x, int64_t n);
 template <class T>

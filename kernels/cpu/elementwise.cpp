@@ -51,31 +51,20 @@ void encoder_backward(T* dwte, T* dwpe, const T* dout, const int32_t* tokens, in
 }
 
 template <class T>
-static inline T gelu_inner_scale() {
-  return T(0.7978845608028654);  // sqrt(2 / pi)
-}
-
-template <class T>
 void gelu_forward(T* out, const T* inp, int64_t n) {
-  const T s = gelu_inner_scale<T>();
 #pragma omp parallel for simd schedule(static)
   for (int64_t i = 0; i < n; i++) {
-    T x = inp[i];
-    out[i] = T(0.5) * x * (T(1) + fast_tanh(s * (x + T(0.044715) * x * x * x)));
+    const T x = inp[i];
+    out[i] = gelu_from_tanh(x, fast_tanh(gelu_tanh_arg(x)));
   }
 }
 
 template <class T>
 void gelu_backward(T* dinp, const T* inp, const T* dout, int64_t n) {
-  const T s = gelu_inner_scale<T>();
 #pragma omp parallel for simd schedule(static)
   for (int64_t i = 0; i < n; i++) {
-    T x = inp[i];
-    T u = s * (x + T(0.044715) * x * x * x);
-    T th = fast_tanh(u);
-    T sech2 = T(1) - th * th;
-    T du = s * (T(1) + T(3 * 0.044715) * x * x);
-    dinp[i] = dout[i] * (T(0.5) * (T(1) + th) + T(0.5) * x * sech2 * du);
+    const T x = inp[i];
+    dinp[i] = dout[i] * gelu_grad_from_tanh(x, fast_tanh(gelu_tanh_arg(x)));
   }
 }
 

@@ -27,18 +27,17 @@ double sum_squares(const T* x, int64_t n) {
 template <class T>
 void adamw_update(T* param, const T* grad, T* m, T* v, int64_t n, const AdamWArgs& a) {
   const T b1 = a.beta1, b2 = a.beta2;
-  const T c1 = T(1) / (T(1) - std::pow(b1, T(a.step)));
-  const T c2 = T(1) / (T(1) - std::pow(b2, T(a.step)));
-  const T lr = a.lr, eps = a.eps, wd = a.weight_decay, gs = a.grad_scale;
+  const AdamWConsts<T> c{b1,
+                         b2,
+                         T(1) / (T(1) - std::pow(b1, T(a.step))),
+                         T(1) / (T(1) - std::pow(b2, T(a.step))),
+                         a.lr,
+                         a.eps,
+                         a.weight_decay,
+                         a.grad_scale};
+  const auto sqrt = [](T x) { return std::sqrt(x); };
 #pragma omp parallel for simd schedule(static)
-  for (int64_t i = 0; i < n; i++) {
-    const T g = grad[i] * gs;
-    const T mi = b1 * m[i] + (T(1) - b1) * g;
-    const T vi = b2 * v[i] + (T(1) - b2) * g * g;
-    m[i] = mi;
-    v[i] = vi;
-    param[i] -= lr * ((mi * c1) / (std::sqrt(vi * c2) + eps) + wd * param[i]);
-  }
+  for (int64_t i = 0; i < n; i++) adamw_element(param[i], grad[i], m[i], v[i], c, sqrt);
 }
 
 template double sum_squares<float>(const float*, int64_t);

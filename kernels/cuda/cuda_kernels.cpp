@@ -1,0 +1,425 @@
+// The CUDA backend: device memory from one arena, every kernel on one compute stream (so the
+// host never waits except where a value comes back), token ids copied on their own stream from
+// pinned memory, GEMMs through cuBLASLt, attention as batched GEMMs around a fused causal softmax.
+#include "kernels/cuda/cuda_kernels.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kernels/arena.h"
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/ops.h"
+
+namespace trainer {
+namespace cuda {
+
+void fail(const std::string& message, const char* call, const char* file, int line) {
+  throw std::runtime_error(fmt::format("{} failed: {} ({}:{})", call, message, file, line));
+}
+
+namespace {
+
+constexpr int64_t kGemmWorkspace = 32 << 20;  // cuBLASLt's workspace (Hopper wants 32 MiB)
+
+// Token ids arrive in host memory; each call copies them to the device through a pinned slot on
+// the copy stream, and the compute stream waits for that copy only. A slot is reused only after
+// the kernels that read its previous contents have run (the `consumed` event).
+class TokenRing {
+ public:
+  struct Slot {
+    int32_t* pinned = nullptr;
+    int32_t* device = nullptr;
+    int64_t capacity = 0, arena_offset = -1;
+    cudaEvent_t copied = nullptr, consumed = nullptr;
+  };
+
+  TokenRing() {
+    for (Slot& s : slots_) {
+      CUDA_CHECK(cudaEventCreateWithFlags(&s.copied, cudaEventDisableTiming));
+      CUDA_CHECK(cudaEventCreateWithFlags(&s.consumed, cudaEventDisableTiming));
+    }
+  }
+  ~TokenRing() {
+    for (Slot& s : slots_) {
+      if (s.pinned) cudaFreeHost(s.pinned);
+      cudaEventDestroy(s.copied);
+      cudaEventDestroy(s.consumed);
+    }
+  }
+  Slot& next() { return slots_[next_++ % slots_.size()]; }
+
+ private:
+  std::array<Slot, 8> slots_;
+  size_t next_ = 0;
+};
+
+class CudaKernels final : public Kernels {
+ public:
+  explicit CudaKernels(const CudaOptions& o) : device_(o.device) {
+    CUDA_CHECK(cudaSetDevice(device_));
+    CUDA_CHECK(cudaGetDeviceProperties(&props_, device_));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&compute_, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&copy_, cudaStreamNonBlocking));
+    size_t free_bytes = 0, total_bytes = 0;
+    CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    // A share of the whole GPU (so that ranks sharing it get equal parts whatever order they
+    // start in), within what is free now.
+    const int64_t reserve = std::min(int64_t(double(total_bytes) * o.memory_fraction),
+                                     int64_t(double(free_bytes) * 0.95));
+    CUDA_CHECK(cudaMalloc(&base_, size_t(reserve)));
+    arena_.emplace(reserve);
+    workspace_ = raw_alloc(kGemmWorkspace);
+    gemm_.emplace(compute_, workspace_, size_t(kGemmWorkspace));
+    sum_partials_ = static_cast<double*>(raw_alloc(kSumBlocks * sizeof(double)));
+    sum_result_ = static_cast<double*>(raw_alloc(sizeof(double)));
+    CUDA_CHECK(cudaMallocHost(&host_result_, sizeof(double)));
+    ring_.emplace();  // its events belong to this device
+  }
+  ~CudaKernels() override {
+    cudaStreamSynchronize(compute_);
+    cudaStreamSynchronize(copy_);
+    gemm_.reset();
+    ring_.reset();
+    if (host_result_) cudaFreeHost(host_result_);
+    cudaFree(base_);
+    cudaStreamDestroy(copy_);
+    cudaStreamDestroy(compute_);
+  }
+
+  std::string name() const override {
+    return fmt::format("cuda:{} ({}, sm_{}{})", device_, props_.name, props_.major, props_.minor);
+  }
+  cudaStream_t stream() const { return compute_; }
+  int device() const { return device_; }
+
+  // --- memory ---------------------------------------------------------------------------------
+  DPtr alloc(int64_t elems, DType dtype) override {
+    const int64_t bytes = elems * int64_t(dtype_size(dtype));
+    DPtr p{static_cast<std::byte*>(raw_alloc(bytes)), dtype, true};
+    CUDA_CHECK(cudaMemsetAsync(p.p, 0, size_t(std::max<int64_t>(bytes, 0)), compute_));
+    return p;
+  }
+  void free(DPtr p) override {
+    if (p) arena_->release(p.p - base_);
+  }
+  void zero(DPtr p, int64_t elems) override {
+    CUDA_CHECK(cudaMemsetAsync(p.p, 0, size_t(elems) * dtype_size(p.dtype), compute_));
+  }
+  void copy_to_host(void* dst, DPtr src, int64_t elems) override {
+    CUDA_CHECK(cudaMemcpyAsync(dst, src.p, size_t(elems) * dtype_size(src.dtype),
+                               cudaMemcpyDeviceToHost, compute_));
+    CUDA_CHECK(cudaStreamSynchronize(compute_));
+  }
+  void copy_from_host(DPtr dst, const void* src, int64_t elems) override {
+    CUDA_CHECK(cudaMemcpyAsync(dst.p, src, size_t(elems) * dtype_size(dst.dtype),
+                               cudaMemcpyHostToDevice, compute_));
+    CUDA_CHECK(cudaStreamSynchronize(compute_));  // the caller may free `src` on return
+  }
+  void* alloc_host(int64_t bytes) override {
+    void* p = nullptr;
+    CUDA_CHECK(cudaMallocHost(&p, size_t(std::max<int64_t>(bytes, 1))));
+    return p;
+  }
+  void free_host(void* p) override { CUDA_CHECK(cudaFreeHost(p)); }
+  void synchronize() override { CUDA_CHECK(cudaStreamSynchronize(compute_)); }
+  MemoryUse memory() const override { return {arena_->capacity(), arena_->peak()}; }
+  double peak_flops(DType dtype) const override;
+
+  // --- kernels --------------------------------------------------------------------------------
+  void encoder_forward(DPtr out, const int32_t* tokens, DPtr wte, DPtr wpe, int B, int T, int C,
+                       VocabSlice v) override {
+    Upload t(*this, tokens, int64_t(B) * T);
+    cuda::encoder_forward(compute_, out, t.device, wte, wpe, B, T, C, v);
+  }
+  void encoder_backward(DPtr dwte, DPtr dwpe, DPtr dout, const int32_t* tokens, int B, int T, int C,
+                        VocabSlice v) override {
+    const int U = build_token_index(tokens, int64_t(B) * T, v);
+    Upload t(*this, token_index_.data(), int64_t(token_index_.size()));
+    cuda::encoder_backward(compute_, dwte, dwpe, dout, nullptr, t.device, U, B, T, C, v);
+  }
+  void layernorm_forward(DPtr out, DPtr mean, DPtr rstd, DPtr inp, DPtr weight, DPtr bias,
+                         int64_t N, int C) override {
+    cuda::layernorm_forward(compute_, out, mean, rstd, inp, weight, bias, N, C);
+  }
+  void layernorm_backward(DPtr dinp, DPtr dweight, DPtr dbias, DPtr dout, DPtr inp, DPtr weight,
+                          DPtr mean, DPtr rstd, int64_t N, int C) override {
+    cuda::layernorm_backward(compute_, dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C,
+                             scratch(2 * int64_t(kColumnChunks) * C));
+  }
+  void matmul_forward(DPtr out, DPtr inp, DPtr weight, DPtr bias, int64_t N, int IC,
+                      int OC) override {
+    if (N == 0) return;
+    // out^T (OC x N) = W (OC x IC, stored as IC x OC column-major) op inp^T (IC x N).
+    gemm_->run(true, false, OC, rows(N), IC, 1.0f, {weight, IC}, {inp, IC}, 0.0f, {out, OC}, 1,
+               bias);
+  }
+  void matmul_backward(DPtr dinp, DPtr dweight, DPtr dbias, DPtr dout, DPtr inp, DPtr weight,
+                       int64_t N, int IC, int OC) override {
+    if (N == 0) return;
+    if (dinp)  // dinp^T (IC x N) = W^T (IC x OC) dout^T (OC x N)
+      gemm_->run(false, false, IC, rows(N), OC, 1.0f, {weight, IC}, {dout, OC}, 0.0f, {dinp, IC});
+    // dW^T (IC x OC) += inp^T (IC x N) dout (N x OC)
+    gemm_->run(false, true, IC, OC, rows(N), 1.0f, {inp, IC}, {dout, OC}, 1.0f, {dweight, IC});
+    if (dbias)
+      cuda::bias_backward(compute_, dbias, dout, N, OC, scratch(int64_t(kColumnChunks) * OC));
+  }
+  void attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH) override;
+  void attention_backward(DPtr dqkv, DPtr datt, DPtr dout, DPtr qkv, DPtr att, int B, int T, int C,
+                          int NH) override;
+  void gelu_forward(DPtr out, DPtr inp, int64_t n) override {
+    cuda::gelu_forward(compute_, out, inp, n);
+  }
+  void gelu_backward(DPtr dinp, DPtr inp, DPtr dout, int64_t n) override {
+    cuda::gelu_backward(compute_, dinp, inp, dout, n);
+  }
+  void residual_forward(DPtr out, DPtr a, DPtr b, int64_t n) override {
+    cuda::residual_forward(compute_, out, a, b, n);
+  }
+  void crossentropy_max(DPtr rowmax, DPtr logits, int64_t N, VocabSlice v) override {
+    cuda::crossentropy_max(compute_, rowmax, logits, N, v);
+  }
+  void crossentropy_sumexp(DPtr sumexp, DPtr target_logit, DPtr logits, DPtr rowmax,
+                           const int32_t* targets, int64_t N, VocabSlice v) override {
+    Upload t(*this, targets, N);
+    cuda::crossentropy_sumexp(compute_, sumexp, target_logit, logits, rowmax, t.device, N, v);
+  }
+  double crossentropy_finish(DPtr losses, DPtr probs, DPtr rowmax, DPtr sumexp, DPtr target_logit,
+                             int64_t N, VocabSlice v) override {
+    if (N == 0) return 0;
+    cuda::crossentropy_finish(compute_, losses, probs, rowmax, sumexp, target_logit, N, v,
+                              sum_partials_, sum_result_);
+    return fetch_result();
+  }
+  void crossentropy_backward(DPtr probs, const int32_t* targets, float dloss, int64_t N,
+                             VocabSlice v) override {
+    Upload t(*this, targets, N);
+    cuda::crossentropy_backward(compute_, probs, t.device, dloss, N, v);
+  }
+  void convert(DPtr dst, DPtr src, int64_t n, uint64_t stochastic_seed) override {
+    cuda::convert(compute_, dst, src, n, stochastic_seed);
+  }
+  double sum_squares(DPtr x, int64_t n) override {
+    if (n <= 0) return 0;
+    cuda::sum_values(compute_, x, n, sum_partials_, sum_result_, 1.0, true);
+    return fetch_result();
+  }
+  void adamw_update(DPtr param, DPtr grad, DPtr m, DPtr v, int64_t n,
+                    const AdamWArgs& args) override {
+    cuda::adamw_update(compute_, param, grad, m, v, n, args);
+  }
+
+ private:
+  // Token ids on the device for the kernels enqueued while this lives (see TokenRing).
+  struct Upload {
+    Upload(CudaKernels& k, const int32_t* host, int64_t n) : k_(k), slot_(k.ring_->next()) {
+      TokenRing::Slot& s = slot_;
+      if (s.capacity < n) {  // first use of the slot at this size: not in the steady state
+        CUDA_CHECK(cudaEventSynchronize(s.consumed));
+        if (s.pinned) CUDA_CHECK(cudaFreeHost(s.pinned));
+        if (s.arena_offset >= 0) k.arena_->release(s.arena_offset);
+        CUDA_CHECK(cudaMallocHost(&s.pinned, size_t(n) * sizeof(int32_t)));
+        s.device = static_cast<int32_t*>(k.raw_alloc(n * int64_t(sizeof(int32_t))));
+        s.arena_offset = reinterpret_cast<std::byte*>(s.device) - k.base_;
+        s.capacity = n;
+      }
+      CUDA_CHECK(cudaEventSynchronize(s.copied));  // the slot's previous copy has left `pinned`
+      std::memcpy(s.pinned, host, size_t(n) * sizeof(int32_t));
+      CUDA_CHECK(cudaStreamWaitEvent(k.copy_, s.consumed, 0));
+      CUDA_CHECK(cudaMemcpyAsync(s.device, s.pinned, size_t(n) * sizeof(int32_t),
+                                 cudaMemcpyHostToDevice, k.copy_));
+      CUDA_CHECK(cudaEventRecord(s.copied, k.copy_));
+      CUDA_CHECK(cudaStreamWaitEvent(k.compute_, s.copied, 0));
+      device = s.device;
+    }
+    ~Upload() { cudaEventRecord(slot_.consumed, k_.compute_); }
+    Upload(const Upload&) = delete;
+    Upload& operator=(const Upload&) = delete;
+    const int32_t* device = nullptr;
+
+   private:
+    CudaKernels& k_;
+    TokenRing::Slot& slot_;
+  };
+
+  static int rows(int64_t N) {
+    if (N > INT32_MAX) throw std::length_error("CUDA GEMM with more than 2^31 rows");
+    return int(N);
+  }
+
+  void* raw_alloc(int64_t bytes) {
+    const auto offset = arena_->allocate(bytes);
+    if (!offset)
+      throw std::runtime_error(fmt::format(
+          "GPU memory: {:.1f} MiB asked for, {:.1f} of the {:.1f} MiB reserved at start-up in "
+          "use (largest free piece {:.1f} MiB); raise [run] gpu_memory_fraction or lower "
+          "train.micro_batch",
+          bytes / 1048576.0, arena_->in_use() / 1048576.0, arena_->capacity() / 1048576.0,
+          arena_->largest_free() / 1048576.0));
+    return base_ + *offset;
+  }
+
+  // Scratch floats for column reductions, grown (rarely) and reused: all users are on the
+  // compute stream, so a later kernel never overtakes an earlier one that still reads it.
+  float* scratch(int64_t n) {
+    if (scratch_elems_ < n) {
+      if (scratch_) arena_->release(reinterpret_cast<std::byte*>(scratch_) - base_);
+      scratch_ = static_cast<float*>(raw_alloc(n * int64_t(sizeof(float))));
+      scratch_elems_ = n;
+    }
+    return scratch_;
+  }
+
+  double fetch_result() {
+    CUDA_CHECK(cudaMemcpyAsync(host_result_, sum_result_, sizeof(double), cudaMemcpyDeviceToHost,
+                               compute_));
+    CUDA_CHECK(cudaStreamSynchronize(compute_));
+    return *host_result_;
+  }
+
+  // The encoder's backward index (see cuda::encoder_backward): distinct tokens of the slice,
+  // offsets, and positions in sequence order, by a counting sort. Returns U.
+  int build_token_index(const int32_t* tokens, int64_t n, VocabSlice v) {
+    counts_.assign(size_t(std::max(v.valid, 0)) + 1, 0);
+    for (int64_t i = 0; i < n; i++)
+      if (v.holds(tokens[i])) counts_[size_t(tokens[i] - v.start)]++;
+    std::vector<int32_t> uniq;
+    for (int t = 0; t < v.valid; t++)
+      if (counts_[size_t(t)]) uniq.push_back(t + v.start);
+    const size_t U = uniq.size();
+    token_index_.assign(2 * U + 1, 0);
+    std::copy(uniq.begin(), uniq.end(), token_index_.begin());
+    // offsets, and a cursor per token (reusing counts_) for placing positions
+    int32_t at = 0;
+    for (size_t u = 0; u < U; u++) {
+      token_index_[U + u] = at;
+      const size_t slot = size_t(uniq[u] - v.start);
+      const int32_t count = counts_[slot];
+      counts_[slot] = at;
+      at += count;
+    }
+    token_index_[2 * U] = at;
+    token_index_.resize(2 * U + 1 + size_t(at));
+    int32_t* positions = token_index_.data() + 2 * U + 1;
+    for (int64_t i = 0; i < n; i++)
+      if (v.holds(tokens[i])) positions[counts_[size_t(tokens[i] - v.start)]++] = int32_t(i);
+    return int(U);
+  }
+
+  int device_;
+  cudaDeviceProp props_{};
+  cudaStream_t compute_ = nullptr, copy_ = nullptr;
+  std::byte* base_ = nullptr;
+  std::optional<Arena> arena_;
+  void* workspace_ = nullptr;
+  std::optional<Gemm> gemm_;
+  std::optional<TokenRing> ring_;
+  float* scratch_ = nullptr;
+  int64_t scratch_elems_ = 0;
+  double *sum_partials_ = nullptr, *sum_result_ = nullptr, *host_result_ = nullptr;
+  std::vector<int32_t> counts_, token_index_;
+};
+
+// Causal attention per batch entry: the scores of all heads in one strided-batched GEMM (heads
+// are hs columns apart in qkv), the causal softmax over every row at once, then P V.
+// Column-major views: a row-major X (r x c, row stride ld) is X^T (c x r) with the same ld.
+void CudaKernels::attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH) {
+  const int hs = C / NH, C3 = 3 * C;
+  const float scale = 1.0f / std::sqrt(float(hs));
+  const int64_t TT = int64_t(T) * T;
+  for (int b = 0; b < B; b++) {
+    const DPtr Q = qkv + int64_t(b) * T * C3, K = Q + C;
+    // S^T (T x T) = K (T x hs) Q^T: the row-major S[i][j] = scale q_i . k_j
+    gemm_->run(true, false, T, T, hs, scale, {K, C3, hs}, {Q, C3, hs}, 0.0f,
+               {att + b * NH * TT, T, TT}, NH);
+  }
+  cuda::attention_softmax_forward(compute_, att, int64_t(B) * NH * T, T);
+  for (int b = 0; b < B; b++) {
+    const DPtr V = qkv + int64_t(b) * T * C3 + 2 * C;
+    // out^T (hs x T) = V^T (hs x T) P^T (T x T)
+    gemm_->run(false, false, hs, T, T, 1.0f, {V, C3, hs}, {att + b * NH * TT, T, TT}, 0.0f,
+               {out + int64_t(b) * T * C, C, hs}, NH);
+  }
+}
+
+void CudaKernels::attention_backward(DPtr dqkv, DPtr datt, DPtr dout, DPtr qkv, DPtr att, int B,
+                                     int T, int C, int NH) {
+  const int hs = C / NH, C3 = 3 * C;
+  const float scale = 1.0f / std::sqrt(float(hs));
+  const int64_t TT = int64_t(T) * T;
+  for (int b = 0; b < B; b++) {
+    const DPtr V = qkv + int64_t(b) * T * C3 + 2 * C, dV = dqkv + int64_t(b) * T * C3 + 2 * C;
+    const DPtr dO = dout + int64_t(b) * T * C, P = att + b * NH * TT, dP = datt + b * NH * TT;
+    // dP^T (T x T) = V (T x hs) dO^T (hs x T): the row-major dP = dO V^T
+    gemm_->run(true, false, T, T, hs, 1.0f, {V, C3, hs}, {dO, C, hs}, 0.0f, {dP, T, TT}, NH);
+    // dV^T (hs x T) = dO^T (hs x T) P (T x T)
+    gemm_->run(false, true, hs, T, T, 1.0f, {dO, C, hs}, {P, T, TT}, 0.0f, {dV, C3, hs}, NH);
+  }
+  cuda::attention_softmax_backward(compute_, datt, att, int64_t(B) * NH * T, T);
+  for (int b = 0; b < B; b++) {
+    const DPtr Q = qkv + int64_t(b) * T * C3, K = Q + C;
+    const DPtr dQ = dqkv + int64_t(b) * T * C3, dK = dQ + C, dS = datt + b * NH * TT;
+    // dQ^T (hs x T) = scale K^T (hs x T) dS^T (T x T): the row-major dQ = scale dS K
+    gemm_->run(false, false, hs, T, T, scale, {K, C3, hs}, {dS, T, TT}, 0.0f, {dQ, C3, hs}, NH);
+    // dK^T (hs x T) = scale Q^T (hs x T) dS (T x T): the row-major dK = scale dS^T Q
+    gemm_->run(false, true, hs, T, T, scale, {Q, C3, hs}, {dS, T, TT}, 0.0f, {dK, C3, hs}, NH);
+  }
+}
+
+// Dense peak of the tensor cores (16-bit) or of the fp32 units, per the data sheets of the SXM
+// parts; 0 (unknown) for other GPUs, where [run] peak_tflops gives the MFU denominator.
+double CudaKernels::peak_flops(DType dtype) const {
+  const bool half = is_half(dtype);
+  const std::string name = props_.name;
+  const bool pcie = name.find("PCIe") != std::string::npos;
+  if (props_.major == 9) return half ? (pcie ? 756e12 : 989e12) : (pcie ? 51e12 : 67e12);
+  if (props_.major == 8 && props_.minor == 0) return half ? 312e12 : 19.5e12;
+  return 0;
+}
+
+}  // namespace
+}  // namespace cuda
+
+cudaStream_t cuda::compute_stream(Kernels& k) {
+  auto* c = dynamic_cast<CudaKernels*>(&k);
+  if (!c) throw std::logic_error("compute_stream: not the CUDA backend");
+  return c->stream();
+}
+int cuda::device_of(Kernels& k) {
+  auto* c = dynamic_cast<CudaKernels*>(&k);
+  if (!c) throw std::logic_error("device_of: not the CUDA backend");
+  return c->device();
+}
+
+bool cuda_built() {
+  return true;
+}
+
+int cuda_device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no device" / "no driver" error
+    return 0;
+  }
+  return n;
+}
+
+std::unique_ptr<Kernels> make_cuda_kernels(const CudaOptions& options) {
+  const int n = cuda_device_count();
+  if (n == 0)
+    throw std::runtime_error("no CUDA device visible to this process ([run] device = \"cuda\")");
+  if (options.device < 0 || options.device >= n)
+    throw std::runtime_error(
+        fmt::format("CUDA device {} asked for, {} visible", options.device, n));
+  return std::make_unique<cuda::CudaKernels>(options);
+}
+
+}  // namespace trainer

@@ -1,0 +1,62 @@
+#pragma once
+// The CUDA backend's kernel launchers, one per operation of kernels/kernels.h (semantics there),
+// all enqueued on the given stream. Host code calls these; the .cu files implement them and
+// dispatch on the dtypes of their DPtr arguments (f32, bf16, f16; per-row statistics are f32).
+// Token ids are device copies (see CudaKernels' token ring).
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/kernels.h"
+
+namespace trainer::cuda {
+
+// Fixed numbers of partial sums, so that every reduction adds in one order whatever the size:
+// results are bitwise reproducible run to run.
+constexpr int kColumnChunks = 64;  // row chunks of the column (parameter-gradient) reductions
+constexpr int kSumBlocks = 256;    // blocks of the sum-of-squares and the mean loss
+
+void encoder_forward(cudaStream_t s, DPtr out, const int32_t* tokens, DPtr wte, DPtr wpe, int B,
+                     int T, int C, VocabSlice v);
+// `index` holds, for the U distinct tokens of the slice, their ids (U), offsets into the
+// positions (U + 1) and the positions of each, in sequence order (B * T at most): each row of
+// dwte is summed by one block in sequence order, as on the CPU, without atomics.
+void encoder_backward(cudaStream_t s, DPtr dwte, DPtr dwpe, DPtr dout, const int32_t* tokens,
+                      const int32_t* index, int U, int B, int T, int C, VocabSlice v);
+
+void gelu_forward(cudaStream_t s, DPtr out, DPtr inp, int64_t n);
+void gelu_backward(cudaStream_t s, DPtr dinp, DPtr inp, DPtr dout, int64_t n);
+void residual_forward(cudaStream_t s, DPtr out, DPtr a, DPtr b, int64_t n);
+void convert(cudaStream_t s, DPtr dst, DPtr src, int64_t n, uint64_t stochastic_seed);
+
+// `partials` is scratch for 2 * kColumnChunks * C floats.
+void layernorm_forward(cudaStream_t s, DPtr out, DPtr mean, DPtr rstd, DPtr inp, DPtr weight,
+                       DPtr bias, int64_t N, int C);
+void layernorm_backward(cudaStream_t s, DPtr dinp, DPtr dweight, DPtr dbias, DPtr dout, DPtr inp,
+                        DPtr weight, DPtr mean, DPtr rstd, int64_t N, int C, float* partials);
+// dbias(OC) += column sums of dout(N, OC); `partials`: kColumnChunks * OC floats.
+void bias_backward(cudaStream_t s, DPtr dbias, DPtr dout, int64_t N, int OC, float* partials);
+
+// Causal softmax over the last dim of `rows` rows of length T (row r is query r % T), in place;
+// entries above the diagonal become 0.
+void attention_softmax_forward(cudaStream_t s, DPtr att, int64_t rows, int T);
+// datt (holding dP) becomes dS = P * (dP - rowsum(P * dP)), 0 above the diagonal.
+void attention_softmax_backward(cudaStream_t s, DPtr datt, DPtr att, int64_t rows, int T);
+
+void crossentropy_max(cudaStream_t s, DPtr rowmax, DPtr logits, int64_t N, VocabSlice v);
+void crossentropy_sumexp(cudaStream_t s, DPtr sumexp, DPtr target_logit, DPtr logits, DPtr rowmax,
+                         const int32_t* targets, int64_t N, VocabSlice v);
+// Also the mean loss into *mean (device), through kSumBlocks partials in `partials`.
+void crossentropy_finish(cudaStream_t s, DPtr losses, DPtr probs, DPtr rowmax, DPtr sumexp,
+                         DPtr target_logit, int64_t N, VocabSlice v, double* partials,
+                         double* mean);
+void crossentropy_backward(cudaStream_t s, DPtr probs, const int32_t* targets, float dloss,
+                           int64_t N, VocabSlice v);
+
+// *result (device) = scale * the sum of x (or of x^2) in double, through kSumBlocks partials.
+void sum_values(cudaStream_t s, DPtr x, int64_t n, double* partials, double* result, double scale,
+                bool squares = false);
+void adamw_update(cudaStream_t s, DPtr param, DPtr grad, DPtr m, DPtr v, int64_t n,
+                  const AdamWArgs& args);
+
+}  // namespace trainer::cuda

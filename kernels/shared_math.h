@@ -1,0 +1,85 @@
+#pragma once
+// Element-wise math shared by the CPU and CUDA backends, compiled for the host and (under nvcc)
+// for the device, so that the CPU tests exercise the same formulas the GPU runs: rounding to
+// bf16, the counter-based random bits of stochastic rounding, GELU, and one AdamW element.
+// Everything works on raw bits or plain arithmetic.
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define TRAINER_HD __host__ __device__ inline
+#else
+#define TRAINER_HD inline
+#endif
+
+namespace trainer {
+
+// The bits of a float and back (std::bit_cast is C++20, and device code is C++17).
+TRAINER_HD uint32_t float_bits(float x) {
+  uint32_t u;
+  memcpy(&u, &x, sizeof u);
+  return u;
+}
+TRAINER_HD float bits_float(uint32_t u) {
+  float x;
+  memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+// 64 random bits as a pure function of (seed, index): SplitMix64 of their combination.
+TRAINER_HD uint64_t random_bits(uint64_t seed, uint64_t index) {
+  uint64_t z = seed * 0x9e3779b97f4a7c15ull + index + 0x632be59bd9b4e019ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// fp32 bits -> bf16 bits, round to nearest, ties to even; NaN stays a (quiet) NaN.
+TRAINER_HD uint16_t bf16_bits_nearest(uint32_t u) {
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+  const uint32_t lsb = (u >> 16) & 1;
+  return uint16_t((u + 0x7fffu + lsb) >> 16);
+}
+
+// fp32 bits -> bf16 bits rounded up with probability equal to the dropped fraction (`random`
+// supplies 16 uniform bits), so that the expected value is exact. inf and NaN as they are.
+TRAINER_HD uint16_t bf16_bits_stochastic(uint32_t u, uint32_t random) {
+  if ((u & 0x7f800000u) == 0x7f800000u) return bf16_bits_nearest(u);
+  return uint16_t((u + (random & 0xffffu)) >> 16);
+}
+
+// GELU, tanh approximation: gelu(x) = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3).
+// The caller supplies tanh(u) (each backend has its own fast tanh).
+template <class T>
+TRAINER_HD T gelu_tanh_arg(T x) {
+  return T(0.7978845608028654) * (x + T(0.044715) * x * x * x);
+}
+template <class T>
+TRAINER_HD T gelu_from_tanh(T x, T th) {
+  return T(0.5) * x * (T(1) + th);
+}
+// d gelu / dx given th = tanh(gelu_tanh_arg(x)).
+template <class T>
+TRAINER_HD T gelu_grad_from_tanh(T x, T th) {
+  const T sech2 = T(1) - th * th;
+  const T du = T(0.7978845608028654) * (T(1) + T(3 * 0.044715) * x * x);
+  return T(0.5) * (T(1) + th) + T(0.5) * x * sech2 * du;
+}
+
+// One AdamW element with decoupled weight decay. c1, c2 are the bias corrections
+// 1 / (1 - beta^step); gs scales the gradient first (clipping, 1 / loss scale).
+template <class T>
+struct AdamWConsts {
+  T b1, b2, c1, c2, lr, eps, wd, gs;
+};
+template <class T, class Sqrt>
+TRAINER_HD void adamw_element(T& param, T grad, T& m, T& v, const AdamWConsts<T>& a, Sqrt sqrt) {
+  const T g = grad * a.gs;
+  const T mi = a.b1 * m + (T(1) - a.b1) * g;
+  const T vi = a.b2 * v + (T(1) - a.b2) * g * g;
+  m = mi;
+  v = vi;
+  param -= a.lr * ((mi * a.c1) / (sqrt(vi * a.c2) + a.eps) + a.wd * param);
+}
+
+}  // namespace trainer

@@ -1,0 +1,391 @@
+// The CUDA backend against the CPU backend (the reference, itself checked against naive double
+// precision and finite differences): every kernel forward and backward in fp32, bf16 and fp16;
+// the whole model's loss and gradients; determinism; and training under mpirun with ranks that
+// share one GPU. Skipped, saying so, where no GPU is visible (CTest label `gpu`).
+//
+// Tolerances. fp32: the backends add in different orders (cuBLAS vs OpenBLAS tiles, warp
+// reductions) and use different exp/tanh (CUDA's expf/tanhf vs our Cephes polynomials, a few ulp
+// apart): sums of a few hundred O(1) terms agree to ~1e-6 relative, so rtol 1e-4 / atol 1e-5
+// leave room. 16-bit outputs are rounded once from fp32 values that differ by those amounts, so
+// they may land one unit in the last place apart: 2^-8 relative for bf16 (rtol 1e-2 with atol
+// 1e-2 for values near zero), 2^-11 for fp16 (rtol 2e-3, atol 2e-3); kernels that chain several
+// rounded 16-bit intermediates (attention, the model) get 3x.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kernels/kernels.h"
+#include "model/gpt.h"
+#include "mpi_cli.h"
+#include "test_util.h"
+
+namespace trainer {
+
+void PrintTo(DType t, std::ostream* os) {  // test names and messages say f32, not <00>
+  *os << dtype_name(t);
+}
+
+namespace {
+
+#define REQUIRE_GPU() \
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device visible: GPU test skipped"
+
+struct Tolerance {
+  double rtol, atol;
+};
+Tolerance tolerance(DType t, double chain = 1) {
+  switch (t) {
+    case DType::bf16:
+      return {1e-2 * chain, 1e-2 * chain};
+    case DType::f16:
+      return {2e-3 * chain, 2e-3 * chain};
+    default:
+      return {1e-4 * chain, 1e-5 * chain};
+  }
+}
+
+// One buffer on each backend holding the same values.
+struct Twin {
+  DPtr cpu, gpu;
+  int64_t n;
+};
+
+class Backends {
+ public:
+  Backends() : cpu(make_cpu_kernels()), gpu(make_cuda_kernels({0, 0.25})) {}
+  ~Backends() {
+    for (const Twin& t : owned_) {
+      cpu->free(t.cpu);
+      gpu->free(t.gpu);
+    }
+  }
+  Twin make(const std::vector<float>& values, DType dtype) {
+    const int64_t n = int64_t(values.size());
+    Twin t{cpu->alloc(n, dtype), gpu->alloc(n, dtype), n};
+    cpu->upload_f32(t.cpu, values.data(), n);
+    gpu->upload_f32(t.gpu, values.data(), n);
+    owned_.push_back(t);
+    return t;
+  }
+  Twin random(int64_t n, DType dtype, uint64_t seed, double scale = 1.0) {
+    return make(test::random_vector(size_t(n), seed, scale), dtype);
+  }
+  Twin zeros(int64_t n, DType dtype) { return make(std::vector<float>(size_t(n)), dtype); }
+  // Runs f on both backends; pick(t) is t's buffer on the backend being run.
+  void both(const std::function<void(Kernels&, std::function<DPtr(const Twin&)>)>& f) {
+    f(*cpu, [](const Twin& t) { return t.cpu; });
+    f(*gpu, [](const Twin& t) { return t.gpu; });
+  }
+  std::vector<float> host(Kernels& k, DPtr p, int64_t n) {
+    std::vector<float> v(static_cast<size_t>(n));
+    k.download_f32(v.data(), p, n);
+    return v;
+  }
+  ::testing::AssertionResult close(const Twin& t, Tolerance tol) {
+    return test::all_close(host(*gpu, t.gpu, t.n), host(*cpu, t.cpu, t.n), tol.rtol, tol.atol);
+  }
+  std::unique_ptr<Kernels> cpu, gpu;
+
+ private:
+  std::vector<Twin> owned_;
+};
+
+class CudaKernels : public ::testing::TestWithParam<DType> {
+ protected:
+  void SetUp() override { REQUIRE_GPU(); }
+};
+
+std::string dtype_label(const ::testing::TestParamInfo<DType>& info) {
+  return std::string(dtype_name(info.param));
+}
+
+TEST_P(CudaKernels, GeluResidualAndConvert) {
+  const DType t = GetParam();
+  Backends b;
+  const int64_t n = 10007;
+  Twin x = b.random(n, t, 1, 3.0), dy = b.random(n, t, 2), y = b.zeros(n, t), dx = b.zeros(n, t),
+       sum = b.zeros(n, t);
+  b.both([&](Kernels& k, auto at) {
+    k.gelu_forward(at(y), at(x), n);
+    k.gelu_backward(at(dx), at(x), at(dy), n);
+    k.residual_forward(at(sum), at(x), at(dy), n);
+  });
+  EXPECT_TRUE(b.close(y, tolerance(t)));
+  EXPECT_TRUE(b.close(dx, tolerance(t)));
+  EXPECT_TRUE(b.close(sum, tolerance(t)));
+  // Conversions into and out of this dtype round the same way on both backends: bitwise.
+  for (DType to : {DType::f32, DType::bf16, DType::f16}) {
+    Twin out = b.zeros(n, to);
+    b.both([&](Kernels& k, auto at) { k.convert(at(out), at(x), n, 0); });
+    EXPECT_TRUE(b.close(out, {0, 0})) << dtype_name(t) << " -> " << dtype_name(to);
+  }
+}
+
+TEST_P(CudaKernels, EncoderForwardBackwardOnAVocabularySlice) {
+  const DType t = GetParam();
+  Backends b;
+  const int B = 3, T = 17, C = 40;
+  const VocabSlice v{10, 7, 8};  // tokens 10..16 are this rank's; 17 is padding
+  std::vector<int32_t> tokens(B * T);
+  for (int i = 0; i < B * T; i++) tokens[i] = (i * 7) % 25;  // repeats, inside and outside
+  Twin wte = b.random(int64_t(v.width) * C, t, 1), wpe = b.random(int64_t(T) * C, t, 2);
+  Twin out = b.zeros(int64_t(B) * T * C, t), dout = b.random(int64_t(B) * T * C, t, 3);
+  for (DType g : {t, DType::f32}) {  // gradients in the compute dtype or in fp32
+    Twin dwte = b.random(int64_t(v.width) * C, g, 4), dwpe = b.random(int64_t(T) * C, g, 5);
+    b.both([&](Kernels& k, auto at) {
+      k.encoder_forward(at(out), tokens.data(), at(wte), at(wpe), B, T, C, v);
+      k.encoder_backward(at(dwte), at(dwpe), at(dout), tokens.data(), B, T, C, v);
+    });
+    EXPECT_TRUE(b.close(out, tolerance(t)));
+    EXPECT_TRUE(b.close(dwte, tolerance(g)));
+    EXPECT_TRUE(b.close(dwpe, tolerance(g)));
+  }
+}
+
+TEST_P(CudaKernels, LayerNormForwardBackward) {
+  const DType t = GetParam();
+  Backends b;
+  const int64_t N = 131;
+  const int C = 200;
+  Twin x = b.random(N * C, t, 1, 2.0), w = b.random(C, t, 2), bias = b.random(C, t, 3);
+  Twin out = b.zeros(N * C, t), mean = b.zeros(N, DType::f32), rstd = b.zeros(N, DType::f32);
+  Twin dout = b.random(N * C, t, 4), dx = b.random(N * C, t, 5);
+  for (DType g : {t, DType::f32}) {
+    Twin dw = b.random(C, g, 6), db = b.random(C, g, 7);
+    b.both([&](Kernels& k, auto at) {
+      k.layernorm_forward(at(out), at(mean), at(rstd), at(x), at(w), at(bias), N, C);
+      k.layernorm_backward(at(dx), at(dw), at(db), at(dout), at(x), at(w), at(mean), at(rstd), N,
+                           C);
+    });
+    EXPECT_TRUE(b.close(out, tolerance(t)));
+    EXPECT_TRUE(b.close(mean, tolerance(DType::f32)));
+    EXPECT_TRUE(b.close(rstd, tolerance(DType::f32)));
+    EXPECT_TRUE(b.close(dx, tolerance(t, 2)));  // accumulated twice over the two rounds
+    EXPECT_TRUE(b.close(dw, tolerance(g)));
+    EXPECT_TRUE(b.close(db, tolerance(g)));
+  }
+}
+
+TEST_P(CudaKernels, MatmulForwardBackwardWithAndWithoutBias) {
+  const DType t = GetParam();
+  Backends b;
+  const int64_t N = 96;
+  const int IC = 72, OC = 56;
+  Twin x = b.random(N * IC, t, 1), w = b.random(int64_t(OC) * IC, t, 2, 0.2),
+       bias = b.random(OC, t, 3), dy = b.random(N * OC, t, 4);
+  for (bool with_bias : {true, false})
+    for (DType g : {t, DType::f32}) {
+      Twin y = b.zeros(N * OC, t), dx = b.zeros(N * IC, t);
+      Twin dw = b.random(int64_t(OC) * IC, g, 5), db = b.random(OC, g, 6);
+      b.both([&](Kernels& k, auto at) {
+        k.matmul_forward(at(y), at(x), at(w), with_bias ? at(bias) : DPtr{}, N, IC, OC);
+        k.matmul_backward(at(dx), at(dw), with_bias ? at(db) : DPtr{}, at(dy), at(x), at(w), N, IC,
+                          OC);
+      });
+      SCOPED_TRACE(testing::Message() << "bias " << with_bias << ", grads " << dtype_name(g));
+      EXPECT_TRUE(b.close(y, tolerance(t)));
+      EXPECT_TRUE(b.close(dx, tolerance(t)));
+      EXPECT_TRUE(b.close(dw, tolerance(g)));
+      EXPECT_TRUE(b.close(db, tolerance(g)));
+    }
+}
+
+TEST_P(CudaKernels, CausalAttentionForwardBackward) {
+  const DType t = GetParam();
+  Backends b;
+  const int B = 2, T = 37, C = 48, NH = 3;
+  const int64_t BT = int64_t(B) * T, att = int64_t(B) * NH * T * T;
+  Twin qkv = b.random(BT * 3 * C, t, 1), dout = b.random(BT * C, t, 2);
+  Twin out = b.zeros(BT * C, t), probs = b.zeros(att, t), dqkv = b.zeros(BT * 3 * C, t),
+       scratch = b.zeros(att, t);
+  b.both([&](Kernels& k, auto at) {
+    k.attention_forward(at(out), at(probs), at(qkv), B, T, C, NH);
+    k.attention_backward(at(dqkv), at(scratch), at(dout), at(qkv), at(probs), B, T, C, NH);
+  });
+  EXPECT_TRUE(b.close(probs, tolerance(t)));
+  EXPECT_TRUE(b.close(out, tolerance(t, 3)));
+  EXPECT_TRUE(b.close(dqkv, tolerance(t, 3)));
+}
+
+TEST_P(CudaKernels, CrossEntropyOverTwoVocabularySlices) {
+  const DType t = GetParam();
+  Backends b;
+  const int64_t N = 45;
+  const int V = 50;
+  std::vector<int32_t> targets(N);
+  for (int64_t i = 0; i < N; i++) targets[i] = int32_t((i * 11) % V);
+  for (VocabSlice v : {VocabSlice{0, V, 64}, VocabSlice{32, V - 32, 32}}) {
+    Twin logits = b.random(N * v.width, t, 1, 3.0);
+    Twin rowmax = b.zeros(N, DType::f32), sumexp = b.zeros(N, DType::f32),
+         target = b.zeros(N, DType::f32), losses = b.zeros(N, DType::f32);
+    std::vector<double> mean;
+    b.both([&](Kernels& k, auto at) {
+      k.crossentropy_max(at(rowmax), at(logits), N, v);
+      k.crossentropy_sumexp(at(sumexp), at(target), at(logits), at(rowmax), targets.data(), N, v);
+      mean.push_back(
+          k.crossentropy_finish(at(losses), at(logits), at(rowmax), at(sumexp), at(target), N, v));
+    });
+    SCOPED_TRACE(testing::Message() << "slice start " << v.start);
+    EXPECT_TRUE(b.close(rowmax, tolerance(t)));
+    EXPECT_TRUE(b.close(target, tolerance(t)));
+    EXPECT_TRUE(b.close(sumexp, tolerance(DType::f32)));
+    EXPECT_TRUE(b.close(losses, tolerance(DType::f32)));
+    EXPECT_TRUE(b.close(logits, tolerance(t)));  // the probabilities
+    EXPECT_NEAR(mean[1], mean[0], 1e-5 * std::abs(mean[0]));
+    b.both([&](Kernels& k, auto at) {
+      k.crossentropy_backward(at(logits), targets.data(), 1.0f / float(N), N, v);
+    });
+    EXPECT_TRUE(b.close(logits, tolerance(t)));
+  }
+}
+
+TEST_P(CudaKernels, SumOfSquaresAndAdamW) {
+  const DType t = GetParam();
+  Backends b;
+  const int64_t n = 100003;
+  Twin g = b.random(n, t, 1);
+  double sums[2] = {0, 0};
+  int i = 0;
+  b.both([&](Kernels& k, auto at) { sums[i++] = k.sum_squares(at(g), n); });
+  EXPECT_NEAR(sums[1], sums[0], 1e-9 * sums[0]);  // double accumulation of the same values
+  // AdamW on fp32 master weights and state with gradients of this dtype, three steps.
+  Twin p = b.random(n, DType::f32, 2), m = b.zeros(n, DType::f32), v = b.zeros(n, DType::f32);
+  for (int64_t step = 1; step <= 3; step++) {
+    const AdamWArgs args{1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, step, 0.5f};
+    b.both([&](Kernels& k, auto at) { k.adamw_update(at(p), at(g), at(m), at(v), n, args); });
+  }
+  EXPECT_TRUE(b.close(p, {1e-6, 1e-7}));
+  EXPECT_TRUE(b.close(m, {1e-6, 1e-7}));
+  EXPECT_TRUE(b.close(v, {1e-6, 1e-9}));
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, CudaKernels,
+                         ::testing::Values(DType::f32, DType::bf16, DType::f16), dtype_label);
+
+TEST(Cuda, StochasticRoundingIsBitwiseTheCpusAndTheArenaSaysWhenFull) {
+  REQUIRE_GPU();
+  Backends b;
+  const int64_t n = 50000;
+  Twin x = b.random(n, DType::f32, 1, 10.0), out = b.zeros(n, DType::bf16);
+  b.both([&](Kernels& k, auto at) { k.convert(at(out), at(x), n, 12345); });
+  std::vector<bf16> cpu(n), gpu(n);
+  b.cpu->copy_to_host(cpu.data(), out.cpu, n);
+  b.gpu->copy_to_host(gpu.data(), out.gpu, n);
+  for (int64_t i = 0; i < n; i++) ASSERT_EQ(cpu[i].bits, gpu[i].bits) << "element " << i;
+
+  const Kernels::MemoryUse use = b.gpu->memory();
+  EXPECT_GT(use.reserved, 0);
+  EXPECT_GT(use.peak, 0);
+  try {
+    b.gpu->alloc(use.reserved, DType::f32);
+    FAIL() << "allocated more than the arena holds";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("GPU memory"), std::string::npos) << e.what();
+  }
+}
+
+// The model on both backends from the same initial weights: loss and every gradient.
+struct ModelRun {
+  double loss;
+  std::vector<float> grads;
+};
+ModelRun model_run(Kernels& k, DType dtype) {
+  GPTConfig cfg;
+  cfg.vocab_size = 97, cfg.seq_len = 32, cfg.n_layer = 2, cfg.n_head = 4, cfg.d_model = 64;
+  const int B = 3, T = 32;
+  GPTOptions o;
+  o.grad_dtype = DType::f32;
+  GPT model(cfg, k, dtype, B, T, o);
+  model.init_parameters(7);
+  std::vector<int32_t> tokens(B * T), targets(B * T);
+  for (int i = 0; i < B * T; i++) tokens[i] = (i * 13 + 5) % 97, targets[i] = (i * 29 + 1) % 97;
+  ModelRun r;
+  model.zero_grad();
+  r.loss = model.forward(tokens.data(), targets.data(), B, T);
+  model.backward(1.0f);
+  r.grads.resize(size_t(model.table().total));
+  k.download_f32(r.grads.data(), model.grads(), model.table().total);
+  return r;
+}
+
+double relative_difference(const std::vector<float>& a, const std::vector<float>& b) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < a.size(); i++) {
+    diff += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    norm += double(b[i]) * b[i];
+  }
+  return std::sqrt(diff / norm);
+}
+
+TEST(Cuda, ModelLossAndGradientsMatchTheCpuAndRepeatBitwise) {
+  REQUIRE_GPU();
+  auto cpu = make_cpu_kernels();
+  auto gpu = make_cuda_kernels({0, 0.25});
+  // fp32: every gradient to 1e-4 relative; 16-bit: the gradient vector to a few percent of
+  // its norm (activations rounded at every layer).
+  for (DType t : {DType::f32, DType::bf16, DType::f16}) {
+    SCOPED_TRACE(dtype_name(t));
+    const ModelRun c = model_run(*cpu, t), g = model_run(*gpu, t), again = model_run(*gpu, t);
+    EXPECT_NEAR(g.loss, c.loss, (t == DType::f32 ? 1e-5 : 1e-2) * c.loss);
+    if (t == DType::f32)
+      EXPECT_TRUE(test::all_close(g.grads, c.grads, 1e-3, 1e-5));
+    else
+      EXPECT_LT(relative_difference(g.grads, c.grads), 5e-2);
+    EXPECT_EQ(again.loss, g.loss);  // the same GPU, the same algorithms: bitwise
+    EXPECT_EQ(again.grads, g.grads);
+  }
+}
+
+// The trainer itself on the GPU: the same losses run to run, close to the CPU's, and data
+// parallelism over ranks that share the GPU (staged MPI collectives) equal to one rank.
+class CudaCli : public MpiCli {
+ protected:
+  void SetUp() override {
+    REQUIRE_GPU();
+    MpiCli::SetUp();
+  }
+  std::vector<double> losses(const std::string& out) {
+    std::vector<double> v;
+    for (const StepRecord& s : steps_of(path(out + "/metrics.jsonl"))) v.push_back(s.loss);
+    return v;
+  }
+  void expect_close(const std::vector<double>& a, const std::vector<double>& b, double rtol) {
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); i++) EXPECT_NEAR(a[i], b[i], rtol * b[i]) << "step " << i + 1;
+  }
+};
+
+TEST_F(CudaCli, TrainsLikeTheCpuDeterministicallyAndWithRanksSharingTheGpu) {
+  const std::string common = "--set train.steps=6 --set run.gpu_memory_fraction=0.2 ";
+  auto run = [&](int ranks, const std::string& out, const std::string& extra) {
+    const auto r = mpirun(ranks, common + "--set run.out_dir=" + quoted(path(out)) + " " + extra);
+    EXPECT_EQ(r.code, 0) << r.output;
+    return losses(out);
+  };
+  const auto cpu = run(1, "cpu", "");
+  const auto gpu = run(1, "gpu", "--set run.device=" + quoted("cuda"));
+  const auto again = run(1, "gpu2", "--set run.device=" + quoted("cuda"));
+  EXPECT_EQ(gpu, again);  // bitwise, run to run
+  expect_close(gpu, cpu, 1e-4);
+  const auto dp2 = run(
+      2, "dp2",
+      "--set run.device=" + quoted("cuda") + " --set train.micro_batch=1 --set parallel.zero=1");
+  const auto one = run(
+      1, "one",
+      "--set run.device=" + quoted("cuda") + " --set train.micro_batch=1 --set train.grad_accum=2");
+  expect_close(dp2, one, 1e-5);
+  const auto tp2 = run(2, "tp2", "--set run.device=" + quoted("cuda") + " --set parallel.tp=2");
+  expect_close(tp2, gpu, 1e-5);
+  const auto bf16 =
+      run(1, "bf16",
+          "--set run.device=" + quoted("cuda") + " --set precision.compute=" + quoted("bf16"));
+  expect_close(bf16, cpu, 2e-2);
+}
+
+}  // namespace
+}  // namespace trainer
