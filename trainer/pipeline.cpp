@@ -47,6 +47,7 @@ double Pipeline::step(const std::function<const Batch&()>& next_batch, float los
       if (a.recv >= 0) pp_.recv(model_.input(slot), activation, a.recv, forward_tag(a.micro));
       const auto t0 = Clock::now();
       loss += model_.forward(slot, batch.inputs.data(), batch.targets.data(), B_, T_);
+      model_.kernels().synchronize();  // a GPU's kernels run after the call returns
       times.forward_s += seconds_since(t0);
       if (a.send >= 0)
         output_sends_[slot] =
@@ -57,6 +58,7 @@ double Pipeline::step(const std::function<const Batch&()>& next_batch, float los
       if (a.micro == micro_batches_ - 1) before_last_backward();
       const auto t0 = Clock::now();
       model_.backward(slot, loss_scale);
+      model_.kernels().synchronize();
       times.backward_s += seconds_since(t0);
       if (a.send >= 0)
         grad_send_ = pp_.isend(model_.grad_io(), activation, a.send, backward_tag(a.micro));

@@ -365,6 +365,7 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
     run.optimizer.update(float(s.lr), float(clip / scale), step + 1);
     run.reducer.gather_params();
   }
+  run.kernels->synchronize();  // the update's kernels, on a GPU, have finished
   s.optimizer_s = seconds_since(t_opt);
 
   for (size_t i = 0; i < all.size(); i++) {

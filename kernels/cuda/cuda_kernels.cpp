@@ -157,18 +157,13 @@ class CudaKernels final : public Kernels {
   }
   void matmul_forward(DPtr out, DPtr inp, DPtr weight, DPtr bias, int64_t N, int IC,
                       int OC) override {
-    if (N == 0) return;
-    // out^T (OC x N) = W (OC x IC, stored as IC x OC column-major) op inp^T (IC x N).
-    gemm_->run(true, false, OC, rows(N), IC, 1.0f, {weight, IC}, {inp, IC}, 0.0f, {out, OC}, 1,
-               bias);
+    if (N > 0) gemm_->run(gemm_plan::linear_forward(out, inp, weight, bias, rows(N), IC, OC));
   }
   void matmul_backward(DPtr dinp, DPtr dweight, DPtr dbias, DPtr dout, DPtr inp, DPtr weight,
                        int64_t N, int IC, int OC) override {
     if (N == 0) return;
-    if (dinp)  // dinp^T (IC x N) = W^T (IC x OC) dout^T (OC x N)
-      gemm_->run(false, false, IC, rows(N), OC, 1.0f, {weight, IC}, {dout, OC}, 0.0f, {dinp, IC});
-    // dW^T (IC x OC) += inp^T (IC x N) dout (N x OC)
-    gemm_->run(false, true, IC, OC, rows(N), 1.0f, {inp, IC}, {dout, OC}, 1.0f, {dweight, IC});
+    if (dinp) gemm_->run(gemm_plan::linear_backward_input(dinp, dout, weight, rows(N), IC, OC));
+    gemm_->run(gemm_plan::linear_backward_weight(dweight, dout, inp, rows(N), IC, OC));
     if (dbias)
       cuda::bias_backward(compute_, dbias, dout, N, OC, scratch(int64_t(kColumnChunks) * OC));
   }
@@ -329,49 +324,22 @@ class CudaKernels final : public Kernels {
 };
 
 // Causal attention per batch entry: the scores of all heads in one strided-batched GEMM (heads
-// are hs columns apart in qkv), the causal softmax over every row at once, then P V.
-// Column-major views: a row-major X (r x c, row stride ld) is X^T (c x r) with the same ld.
+// are hs columns apart in qkv), the causal softmax over every row at once, then P V
+// (kernels/gemm_plan.h has the products).
 void CudaKernels::attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH) {
-  const int hs = C / NH, C3 = 3 * C;
-  const float scale = 1.0f / std::sqrt(float(hs));
-  const int64_t TT = int64_t(T) * T;
-  for (int b = 0; b < B; b++) {
-    const DPtr Q = qkv + int64_t(b) * T * C3, K = Q + C;
-    // S^T (T x T) = K (T x hs) Q^T: the row-major S[i][j] = scale q_i . k_j
-    gemm_->run(true, false, T, T, hs, scale, {K, C3, hs}, {Q, C3, hs}, 0.0f,
-               {att + b * NH * TT, T, TT}, NH);
-  }
+  for (const GemmCall& c : gemm_plan::attention_scores(att, qkv, B, T, C, NH)) gemm_->run(c);
   cuda::attention_softmax_forward(compute_, att, int64_t(B) * NH * T, T);
-  for (int b = 0; b < B; b++) {
-    const DPtr V = qkv + int64_t(b) * T * C3 + 2 * C;
-    // out^T (hs x T) = V^T (hs x T) P^T (T x T)
-    gemm_->run(false, false, hs, T, T, 1.0f, {V, C3, hs}, {att + b * NH * TT, T, TT}, 0.0f,
-               {out + int64_t(b) * T * C, C, hs}, NH);
-  }
+  for (const GemmCall& c : gemm_plan::attention_output(out, att, qkv, B, T, C, NH)) gemm_->run(c);
 }
 
 void CudaKernels::attention_backward(DPtr dqkv, DPtr datt, DPtr dout, DPtr qkv, DPtr att, int B,
                                      int T, int C, int NH) {
-  const int hs = C / NH, C3 = 3 * C;
-  const float scale = 1.0f / std::sqrt(float(hs));
-  const int64_t TT = int64_t(T) * T;
-  for (int b = 0; b < B; b++) {
-    const DPtr V = qkv + int64_t(b) * T * C3 + 2 * C, dV = dqkv + int64_t(b) * T * C3 + 2 * C;
-    const DPtr dO = dout + int64_t(b) * T * C, P = att + b * NH * TT, dP = datt + b * NH * TT;
-    // dP^T (T x T) = V (T x hs) dO^T (hs x T): the row-major dP = dO V^T
-    gemm_->run(true, false, T, T, hs, 1.0f, {V, C3, hs}, {dO, C, hs}, 0.0f, {dP, T, TT}, NH);
-    // dV^T (hs x T) = dO^T (hs x T) P (T x T)
-    gemm_->run(false, true, hs, T, T, 1.0f, {dO, C, hs}, {P, T, TT}, 0.0f, {dV, C3, hs}, NH);
-  }
+  for (const GemmCall& c :
+       gemm_plan::attention_backward_values(dqkv, datt, dout, qkv, att, B, T, C, NH))
+    gemm_->run(c);
   cuda::attention_softmax_backward(compute_, datt, att, int64_t(B) * NH * T, T);
-  for (int b = 0; b < B; b++) {
-    const DPtr Q = qkv + int64_t(b) * T * C3, K = Q + C;
-    const DPtr dQ = dqkv + int64_t(b) * T * C3, dK = dQ + C, dS = datt + b * NH * TT;
-    // dQ^T (hs x T) = scale K^T (hs x T) dS^T (T x T): the row-major dQ = scale dS K
-    gemm_->run(false, false, hs, T, T, scale, {K, C3, hs}, {dS, T, TT}, 0.0f, {dQ, C3, hs}, NH);
-    // dK^T (hs x T) = scale Q^T (hs x T) dS (T x T): the row-major dK = scale dS^T Q
-    gemm_->run(false, true, hs, T, T, scale, {Q, C3, hs}, {dS, T, TT}, 0.0f, {dK, C3, hs}, NH);
-  }
+  for (const GemmCall& c : gemm_plan::attention_backward_queries_keys(dqkv, datt, qkv, B, T, C, NH))
+    gemm_->run(c);
 }
 
 // Dense peak of the tensor cores (16-bit) or of the fp32 units, per the data sheets of the SXM

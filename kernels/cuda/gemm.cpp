@@ -72,9 +72,11 @@ Gemm::~Gemm() {
   if (handle_) cublasLtDestroy(handle_);
 }
 
-Gemm::Plan& Gemm::plan(const Key& key, bool trans_a, bool trans_b, int m, int n, int k,
-                       GemmOperand A, GemmOperand B, GemmOperand C, int batch, DPtr bias,
-                       float beta) {
+Gemm::Plan& Gemm::plan(const Key& key, const GemmCall& c) {
+  const bool trans_a = c.trans_a, trans_b = c.trans_b;
+  const int m = c.m, n = c.n, k = c.k, batch = c.batch;
+  const GemmOperand &A = c.A, &B = c.B, &C = c.C;
+  const DPtr bias = c.bias;
   auto it = plans_.find(key);
   if (it != plans_.end()) return *it->second;
   auto p = std::make_unique<Plan>();
@@ -88,7 +90,7 @@ Gemm::Plan& Gemm::plan(const Key& key, bool trans_a, bool trans_b, int m, int n,
     set(p->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, cuda_type(bias.dtype));
     set(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(bias.p));
   }
-  auto layout = [&](cublasLtMatrixLayout_t* l, DType t, int rows, int cols, GemmOperand op) {
+  auto layout = [&](cublasLtMatrixLayout_t* l, DType t, int rows, int cols, const GemmOperand& op) {
     LT_CHECK(cublasLtMatrixLayoutCreate(l, cuda_type(t), uint64_t(rows), uint64_t(cols), op.ld));
     if (batch > 1) {
       LT_CHECK(cublasLtMatrixLayoutSetAttribute(*l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch,
@@ -127,38 +129,38 @@ Gemm::Plan& Gemm::plan(const Key& key, bool trans_a, bool trans_b, int m, int n,
         "cuBLASLt has no algorithm for {}x{}x{} (transa {}, transb {}, batch {}, {} x {} -> {}, "
         "beta {}, bias {}): {}",
         m, n, k, trans_a, trans_b, batch, dtype_name(A.p.dtype), dtype_name(B.p.dtype),
-        dtype_name(C.p.dtype), beta, bool(bias), cublasLtGetStatusString(status)));
+        dtype_name(C.p.dtype), c.beta, bool(bias), cublasLtGetStatusString(status)));
   p->algo = result.algo;
   return *plans_.emplace(key, std::move(p)).first->second;
 }
 
-void Gemm::run(bool trans_a, bool trans_b, int m, int n, int k, float alpha, GemmOperand A,
-               GemmOperand B, float beta, GemmOperand C, int batch, DPtr bias) {
-  if (A.p.dtype != B.p.dtype) throw std::invalid_argument("Gemm: A and B must have one dtype");
-  const Key key{trans_a,
-                trans_b,
-                m,
-                n,
-                k,
-                A.ld,
-                B.ld,
-                C.ld,
-                batch > 1 ? A.stride : 0,
-                batch > 1 ? B.stride : 0,
-                batch > 1 ? C.stride : 0,
+void Gemm::run(const GemmCall& c) {
+  if (c.A.p.dtype != c.B.p.dtype) throw std::invalid_argument("Gemm: A and B must have one dtype");
+  const int batch = c.batch;
+  const Key key{c.trans_a,
+                c.trans_b,
+                c.m,
+                c.n,
+                c.k,
+                c.A.ld,
+                c.B.ld,
+                c.C.ld,
+                batch > 1 ? c.A.stride : 0,
+                batch > 1 ? c.B.stride : 0,
+                batch > 1 ? c.C.stride : 0,
                 batch,
-                int(A.p.dtype),
-                int(C.p.dtype),
-                bias ? int(bias.dtype) : -1,
-                alignment(A, batch),
-                alignment(B, batch),
-                alignment(C, batch),
-                bias ? alignment(bias.p) : 0,
-                beta != 0.0f};
-  Plan& p = plan(key, trans_a, trans_b, m, n, k, A, B, C, batch, bias, beta);
-  if (bias) set(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(bias.p));
-  LT_CHECK(cublasLtMatmul(handle_, p.desc, &alpha, A.p.p, p.a, B.p.p, p.b, &beta, C.p.p, p.c, C.p.p,
-                          p.c, &p.algo, workspace_, workspace_bytes_, stream_));
+                int(c.A.p.dtype),
+                int(c.C.p.dtype),
+                c.bias ? int(c.bias.dtype) : -1,
+                alignment(c.A, batch),
+                alignment(c.B, batch),
+                alignment(c.C, batch),
+                c.bias ? alignment(c.bias.p) : 0,
+                c.beta != 0.0f};
+  Plan& p = plan(key, c);
+  if (c.bias) set(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(c.bias.p));
+  LT_CHECK(cublasLtMatmul(handle_, p.desc, &c.alpha, c.A.p.p, p.a, c.B.p.p, p.b, &c.beta, c.C.p.p,
+                          p.c, c.C.p.p, p.c, &p.algo, workspace_, workspace_bytes_, stream_));
 }
 
 }  // namespace trainer::cuda

@@ -1,7 +1,6 @@
 #pragma once
-// Matrix products through cuBLASLt, column-major as cuBLAS sees them:
-//   C(m, n) = alpha * op(A) op(B) + beta * C  [+ bias(m) added to every column]
-// `batch` times at the given element strides. A and B share a dtype (f32, bf16 or f16); C may be
+// Matrix products through cuBLASLt: the calls of kernels/gemm_plan.h (column-major, as cuBLAS
+// sees them, strided batches, bias epilogue). A and B share a dtype (f32, bf16 or f16); C may be
 // that dtype or f32 (16-bit products accumulated into fp32 gradients); all compute in fp32 (no
 // TF32, so fp32 runs match the CPU). The algorithm for each shape is chosen once and cached, so a
 // shape always runs the same algorithm: bitwise-reproducible results on one GPU model.
@@ -13,15 +12,9 @@
 #include <memory>
 #include <tuple>
 
-#include "kernels/dtype.h"
+#include "kernels/gemm_plan.h"
 
 namespace trainer::cuda {
-
-struct GemmOperand {
-  DPtr p;
-  int ld;              // leading dimension (elements)
-  int64_t stride = 0;  // between batch entries (elements)
-};
 
 class Gemm {
  public:
@@ -30,15 +23,14 @@ class Gemm {
   Gemm(const Gemm&) = delete;
   Gemm& operator=(const Gemm&) = delete;
 
-  void run(bool trans_a, bool trans_b, int m, int n, int k, float alpha, GemmOperand A,
-           GemmOperand B, float beta, GemmOperand C, int batch = 1, DPtr bias = {});
+  // One call of kernels/gemm_plan.h, enqueued on the stream.
+  void run(const GemmCall& call);
 
  private:
   struct Plan;
   using Key = std::tuple<bool, bool, int, int, int, int, int, int, int64_t, int64_t, int64_t, int,
                          int, int, int, int, int, int, int, bool>;
-  Plan& plan(const Key& key, bool trans_a, bool trans_b, int m, int n, int k, GemmOperand A,
-             GemmOperand B, GemmOperand C, int batch, DPtr bias, float beta);
+  Plan& plan(const Key& key, const GemmCall& call);
 
   cudaStream_t stream_;
   void* workspace_;

@@ -1,0 +1,56 @@
+#pragma once
+// The matrix products of the GPU backend as data: which column-major GEMM (cuBLAS's view) each
+// row-major product of the model is, with transposes, leading dimensions and batch strides.
+// Host-only, so that the CPU tests can execute every plan with a naive column-major GEMM and
+// compare it with the CPU backend: the index arithmetic the GPU relies on is tested without one.
+//
+// A call means, for b in [0, batch):
+//   C_b(m, n) = alpha * op(A_b) op(B_b) + beta * C_b   [+ bias(m) added to every column]
+// where X_b starts `stride` elements after X_(b-1), element (r, c) of a stored matrix is at
+// r + c * ld, and op(X) is X or its transpose. A row-major X (r x c, row stride ld) is the
+// column-major X^T (c x r) with the same ld.
+#include <cstdint>
+#include <vector>
+
+#include "kernels/dtype.h"
+
+namespace trainer {
+
+struct GemmOperand {
+  DPtr p;
+  int ld;              // leading dimension (elements)
+  int64_t stride = 0;  // between batch entries (elements)
+};
+
+struct GemmCall {
+  bool trans_a, trans_b;
+  int m, n, k;
+  float alpha;
+  GemmOperand A, B;
+  float beta;
+  GemmOperand C;
+  int batch = 1;
+  DPtr bias;  // length m, or null
+};
+
+namespace gemm_plan {
+
+// out(N, OC) = inp(N, IC) @ weight(OC, IC)^T + bias
+GemmCall linear_forward(DPtr out, DPtr inp, DPtr weight, DPtr bias, int N, int IC, int OC);
+// dinp(N, IC) = dout(N, OC) @ weight(OC, IC)
+GemmCall linear_backward_input(DPtr dinp, DPtr dout, DPtr weight, int N, int IC, int OC);
+// dweight(OC, IC) += dout(N, OC)^T @ inp(N, IC)
+GemmCall linear_backward_weight(DPtr dweight, DPtr dout, DPtr inp, int N, int IC, int OC);
+
+// Causal attention over qkv(B, T, 3C) with NH heads, one strided batch of all heads per
+// sequence. Forward: scores, then (after the causal softmax in place in att) the output.
+std::vector<GemmCall> attention_scores(DPtr att, DPtr qkv, int B, int T, int C, int NH);
+std::vector<GemmCall> attention_output(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH);
+// Backward: dP into datt and dV, then (after the softmax backward in place in datt) dQ and dK.
+std::vector<GemmCall> attention_backward_values(DPtr dqkv, DPtr datt, DPtr dout, DPtr qkv, DPtr att,
+                                                int B, int T, int C, int NH);
+std::vector<GemmCall> attention_backward_queries_keys(DPtr dqkv, DPtr datt, DPtr qkv, int B, int T,
+                                                      int C, int NH);
+
+}  // namespace gemm_plan
+}  // namespace trainer
