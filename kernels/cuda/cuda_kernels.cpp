@@ -18,6 +18,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/token_index.h"
 
 namespace trainer {
 namespace cuda {
@@ -142,9 +143,11 @@ class CudaKernels final : public Kernels {
   }
   void encoder_backward(DPtr dwte, DPtr dwpe, DPtr dout, const int32_t* tokens, int B, int T, int C,
                         VocabSlice v) override {
-    const int U = build_token_index(tokens, int64_t(B) * T, v);
-    Upload t(*this, token_index_.data(), int64_t(token_index_.size()));
-    cuda::encoder_backward(compute_, dwte, dwpe, dout, nullptr, t.device, U, B, T, C, v);
+    token_index_.build(tokens, int64_t(B) * T, v);
+    const std::vector<int32_t>& index = token_index_.data();
+    Upload t(*this, index.data(), int64_t(index.size()));
+    cuda::encoder_backward(compute_, dwte, dwpe, dout, t.device, token_index_.distinct(), B, T, C,
+                           v);
   }
   void layernorm_forward(DPtr out, DPtr mean, DPtr rstd, DPtr inp, DPtr weight, DPtr bias,
                          int64_t N, int C) override {
@@ -280,35 +283,6 @@ class CudaKernels final : public Kernels {
     return *host_result_;
   }
 
-  // The encoder's backward index (see cuda::encoder_backward): distinct tokens of the slice,
-  // offsets, and positions in sequence order, by a counting sort. Returns U.
-  int build_token_index(const int32_t* tokens, int64_t n, VocabSlice v) {
-    counts_.assign(size_t(std::max(v.valid, 0)) + 1, 0);
-    for (int64_t i = 0; i < n; i++)
-      if (v.holds(tokens[i])) counts_[size_t(tokens[i] - v.start)]++;
-    std::vector<int32_t> uniq;
-    for (int t = 0; t < v.valid; t++)
-      if (counts_[size_t(t)]) uniq.push_back(t + v.start);
-    const size_t U = uniq.size();
-    token_index_.assign(2 * U + 1, 0);
-    std::copy(uniq.begin(), uniq.end(), token_index_.begin());
-    // offsets, and a cursor per token (reusing counts_) for placing positions
-    int32_t at = 0;
-    for (size_t u = 0; u < U; u++) {
-      token_index_[U + u] = at;
-      const size_t slot = size_t(uniq[u] - v.start);
-      const int32_t count = counts_[slot];
-      counts_[slot] = at;
-      at += count;
-    }
-    token_index_[2 * U] = at;
-    token_index_.resize(2 * U + 1 + size_t(at));
-    int32_t* positions = token_index_.data() + 2 * U + 1;
-    for (int64_t i = 0; i < n; i++)
-      if (v.holds(tokens[i])) positions[counts_[size_t(tokens[i] - v.start)]++] = int32_t(i);
-    return int(U);
-  }
-
   int device_;
   cudaDeviceProp props_{};
   cudaStream_t compute_ = nullptr, copy_ = nullptr;
@@ -320,7 +294,7 @@ class CudaKernels final : public Kernels {
   float* scratch_ = nullptr;
   int64_t scratch_elems_ = 0;
   double *sum_partials_ = nullptr, *sum_result_ = nullptr, *host_result_ = nullptr;
-  std::vector<int32_t> counts_, token_index_;
+  TokenIndex token_index_;  // the embedding backward's rows and positions
 };
 
 // Causal attention per batch entry: the scores of all heads in one strided-batched GEMM (heads

@@ -107,8 +107,8 @@ void encoder_forward(cudaStream_t s, DPtr out, const int32_t* tokens, DPtr wte, 
   CUDA_CHECK_LAUNCH("encoder_forward");
 }
 
-void encoder_backward(cudaStream_t s, DPtr dwte, DPtr dwpe, DPtr dout, const int32_t*,
-                      const int32_t* index, int U, int B, int T, int C, VocabSlice v) {
+void encoder_backward(cudaStream_t s, DPtr dwte, DPtr dwpe, DPtr dout, const int32_t* index, int U,
+                      int B, int T, int C, VocabSlice v) {
   dispatch(dout.dtype, [&](auto tag) {
     using X = decltype(tag);
     dispatch(dwte.dtype, [&](auto gtag) {

@@ -18,11 +18,10 @@ constexpr int kSumBlocks = 256;    // blocks of the sum-of-squares and the mean 
 
 void encoder_forward(cudaStream_t s, DPtr out, const int32_t* tokens, DPtr wte, DPtr wpe, int B,
                      int T, int C, VocabSlice v);
-// `index` holds, for the U distinct tokens of the slice, their ids (U), offsets into the
-// positions (U + 1) and the positions of each, in sequence order (B * T at most): each row of
-// dwte is summed by one block in sequence order, as on the CPU, without atomics.
-void encoder_backward(cudaStream_t s, DPtr dwte, DPtr dwpe, DPtr dout, const int32_t* tokens,
-                      const int32_t* index, int U, int B, int T, int C, VocabSlice v);
+// `index`: a TokenIndex's data (kernels/token_index.h) with U distinct ids, on the device. Each
+// row of dwte is summed by one block in sequence order, as on the CPU, without atomics.
+void encoder_backward(cudaStream_t s, DPtr dwte, DPtr dwpe, DPtr dout, const int32_t* index, int U,
+                      int B, int T, int C, VocabSlice v);
 
 void gelu_forward(cudaStream_t s, DPtr out, DPtr inp, int64_t n);
 void gelu_backward(cudaStream_t s, DPtr dinp, DPtr inp, DPtr dout, int64_t n);
