@@ -6,7 +6,7 @@
 namespace trainer {
 
 Arena::Arena(int64_t capacity, int64_t alignment)
-    : capacity_(capacity / alignment * alignment), alignment_(alignment) {
+    : capacity_(alignment > 0 ? capacity / alignment * alignment : 0), alignment_(alignment) {
   if (alignment <= 0 || capacity < 0) throw std::invalid_argument("Arena: bad size");
   if (capacity_ > 0) free_[0] = capacity_;
 }

@@ -6,6 +6,8 @@
 // B = batch, T = time, C = channels, NH = heads, V = real vocab, Vp = padded vocab, N = rows.
 // Backward calls say for each output whether they overwrite (=) or accumulate (+=): weight
 // gradients always accumulate, so that gradient accumulation over micro-batches is free.
+#include <array>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -42,7 +44,7 @@ class Kernels {
   virtual void copy_from_host(DPtr dst, const void* src, int64_t elems) = 0;
   // Host memory the device can copy from and to asynchronously (pinned on a GPU).
   virtual void* alloc_host(int64_t bytes) = 0;
-  virtual void free_host(void* p) = 0;
+  virtual void free_host(void* p) noexcept = 0;  // a release: errors are not reported
   // Waits until all work enqueued so far has finished (for timing; a no-op on the CPU).
   virtual void synchronize() {}
   // Device memory reserved for the job and the most of it ever in use; zero on the CPU.
@@ -84,12 +86,34 @@ class Kernels {
   virtual void layernorm_backward(DPtr dinp, DPtr dweight, DPtr dbias, DPtr dout, DPtr inp,
                                   DPtr weight, DPtr mean, DPtr rstd, int64_t N, int C) = 0;
 
+  // --- residual then layernorm: res = a + b (res may be a), out = layernorm(res) -------------
+  // The two calls below; a backend may fuse them into one pass over the rows.
+  virtual void residual_layernorm_forward(DPtr res, DPtr out, DPtr mean, DPtr rstd, DPtr a, DPtr b,
+                                          DPtr weight, DPtr bias, int64_t N, int C) {
+    residual_forward(res, a, b, N * C);
+    layernorm_forward(out, mean, rstd, res, weight, bias, N, C);
+  }
+
   // --- linear: out(N,OC) = inp(N,IC) @ weight(OC,IC)^T + bias(OC); bias may be null ---------
   virtual void matmul_forward(DPtr out, DPtr inp, DPtr weight, DPtr bias, int64_t N, int IC,
                               int OC) = 0;
   // dinp = (skipped when null), dweight += , dbias += (skipped when null)
   virtual void matmul_backward(DPtr dinp, DPtr dweight, DPtr dbias, DPtr dout, DPtr inp,
                                DPtr weight, int64_t N, int IC, int OC) = 0;
+  // A linear layer and the GELU after it: pre = the linear's output, out = gelu(pre). And the
+  // backward of a linear layer whose input was gelu(pre): as matmul_backward, with dinp taken
+  // through the GELU (dinp = gelu'(pre) * the input gradient). The calls below; a backend may
+  // fuse the GELU into the GEMMs.
+  virtual void matmul_gelu_forward(DPtr pre, DPtr out, DPtr inp, DPtr weight, DPtr bias, int64_t N,
+                                   int IC, int OC) {
+    matmul_forward(pre, inp, weight, bias, N, IC, OC);
+    gelu_forward(out, pre, N * OC);
+  }
+  virtual void matmul_backward_gelu(DPtr dinp, DPtr dweight, DPtr dbias, DPtr dout, DPtr inp,
+                                    DPtr weight, DPtr pre, int64_t N, int IC, int OC) {
+    matmul_backward(dinp, dweight, dbias, dout, inp, weight, N, IC, OC);
+    if (dinp) gelu_backward(dinp, pre, dinp, N * IC);
+  }
 
   // --- causal self-attention: qkv(B,T,3C) -> out(B,T,C), att(B,NH,T,T) softmax kept -----------
   virtual void attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH) = 0;
@@ -144,13 +168,17 @@ std::unique_ptr<Kernels> make_cpu_kernels();
 struct CudaOptions {
   int device = 0;
   // Of the GPU's memory, the share reserved at start-up (one cudaMalloc) for this process (at
-  // most 95% of what is free then); ranks sharing one GPU split it.
+  // most what is free then, less headroom for NCCL and the CUDA runtime); ranks sharing one GPU
+  // split it.
   double memory_fraction = 0.9;
 };
 // Whether this trainer was built with the CUDA backend, and how many GPUs this process sees (0
 // without a driver or a device; never throws).
 bool cuda_built();
 int cuda_device_count();
+// The identity of a GPU this process sees (its UUID: the same for every process on the
+// physical device, whatever CUDA_VISIBLE_DEVICES numbering each has); throws when there is none.
+std::array<std::byte, 16> cuda_device_uuid(int device);
 // Throws std::runtime_error when built without CUDA.
 std::unique_ptr<Kernels> make_cuda_kernels(const CudaOptions& options);
 

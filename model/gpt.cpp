@@ -262,10 +262,9 @@ double GPT::forward(int slot, const int32_t* tokens, const int32_t* targets, int
     k_.attention_forward(a.atty, a.att, a.qkv, B, T, Cl, NHl);
     k_.matmul_forward(a.res2, a.atty, P(w.proj_w), row_bias(w.proj_b), BT, Cl, C);
     tp_sum(a.res2, BT * C);
-    k_.residual_forward(a.res2, a.res2, x, BT * C);
-    k_.layernorm_forward(a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, P(w.ln2_w), P(w.ln2_b), BT, C);
-    k_.matmul_forward(a.fch, a.ln2, P(w.fc_w), P(w.fc_b), BT, C, 4 * Cl);
-    k_.gelu_forward(a.fch_gelu, a.fch, BT * 4 * Cl);
+    k_.residual_layernorm_forward(a.res2, a.ln2, a.ln2_mean, a.ln2_rstd, a.res2, x, P(w.ln2_w),
+                                  P(w.ln2_b), BT, C);
+    k_.matmul_gelu_forward(a.fch, a.fch_gelu, a.ln2, P(w.fc_w), P(w.fc_b), BT, C, 4 * Cl);
     k_.matmul_forward(a.res3, a.fch_gelu, P(w.fcproj_w), row_bias(w.fcproj_b), BT, 4 * Cl, C);
     tp_sum(a.res3, BT * C);
     k_.residual_forward(a.res3, a.res3, a.res2, BT * C);
@@ -317,9 +316,8 @@ void GPT::backward(int slot, float loss_scale) {
     LayerActs a = layer(slot, l);
     DPtr x = l == first ? s.encoded : layer(slot, l - 1).res3;
     // res3 = res2 + proj(gelu(fc(ln2(res2)))): d_res is the gradient w.r.t. res3 and res2.
-    k_.matmul_backward(d_fch, G(w.fcproj_w), G(w.fcproj_b), d_res, a.fch_gelu, P(w.fcproj_w), BT,
-                       4 * Cl, C);
-    k_.gelu_backward(d_fch, a.fch, d_fch, BT * 4 * Cl);
+    k_.matmul_backward_gelu(d_fch, G(w.fcproj_w), G(w.fcproj_b), d_res, a.fch_gelu,
+                            P(w.fcproj_w), a.fch, BT, 4 * Cl, C);
     ready();
     k_.matmul_backward(d_ln, G(w.fc_w), G(w.fc_b), d_fch, a.ln2, P(w.fc_w), BT, C, 4 * Cl);
     tp_sum(d_ln, BT * C);

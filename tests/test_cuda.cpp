@@ -169,6 +169,16 @@ TEST_P(CudaKernels, LayerNormForwardBackward) {
     EXPECT_TRUE(b.close(dw, tolerance(g)));
     EXPECT_TRUE(b.close(db, tolerance(g)));
   }
+  // The residual add fused in (in place, as the model calls it): the sum is rounded exactly as
+  // the CPU's separate residual kernel stores it.
+  Twin res = b.random(N * C, t, 8), other = b.random(N * C, t, 9);
+  b.both([&](Kernels& k, auto at) {
+    k.residual_layernorm_forward(at(res), at(out), at(mean), at(rstd), at(res), at(other), at(w),
+                                 at(bias), N, C);
+  });
+  EXPECT_TRUE(b.close(res, tolerance(t)));
+  EXPECT_TRUE(b.close(out, tolerance(t)));
+  EXPECT_TRUE(b.close(rstd, tolerance(DType::f32)));
 }
 
 TEST_P(CudaKernels, MatmulForwardBackwardWithAndWithoutBias) {
@@ -193,6 +203,35 @@ TEST_P(CudaKernels, MatmulForwardBackwardWithAndWithoutBias) {
       EXPECT_TRUE(b.close(dw, tolerance(g)));
       EXPECT_TRUE(b.close(db, tolerance(g)));
     }
+}
+
+// The GELU fused into cuBLASLt's epilogues (OC = 56, ld a multiple of 8) and the unfused
+// fallback (OC = 52). Fused, the 16-bit pre-activation and the product it multiplies are rounded
+// at other points than in the CPU's separate kernels: two roundings, so 2x.
+TEST_P(CudaKernels, MatmulWithGeluFusedAndFallback) {
+  const DType t = GetParam();
+  Backends b;
+  const int64_t N = 96;
+  const int IC = 72;
+  for (int OC : {56, 52}) {
+    Twin x = b.random(N * IC, t, 1), w = b.random(int64_t(OC) * IC, t, 2, 0.2),
+         bias = b.random(OC, t, 3), w2 = b.random(int64_t(IC) * OC, t, 4, 0.2),
+         dy = b.random(N * IC, t, 5);
+    Twin pre = b.zeros(N * OC, t), act = b.zeros(N * OC, t), dact = b.zeros(N * OC, t),
+         dw2 = b.zeros(int64_t(IC) * OC, DType::f32), db2 = b.zeros(IC, DType::f32);
+    b.both([&](Kernels& k, auto at) {
+      k.matmul_gelu_forward(at(pre), at(act), at(x), at(w), at(bias), N, IC, OC);
+      // The next layer (OC -> IC) takes act; its input gradient goes back through the GELU.
+      k.matmul_backward_gelu(at(dact), at(dw2), at(db2), at(dy), at(act), at(w2), at(pre), N, OC,
+                             IC);
+    });
+    SCOPED_TRACE(testing::Message() << "OC " << OC);
+    EXPECT_TRUE(b.close(pre, tolerance(t)));
+    EXPECT_TRUE(b.close(act, tolerance(t, 2)));
+    EXPECT_TRUE(b.close(dact, tolerance(t, 2)));
+    EXPECT_TRUE(b.close(dw2, tolerance(t)));
+    EXPECT_TRUE(b.close(db2, tolerance(DType::f32)));
+  }
 }
 
 TEST_P(CudaKernels, CausalAttentionForwardBackward) {

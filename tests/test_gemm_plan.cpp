@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "kernels/gemm_plan.h"
+#include "kernels/shared_math.h"
 #include "test_util.h"
 
 namespace trainer {
@@ -15,7 +16,8 @@ namespace {
 
 constexpr double kTol = 1e-12;
 
-// C_b = alpha op(A_b) op(B_b) + beta C_b (+ bias), element (r, c) of a stored matrix at r + c ld.
+// C_b = alpha op(A_b) op(B_b) + beta C_b (+ bias), element (r, c) of a stored matrix at r + c ld,
+// then the epilogue on it (with the aux matrix, stored like C).
 void run_naive(const GemmCall& g) {
   for (int b = 0; b < g.batch; b++) {
     const double* A = g.A.p.as<double>() + b * g.A.stride;
@@ -30,8 +32,21 @@ void run_naive(const GemmCall& g) {
           acc += a * x;
         }
         double& c = C[i + int64_t(j) * g.C.ld];
-        c = g.alpha * acc + (g.beta != 0 ? g.beta * c : 0.0) +
-            (g.bias ? g.bias.as<double>()[i] : 0.0);
+        const double z = g.alpha * acc + (g.beta != 0 ? g.beta * c : 0.0) +
+                         (g.bias ? g.bias.as<double>()[i] : 0.0);
+        double* aux = g.aux.p ? g.aux.p.as<double>() + i + int64_t(j) * g.aux.ld : nullptr;
+        switch (g.epilogue) {
+          case GemmEpilogue::none:
+            c = z;
+            break;
+          case GemmEpilogue::gelu:
+            *aux = z;
+            c = gelu_from_tanh(z, std::tanh(gelu_tanh_arg(z)));
+            break;
+          case GemmEpilogue::dgelu:
+            c = gelu_grad_from_tanh(*aux, std::tanh(gelu_tanh_arg(*aux))) * z;
+            break;
+        }
       }
   }
 }
@@ -64,6 +79,40 @@ TEST(GemmPlan, LinearForwardAndBackwardAreTheCpuBackends) {
   EXPECT_TRUE(test::all_close(y, d.download<double>(y_ref, N * OC), kTol, kTol));
   EXPECT_TRUE(test::all_close(dx, d.download<double>(dx_ref, N * IC), kTol, kTol));
   EXPECT_TRUE(test::all_close(dw, d.download<double>(dw_ref, OC * IC), kTol, kTol));  // += kept
+}
+
+// The MLP's fused pair: fc with its GELU, and fcproj's input gradient through that GELU.
+TEST(GemmPlan, LinearWithGeluEpiloguesAreTheCpusLinearAndGelu) {
+  test::Device d;
+  const int N = 5, IC = 4, OC = 8;  // fc: IC -> OC, then fcproj: OC -> IC
+  auto x = random(N * IC, 1), w = random(OC * IC, 2), bias = random(OC, 3), dy = random(N * IC, 4);
+  auto w2 = random(IC * OC, 5);
+  std::vector<double> pre(N * OC), act(N * OC), dpre(N * OC);
+  run_naive(gemm_plan::linear_gelu_forward(host_ptr(pre.data()), host_ptr(act.data()),
+                                           host_ptr(x.data()), host_ptr(w.data()),
+                                           host_ptr(bias.data()), N, IC, OC));
+  run_naive(gemm_plan::linear_backward_input_gelu(host_ptr(dpre.data()), host_ptr(dy.data()),
+                                                  host_ptr(w2.data()), host_ptr(pre.data()), N,
+                                                  OC, IC));
+  DPtr pre_ref = d.upload(std::vector<double>(N * OC)), act_ref = d.upload(std::vector<double>(N * OC));
+  DPtr dact_ref = d.upload(std::vector<double>(N * OC)), dw2 = d.upload(std::vector<double>(IC * OC));
+  d.k->matmul_forward(pre_ref, d.upload(x), d.upload(w), d.upload(bias), N, IC, OC);
+  d.k->gelu_forward(act_ref, pre_ref, N * OC);
+  d.k->matmul_backward(dact_ref, dw2, DPtr{}, d.upload(dy), act_ref, d.upload(w2), N, OC, IC);
+  d.k->gelu_backward(dact_ref, pre_ref, dact_ref, N * OC);
+  EXPECT_TRUE(test::all_close(pre, d.download<double>(pre_ref, N * OC), kTol, kTol));
+  EXPECT_TRUE(test::all_close(act, d.download<double>(act_ref, N * OC), kTol, kTol));
+  EXPECT_TRUE(test::all_close(dpre, d.download<double>(dact_ref, N * OC), kTol, kTol));
+  // The default (unfused) Kernels calls the model makes compute the same.
+  DPtr pre2 = d.upload(std::vector<double>(N * OC)), act2 = d.upload(std::vector<double>(N * OC));
+  DPtr dpre2 = d.upload(std::vector<double>(N * OC)), dw2b = d.upload(std::vector<double>(IC * OC));
+  d.k->matmul_gelu_forward(pre2, act2, d.upload(x), d.upload(w), d.upload(bias), N, IC, OC);
+  d.k->matmul_backward_gelu(dpre2, dw2b, DPtr{}, d.upload(dy), act2, d.upload(w2), pre2, N, OC,
+                            IC);
+  EXPECT_TRUE(test::all_close(act, d.download<double>(act2, N * OC), kTol, kTol));
+  EXPECT_TRUE(test::all_close(dpre, d.download<double>(dpre2, N * OC), kTol, kTol));
+  EXPECT_TRUE(test::all_close(d.download<double>(dw2, IC * OC), d.download<double>(dw2b, IC * OC),
+                              kTol, kTol));
 }
 
 // The causal softmax and its backward, as the GPU's kernels compute them (row r is query r % T).

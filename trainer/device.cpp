@@ -2,6 +2,12 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <exception>
+#include <vector>
+
 #include "comm/staged_comm.h"
 #ifdef TRAINER_WITH_CUDA
 #include "comm/nccl_comm.h"
@@ -9,45 +15,60 @@
 
 namespace trainer {
 
-std::unique_ptr<Kernels> make_kernels(const Config& cfg, const World& world,
-                                      const std::string& origin) {
-  if (cfg.run.device == "cpu") return make_cpu_kernels();
-  if (!cuda_built())
+using Uuid = std::array<std::byte, 16>;
+
+GpuPlacement place_on_gpus(const Config& cfg, World& world, const std::string& origin) {
+  if (cfg.run.device == "cpu") return {};
+  if (!cuda_built())  // the same binary on every rank
     throw ConfigError(fmt::format(
         "{}: [run] device = \"cuda\", but this trainer was built without CUDA (no nvcc at build "
         "time)",
         origin));
+  GpuPlacement p;
   const int gpus = cuda_device_count();
-  if (gpus == 0)
-    throw ConfigError(fmt::format("{}: [run] device = \"cuda\", but rank {} on {} sees no GPU",
-                                  origin, world.rank(), world.host()));
+  Uuid mine{};  // all zeros: no GPU
+  if (gpus > 0) {
+    p.device = world.local_rank() % gpus;
+    try {  // thrown here, it would leave the other ranks waiting in the gather
+      mine = cuda_device_uuid(p.device);
+    } catch (const std::exception&) {
+      mine = Uuid{};
+    }
+  }
+  std::vector<Uuid> all(size_t(world.size()));
+  world.comm().all_gather(host_ptr(mine.data()), host_ptr(all.front().data()),
+                          int64_t(mine.size()));
+  for (int r = 0; r < world.size(); ++r)
+    if (all[size_t(r)] == Uuid{})
+      throw ConfigError(fmt::format("{}: [run] device = \"cuda\", but rank {} on {} sees no GPU",
+                                    origin, r, world.host_of(r)));
+  p.ranks_on_gpu = int(std::count(all.begin(), all.end(), mine));
+  int most_sharing = 1, shared_by = 0;  // the first rank on the most shared GPU
+  for (int r = 0; r < world.size(); ++r) {
+    const int n = int(std::count(all.begin(), all.end(), all[size_t(r)]));
+    if (n > most_sharing) most_sharing = n, shared_by = r;
+  }
+  if (cfg.run.gpu_collectives == "nccl" && most_sharing > 1)
+    throw ConfigError(fmt::format(
+        "{}: [run] gpu_collectives = \"nccl\", but {} ranks share the GPU of rank {} on {}: NCCL "
+        "needs one GPU per rank (use \"mpi\" or \"auto\")",
+        origin, most_sharing, shared_by, world.host_of(shared_by)));
+  p.collectives = cfg.run.gpu_collectives == "mpi" || most_sharing > 1 ? "mpi" : "nccl";
+  return p;
+}
+
+std::unique_ptr<Kernels> make_kernels(const Config& cfg, const GpuPlacement& placement) {
+  if (placement.device < 0) return make_cpu_kernels();
   CudaOptions o;
-  o.device = world.local_rank() % gpus;
-  // The node's ranks on this GPU divide its memory between them.
-  const int sharing = (world.local_size() - o.device + gpus - 1) / gpus;
-  o.memory_fraction = cfg.run.gpu_memory_fraction / sharing;
+  o.device = placement.device;
+  o.memory_fraction = cfg.run.gpu_memory_fraction / placement.ranks_on_gpu;
   return make_cuda_kernels(o);
 }
 
-std::string gpu_collectives(const Config& cfg, const World& world, const std::string& origin) {
-  if (cfg.run.device != "cuda") return "";
-  const int gpus = cuda_device_count();
-  const bool shared = world.local_size() > gpus;
-  if (cfg.run.gpu_collectives == "nccl" && shared)
-    throw ConfigError(fmt::format(
-        "{}: [run] gpu_collectives = \"nccl\", but {} ranks share {} GPU(s) on {}: NCCL needs one "
-        "GPU per rank (use \"mpi\" or \"auto\")",
-        origin, world.local_size(), gpus, world.host()));
-  if (cfg.run.gpu_collectives == "mpi" || shared) return "mpi";
-  return "nccl";
-}
-
-GroupWrapper group_wrapper(const Config& cfg, World& world, Kernels& kernels,
-                           const std::string& origin) {
-  const std::string how = gpu_collectives(cfg, world, origin);
-  if (how.empty()) return nullptr;
+GroupWrapper group_wrapper(const GpuPlacement& placement, World& world, Kernels& kernels) {
+  if (placement.collectives.empty()) return nullptr;
 #ifdef TRAINER_WITH_CUDA
-  if (how == "nccl")
+  if (placement.collectives == "nccl")
     return [&world, &kernels](std::unique_ptr<Communicator> c) {
       return make_nccl_communicator(std::move(c), kernels, world);
     };

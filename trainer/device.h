@@ -1,6 +1,6 @@
 #pragma once
 // Where a rank computes and how its groups communicate: [run] device, gpu_memory_fraction and
-// gpu_collectives turned into a kernel backend and a communicator wrapper.
+// gpu_collectives turned into a GPU placement, a kernel backend and a communicator wrapper.
 #include <memory>
 #include <string>
 
@@ -11,17 +11,22 @@
 
 namespace trainer {
 
-// The CPU backend, or the CUDA backend on GPU (node-local rank) mod (GPUs on the node). Throws
-// ConfigError, naming `origin`, when CUDA is asked for but not built or no GPU is visible.
-std::unique_ptr<Kernels> make_kernels(const Config& cfg, const World& world,
-                                      const std::string& origin);
+struct GpuPlacement {
+  int device = -1;          // this rank's GPU (node-local rank mod GPUs visible); -1: the CPU
+  int ranks_on_gpu = 1;     // ranks of the job computing on this rank's physical GPU
+  std::string collectives;  // how device buffers travel: "nccl", "mpi" (staged), "" on the CPU
+};
 
-// How device buffers are communicated: "nccl", "mpi" (staged through pinned host memory) or ""
-// on the CPU. "auto" is NCCL unless ranks share a GPU (NCCL needs one GPU per rank).
-std::string gpu_collectives(const Config& cfg, const World& world, const std::string& origin);
+// Collective over the world when [run] device = "cuda": the ranks compare the UUIDs of their
+// GPUs, so that sharing is seen whatever CUDA_VISIBLE_DEVICES each rank has, and every rank
+// takes the same decisions. Throws the same ConfigError on every rank, naming `origin`, when
+// CUDA is not built, a rank sees no GPU, or NCCL is asked for on a shared GPU.
+GpuPlacement place_on_gpus(const Config& cfg, World& world, const std::string& origin);
 
-// The wrapper make_groups applies for those collectives (null on the CPU).
-GroupWrapper group_wrapper(const Config& cfg, World& world, Kernels& kernels,
-                           const std::string& origin);
+// The CPU backend, or the CUDA backend on the placement's GPU with its share of the memory.
+std::unique_ptr<Kernels> make_kernels(const Config& cfg, const GpuPlacement& placement);
+
+// The wrapper make_groups applies for the placement's collectives (null on the CPU).
+GroupWrapper group_wrapper(const GpuPlacement& placement, World& world, Kernels& kernels);
 
 }  // namespace trainer

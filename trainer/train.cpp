@@ -146,8 +146,8 @@ struct Run {
   World& world;
   ParallelDims dims;
   RankCoords me;
+  GpuPlacement placement;
   std::unique_ptr<Kernels> kernels;  // before the groups: NCCL communicators need the GPU
-  std::string collectives;           // how device buffers travel: nccl, mpi, or "" on the CPU
   Groups groups;
   Dataset train_data, val_data;
   GPT model;
@@ -224,14 +224,15 @@ struct Run {
     return w.size() > 1 ? w.comm().dup() : nullptr;
   }
 
-  Run(const Config& c, World& w, const std::string& origin)
+  Run(const Config& c, World& w, const std::string& origin, const GpuPlacement& gpu,
+      std::unique_ptr<Kernels> k)
       : cfg(c),
         world(w),
         dims(layout(c, w.size(), origin)),
         me(dims.coords(w.rank())),
-        kernels(make_kernels(c, w, origin)),
-        collectives(gpu_collectives(c, w, origin)),
-        groups(make_groups(w, dims, c.parallel, group_wrapper(c, w, *kernels, origin))),
+        placement(gpu),
+        kernels(std::move(k)),
+        groups(make_groups(w, dims, c.parallel, group_wrapper(gpu, w, *kernels))),
         train_data(c.data.train, c.model.vocab_size, c.model.seq_len),
         val_data(c.data.val, c.model.vocab_size, c.model.seq_len),
         model(c.model, *kernels, compute_dtype(c.precision), c.train.micro_batch, c.model.seq_len,
@@ -431,8 +432,8 @@ void print_start(const Run& run) {
     fmt::print(
         "trainer {} | run {} | device {} (rank 0), {} ranks, collectives {}, {:.1f} GiB "
         "reserved per rank\n",
-        TRAINER_VERSION, cfg.run.name, run.kernels->name(), run.world.size(), run.collectives,
-        double(run.kernels->memory().reserved) / (1 << 30));
+        TRAINER_VERSION, cfg.run.name, run.kernels->name(), run.world.size(),
+        run.placement.collectives, double(run.kernels->memory().reserved) / (1 << 30));
   fmt::print(
       "model: {} layers, {} heads, d_model {}, seq_len {}, vocab {} (padded {}), {:.2f}M params\n",
       cfg.model.n_layer, cfg.model.n_head, cfg.model.d_model, cfg.model.seq_len,
@@ -541,10 +542,21 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
       }))
     return *failed;
   broadcast_string(world.comm(), resume, 0);
+  // Each stage that holds a collective is entered by every rank or by none.
+  GpuPlacement placement;
+  std::unique_ptr<Kernels> kernels;
   if (auto failed = agree_on_setup(world, [&] {
         omp_set_num_threads(threads_per_rank(cfg, world));
         if (!resume.empty()) checkpoint_config(resume);  // a readable checkpoint of ours
-        run_ptr = std::make_unique<Run>(cfg, world, config_path);
+      }))
+    return *failed;
+  if (auto failed = agree_on_setup(world, [&] {
+        placement = place_on_gpus(cfg, world, config_path);
+        kernels = make_kernels(cfg, placement);
+      }))
+    return *failed;
+  if (auto failed = agree_on_setup(world, [&] {
+        run_ptr = std::make_unique<Run>(cfg, world, config_path, placement, std::move(kernels));
       }))
     return *failed;
   std::signal(SIGTERM, request_stop);

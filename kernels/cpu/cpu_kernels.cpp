@@ -155,7 +155,7 @@ class CpuKernels final : public Kernels {
     if (!p) throw std::bad_alloc();
     return p;
   }
-  void free_host(void* p) override { std::free(p); }
+  void free_host(void* p) noexcept override { std::free(p); }
 
   void encoder_forward(DPtr out, const int32_t* tokens, DPtr wte, DPtr wpe, int B, int T, int C,
                        VocabSlice v) override {

@@ -30,6 +30,9 @@ void fail(const std::string& message, const char* call, const char* file, int li
 namespace {
 
 constexpr int64_t kGemmWorkspace = 32 << 20;  // cuBLASLt's workspace (Hopper wants 32 MiB)
+// Left free outside the arena: NCCL's buffers (created after the arena, per communicator), the
+// CUDA context's growth and cuBLASLt's own allocations.
+constexpr int64_t kOutsideArena = int64_t(3) << 30;
 
 // Token ids arrive in host memory; each call copies them to the device through a pinned slot on
 // the copy stream, and the compute stream waits for that copy only. A slot is reused only after
@@ -73,9 +76,16 @@ class CudaKernels final : public Kernels {
     size_t free_bytes = 0, total_bytes = 0;
     CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
     // A share of the whole GPU (so that ranks sharing it get equal parts whatever order they
-    // start in), within what is free now.
-    const int64_t reserve = std::min(int64_t(double(total_bytes) * o.memory_fraction),
-                                     int64_t(double(free_bytes) * 0.95));
+    // start in), within what is free now less what must stay outside.
+    const int64_t outside = std::max(int64_t(double(free_bytes) * 0.05),
+                                     std::min(kOutsideArena, int64_t(total_bytes) / 8));
+    const int64_t reserve =
+        std::min(int64_t(double(total_bytes) * o.memory_fraction), int64_t(free_bytes) - outside);
+    if (reserve < 4 * kGemmWorkspace)
+      throw std::runtime_error(fmt::format(
+          "GPU {}: {:.0f} MiB free of {:.0f} MiB, too little to reserve the trainer's memory "
+          "(another process is using the GPU?)",
+          device_, free_bytes / 1048576.0, total_bytes / 1048576.0));
     CUDA_CHECK(cudaMalloc(&base_, size_t(reserve)));
     arena_.emplace(reserve);
     workspace_ = raw_alloc(kGemmWorkspace);
@@ -130,7 +140,7 @@ class CudaKernels final : public Kernels {
     CUDA_CHECK(cudaMallocHost(&p, size_t(std::max<int64_t>(bytes, 1))));
     return p;
   }
-  void free_host(void* p) override { CUDA_CHECK(cudaFreeHost(p)); }
+  void free_host(void* p) noexcept override { cudaFreeHost(p); }
   void synchronize() override { CUDA_CHECK(cudaStreamSynchronize(compute_)); }
   MemoryUse memory() const override { return {arena_->capacity(), arena_->peak()}; }
   double peak_flops(DType dtype) const override;
@@ -153,6 +163,10 @@ class CudaKernels final : public Kernels {
                          int64_t N, int C) override {
     cuda::layernorm_forward(compute_, out, mean, rstd, inp, weight, bias, N, C);
   }
+  void residual_layernorm_forward(DPtr res, DPtr out, DPtr mean, DPtr rstd, DPtr a, DPtr b,
+                                  DPtr weight, DPtr bias, int64_t N, int C) override {
+    cuda::residual_layernorm_forward(compute_, res, out, mean, rstd, a, b, weight, bias, N, C);
+  }
   void layernorm_backward(DPtr dinp, DPtr dweight, DPtr dbias, DPtr dout, DPtr inp, DPtr weight,
                           DPtr mean, DPtr rstd, int64_t N, int C) override {
     cuda::layernorm_backward(compute_, dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C,
@@ -169,6 +183,22 @@ class CudaKernels final : public Kernels {
     gemm_->run(gemm_plan::linear_backward_weight(dweight, dout, inp, rows(N), IC, OC));
     if (dbias)
       cuda::bias_backward(compute_, dbias, dout, N, OC, scratch(int64_t(kColumnChunks) * OC));
+  }
+  // The GELU in the GEMM's epilogue when cuBLASLt has one for the shape, else the two kernels.
+  void matmul_gelu_forward(DPtr pre, DPtr out, DPtr inp, DPtr weight, DPtr bias, int64_t N, int IC,
+                           int OC) override {
+    if (N == 0) return;
+    if (!gemm_->try_run(
+            gemm_plan::linear_gelu_forward(pre, out, inp, weight, bias, rows(N), IC, OC)))
+      Kernels::matmul_gelu_forward(pre, out, inp, weight, bias, N, IC, OC);
+  }
+  void matmul_backward_gelu(DPtr dinp, DPtr dweight, DPtr dbias, DPtr dout, DPtr inp, DPtr weight,
+                            DPtr pre, int64_t N, int IC, int OC) override {
+    if (N == 0) return;
+    if (!dinp || !gemm_->try_run(gemm_plan::linear_backward_input_gelu(dinp, dout, weight, pre,
+                                                                       rows(N), IC, OC)))
+      return Kernels::matmul_backward_gelu(dinp, dweight, dbias, dout, inp, weight, pre, N, IC, OC);
+    matmul_backward(DPtr{}, dweight, dbias, dout, inp, weight, N, IC, OC);
   }
   void attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH) override;
   void attention_backward(DPtr dqkv, DPtr datt, DPtr dout, DPtr qkv, DPtr att, int B, int T, int C,
@@ -220,15 +250,7 @@ class CudaKernels final : public Kernels {
   struct Upload {
     Upload(CudaKernels& k, const int32_t* host, int64_t n) : k_(k), slot_(k.ring_->next()) {
       TokenRing::Slot& s = slot_;
-      if (s.capacity < n) {  // first use of the slot at this size: not in the steady state
-        CUDA_CHECK(cudaEventSynchronize(s.consumed));
-        if (s.pinned) CUDA_CHECK(cudaFreeHost(s.pinned));
-        if (s.arena_offset >= 0) k.arena_->release(s.arena_offset);
-        CUDA_CHECK(cudaMallocHost(&s.pinned, size_t(n) * sizeof(int32_t)));
-        s.device = static_cast<int32_t*>(k.raw_alloc(n * int64_t(sizeof(int32_t))));
-        s.arena_offset = reinterpret_cast<std::byte*>(s.device) - k.base_;
-        s.capacity = n;
-      }
+      if (s.capacity < n) k.grow(s, n);
       CUDA_CHECK(cudaEventSynchronize(s.copied));  // the slot's previous copy has left `pinned`
       std::memcpy(s.pinned, host, size_t(n) * sizeof(int32_t));
       CUDA_CHECK(cudaStreamWaitEvent(k.copy_, s.consumed, 0));
@@ -247,6 +269,30 @@ class CudaKernels final : public Kernels {
     CudaKernels& k_;
     TokenRing::Slot& slot_;
   };
+
+  // A slot too small for n ids: doubled at least, so that growth stops early (the embedding
+  // backward's index varies in length from batch to batch).
+  void grow(TokenRing::Slot& s, int64_t n) {
+    const int64_t capacity = std::max(n, 2 * s.capacity);
+    const size_t bytes = size_t(capacity) * sizeof(int32_t);
+    // Everything enqueued has run: the slot's old buffers are no longer read, and the arena
+    // memory the copy stream is about to write has no pending compute-stream user either.
+    CUDA_CHECK(cudaStreamSynchronize(compute_));
+    CUDA_CHECK(cudaStreamSynchronize(copy_));
+    auto* device = static_cast<int32_t*>(raw_alloc(int64_t(bytes)));
+    const int64_t offset = reinterpret_cast<std::byte*>(device) - base_;
+    int32_t* pinned = nullptr;
+    if (const cudaError_t e = cudaMallocHost(&pinned, bytes); e != cudaSuccess) {
+      arena_->release(offset);
+      CUDA_CHECK(e);
+    }
+    if (s.pinned) cudaFreeHost(s.pinned);
+    if (s.arena_offset >= 0) arena_->release(s.arena_offset);
+    s.pinned = pinned;
+    s.device = device;
+    s.arena_offset = offset;
+    s.capacity = capacity;
+  }
 
   static int rows(int64_t N) {
     if (N > INT32_MAX) throw std::length_error("CUDA GEMM with more than 2^31 rows");
@@ -316,13 +362,18 @@ void CudaKernels::attention_backward(DPtr dqkv, DPtr datt, DPtr dout, DPtr qkv, 
     gemm_->run(c);
 }
 
-// Dense peak of the tensor cores (16-bit) or of the fp32 units, per the data sheets of the SXM
-// parts; 0 (unknown) for other GPUs, where [run] peak_tflops gives the MFU denominator.
+// Dense peak of the tensor cores (16-bit) or of the fp32 units (fp32 GEMMs do not use TF32),
+// per NVIDIA's data sheets for H100/H200 (SXM, NVL, PCIe) and A100; 0 (unknown) for other GPUs,
+// where [run] peak_tflops gives the MFU denominator.
 double CudaKernels::peak_flops(DType dtype) const {
   const bool half = is_half(dtype);
   const std::string name = props_.name;
-  const bool pcie = name.find("PCIe") != std::string::npos;
-  if (props_.major == 9) return half ? (pcie ? 756e12 : 989e12) : (pcie ? 51e12 : 67e12);
+  const auto has = [&](const char* s) { return name.find(s) != std::string::npos; };
+  if (props_.major == 9) {
+    if (has("NVL")) return half ? 835e12 : 60e12;
+    if (has("PCIe")) return half ? 756e12 : 51e12;
+    return half ? 989e12 : 67e12;
+  }
   if (props_.major == 8 && props_.minor == 0) return half ? 312e12 : 19.5e12;
   return 0;
 }
@@ -343,6 +394,15 @@ int cuda::device_of(Kernels& k) {
 
 bool cuda_built() {
   return true;
+}
+
+std::array<std::byte, 16> cuda_device_uuid(int device) {
+  cudaDeviceProp props{};
+  CUDA_CHECK(cudaGetDeviceProperties(&props, device));
+  std::array<std::byte, 16> uuid{};
+  static_assert(sizeof(props.uuid) == uuid.size());
+  std::memcpy(uuid.data(), &props.uuid, uuid.size());
+  return uuid;
 }
 
 int cuda_device_count() {

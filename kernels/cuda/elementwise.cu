@@ -1,4 +1,6 @@
 // Encoder, GELU, residual and dtype conversion: memory-bound grid-stride kernels.
+#include <stdexcept>
+
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_types.cuh"
 #include "kernels/cuda/dispatch.cuh"
@@ -109,6 +111,8 @@ void encoder_forward(cudaStream_t s, DPtr out, const int32_t* tokens, DPtr wte, 
 
 void encoder_backward(cudaStream_t s, DPtr dwte, DPtr dwpe, DPtr dout, const int32_t* index, int U,
                       int B, int T, int C, VocabSlice v) {
+  if (dwpe && dwpe.dtype != dwte.dtype)  // one gradient buffer holds both
+    throw std::logic_error("encoder_backward: dwte and dwpe of different dtypes");
   dispatch(dout.dtype, [&](auto tag) {
     using X = decltype(tag);
     dispatch(dwte.dtype, [&](auto gtag) {

@@ -72,23 +72,65 @@ Gemm::~Gemm() {
   if (handle_) cublasLtDestroy(handle_);
 }
 
-Gemm::Plan& Gemm::plan(const Key& key, const GemmCall& c) {
+Gemm::Key Gemm::key_of(const GemmCall& c) {
+  const int batch = c.batch;
+  const bool aux = c.epilogue != GemmEpilogue::none;
+  return {c.trans_a,
+          c.trans_b,
+          c.m,
+          c.n,
+          c.k,
+          c.A.ld,
+          c.B.ld,
+          c.C.ld,
+          batch > 1 ? c.A.stride : 0,
+          batch > 1 ? c.B.stride : 0,
+          batch > 1 ? c.C.stride : 0,
+          batch,
+          int(c.A.p.dtype),
+          int(c.C.p.dtype),
+          c.bias ? int(c.bias.dtype) : -1,
+          alignment(c.A, batch),
+          alignment(c.B, batch),
+          alignment(c.C, batch),
+          c.bias ? alignment(c.bias.p) : 0,
+          c.beta != 0.0f,
+          int(c.epilogue),
+          aux ? c.aux.ld : 0,
+          aux ? int(c.aux.p.dtype) : -1,
+          aux ? alignment(c.aux, 1) : 0};
+}
+
+Gemm::Plan* Gemm::plan(const Key& key, const GemmCall& c) {
   const bool trans_a = c.trans_a, trans_b = c.trans_b;
   const int m = c.m, n = c.n, k = c.k, batch = c.batch;
   const GemmOperand &A = c.A, &B = c.B, &C = c.C;
   const DPtr bias = c.bias;
   auto it = plans_.find(key);
-  if (it != plans_.end()) return *it->second;
+  if (it != plans_.end()) return it->second.get();
   auto p = std::make_unique<Plan>();
   LT_CHECK(cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t ta = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t tb = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   set(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, ta);
   set(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, tb);
+  cublasLtEpilogue_t epilogue = bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+  if (c.epilogue == GemmEpilogue::gelu)
+    epilogue = bias ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
+  if (c.epilogue == GemmEpilogue::dgelu) {
+    if (bias) throw std::logic_error("Gemm: the dgelu epilogue takes no bias");
+    epilogue = CUBLASLT_EPILOGUE_DGELU;
+  }
+  set(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue);
   if (bias) {
-    set(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
     set(p->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, cuda_type(bias.dtype));
     set(p->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(bias.p));
+  }
+  if (c.epilogue != GemmEpilogue::none) {
+    if (batch != 1) throw std::logic_error("Gemm: GELU epilogues are for batch 1");
+    set(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, int32_t(cuda_type(c.aux.p.dtype)));
+    set(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, int64_t(c.aux.ld));
+    set(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, static_cast<void*>(c.aux.p.p));
   }
   auto layout = [&](cublasLtMatrixLayout_t* l, DType t, int rows, int cols, const GemmOperand& op) {
     LT_CHECK(cublasLtMatrixLayoutCreate(l, cuda_type(t), uint64_t(rows), uint64_t(cols), op.ld));
@@ -124,43 +166,43 @@ Gemm::Plan& Gemm::plan(const Key& key, const GemmCall& c) {
   const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle_, p->desc, p->a, p->b, p->c,
                                                                p->c, pref, 1, &result, &found);
   cublasLtMatmulPreferenceDestroy(pref);
-  if (status != CUBLAS_STATUS_SUCCESS || found == 0)
-    throw std::runtime_error(fmt::format(
-        "cuBLASLt has no algorithm for {}x{}x{} (transa {}, transb {}, batch {}, {} x {} -> {}, "
-        "beta {}, bias {}): {}",
-        m, n, k, trans_a, trans_b, batch, dtype_name(A.p.dtype), dtype_name(B.p.dtype),
-        dtype_name(C.p.dtype), c.beta, bool(bias), cublasLtGetStatusString(status)));
-  p->algo = result.algo;
-  return *plans_.emplace(key, std::move(p)).first->second;
+  if (status == CUBLAS_STATUS_SUCCESS && found > 0)
+    p->algo = result.algo;
+  else
+    p.reset();  // remembered: this shape has no algorithm
+  return plans_.emplace(key, std::move(p)).first->second.get();
+}
+
+void Gemm::no_algorithm(const GemmCall& c) {
+  throw std::runtime_error(fmt::format(
+      "cuBLASLt has no algorithm for {}x{}x{} (transa {}, transb {}, batch {}, {} x {} -> {}, "
+      "beta {}, bias {}, epilogue {})",
+      c.m, c.n, c.k, c.trans_a, c.trans_b, c.batch, dtype_name(c.A.p.dtype),
+      dtype_name(c.B.p.dtype), dtype_name(c.C.p.dtype), c.beta, bool(c.bias), int(c.epilogue)));
+}
+
+void Gemm::enqueue(Plan& p, const GemmCall& c) {
+  // Pointers are not part of the key: set the ones the descriptor holds for this call.
+  if (c.bias) set(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(c.bias.p));
+  if (c.epilogue != GemmEpilogue::none)
+    set(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, static_cast<void*>(c.aux.p.p));
+  LT_CHECK(cublasLtMatmul(handle_, p.desc, &c.alpha, c.A.p.p, p.a, c.B.p.p, p.b, &c.beta, c.C.p.p,
+                          p.c, c.C.p.p, p.c, &p.algo, workspace_, workspace_bytes_, stream_));
+}
+
+bool Gemm::try_run(const GemmCall& c) {
+  if (c.A.p.dtype != c.B.p.dtype) throw std::invalid_argument("Gemm: A and B must have one dtype");
+  // cuBLASLt's documented needs of the auxiliary matrix: 16-byte aligned, ld a multiple of 8.
+  if (c.epilogue != GemmEpilogue::none && (alignment(c.aux, 1) < 16 || c.aux.ld % 8 != 0))
+    return false;
+  Plan* p = plan(key_of(c), c);
+  if (!p) return false;
+  enqueue(*p, c);
+  return true;
 }
 
 void Gemm::run(const GemmCall& c) {
-  if (c.A.p.dtype != c.B.p.dtype) throw std::invalid_argument("Gemm: A and B must have one dtype");
-  const int batch = c.batch;
-  const Key key{c.trans_a,
-                c.trans_b,
-                c.m,
-                c.n,
-                c.k,
-                c.A.ld,
-                c.B.ld,
-                c.C.ld,
-                batch > 1 ? c.A.stride : 0,
-                batch > 1 ? c.B.stride : 0,
-                batch > 1 ? c.C.stride : 0,
-                batch,
-                int(c.A.p.dtype),
-                int(c.C.p.dtype),
-                c.bias ? int(c.bias.dtype) : -1,
-                alignment(c.A, batch),
-                alignment(c.B, batch),
-                alignment(c.C, batch),
-                c.bias ? alignment(c.bias.p) : 0,
-                c.beta != 0.0f};
-  Plan& p = plan(key, c);
-  if (c.bias) set(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(c.bias.p));
-  LT_CHECK(cublasLtMatmul(handle_, p.desc, &c.alpha, c.A.p.p, p.a, c.B.p.p, p.b, &c.beta, c.C.p.p,
-                          p.c, c.C.p.p, p.c, &p.algo, workspace_, workspace_bytes_, stream_));
+  if (!try_run(c)) no_algorithm(c);
 }
 
 }  // namespace trainer::cuda

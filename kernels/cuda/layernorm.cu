@@ -37,6 +37,39 @@ __global__ void layernorm_forward_kernel(T* out, float* mean, float* rstd, const
   }
 }
 
+// The residual add fused in: each lane rounds its sums as they are stored and normalises those
+// stored values, exactly what the two separate kernels compute. res may alias a (each element
+// is read and written by the same thread).
+template <class T>
+__global__ void residual_layernorm_forward_kernel(T* res, T* out, float* mean, float* rstd,
+                                                  const T* a, const T* b, const T* w, const T* bias,
+                                                  int64_t N, int C) {
+  const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= N) return;
+  T* x = res + row * C;
+  float sum = 0;
+  for (int c = lane; c < C; c += 32) {
+    const T r = store<T>(load(a[row * C + c]) + load(b[row * C + c]));
+    x[c] = r;
+    sum += load(r);
+  }
+  const float m = warp_sum(sum) / float(C);
+  float sq = 0;
+  for (int c = lane; c < C; c += 32) {
+    const float d = load(x[c]) - m;
+    sq += d * d;
+  }
+  const float s = 1.0f / sqrtf(warp_sum(sq) / float(C) + kLayerNormEps);
+  T* o = out + row * C;
+  for (int c = lane; c < C; c += 32)
+    o[c] = store<T>((load(x[c]) - m) * s * load(w[c]) + load(bias[c]));
+  if (lane == 0) {
+    mean[row] = m;
+    rstd[row] = s;
+  }
+}
+
 // dinp += for one row per warp.
 template <class T>
 __global__ void layernorm_backward_input_kernel(T* dinp, const T* dout, const T* inp, const T* w,
@@ -113,6 +146,7 @@ __global__ void column_finish_kernel(G* out, const float* partials, int C) {
 
 void layernorm_forward(cudaStream_t s, DPtr out, DPtr mean, DPtr rstd, DPtr inp, DPtr weight,
                        DPtr bias, int64_t N, int C) {
+  if (N == 0) return;  // a grid of no blocks is a launch error
   const unsigned blocks = unsigned((N + kWarpsPerBlock - 1) / kWarpsPerBlock);
   dispatch(out.dtype, [&](auto tag) {
     using X = decltype(tag);
@@ -122,8 +156,22 @@ void layernorm_forward(cudaStream_t s, DPtr out, DPtr mean, DPtr rstd, DPtr inp,
   CUDA_CHECK_LAUNCH("layernorm_forward");
 }
 
+void residual_layernorm_forward(cudaStream_t s, DPtr res, DPtr out, DPtr mean, DPtr rstd, DPtr a,
+                                DPtr b, DPtr weight, DPtr bias, int64_t N, int C) {
+  if (N == 0) return;  // a grid of no blocks is a launch error
+  const unsigned blocks = unsigned((N + kWarpsPerBlock - 1) / kWarpsPerBlock);
+  dispatch(out.dtype, [&](auto tag) {
+    using X = decltype(tag);
+    residual_layernorm_forward_kernel<X><<<blocks, 32 * kWarpsPerBlock, 0, s>>>(
+        typed<X>(res), typed<X>(out), f32(mean), f32(rstd), typed<X>(a), typed<X>(b),
+        typed<X>(weight), typed<X>(bias), N, C);
+  });
+  CUDA_CHECK_LAUNCH("residual_layernorm_forward");
+}
+
 void layernorm_backward(cudaStream_t s, DPtr dinp, DPtr dweight, DPtr dbias, DPtr dout, DPtr inp,
                         DPtr weight, DPtr mean, DPtr rstd, int64_t N, int C, float* partials) {
+  if (N == 0) return;
   const unsigned row_blocks = unsigned((N + kWarpsPerBlock - 1) / kWarpsPerBlock);
   const dim3 grid((C + 31) / 32, kColumnChunks), block(32, 8);
   dispatch(dout.dtype, [&](auto tag) {
@@ -145,6 +193,7 @@ void layernorm_backward(cudaStream_t s, DPtr dinp, DPtr dweight, DPtr dbias, DPt
 }
 
 void bias_backward(cudaStream_t s, DPtr dbias, DPtr dout, int64_t N, int OC, float* partials) {
+  if (N == 0) return;
   const dim3 grid((OC + 31) / 32, kColumnChunks), block(32, 8);
   dispatch(dout.dtype, [&](auto tag) {
     using X = decltype(tag);

@@ -33,6 +33,9 @@ void layernorm_forward(cudaStream_t s, DPtr out, DPtr mean, DPtr rstd, DPtr inp,
                        DPtr bias, int64_t N, int C);
 void layernorm_backward(cudaStream_t s, DPtr dinp, DPtr dweight, DPtr dbias, DPtr dout, DPtr inp,
                         DPtr weight, DPtr mean, DPtr rstd, int64_t N, int C, float* partials);
+// res = a + b (rounded as stored; res may be a), then layernorm of res: one pass per row.
+void residual_layernorm_forward(cudaStream_t s, DPtr res, DPtr out, DPtr mean, DPtr rstd, DPtr a,
+                                DPtr b, DPtr weight, DPtr bias, int64_t N, int C);
 // dbias(OC) += column sums of dout(N, OC); `partials`: kColumnChunks * OC floats.
 void bias_backward(cudaStream_t s, DPtr dbias, DPtr dout, int64_t N, int OC, float* partials);
 

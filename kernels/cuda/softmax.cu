@@ -120,6 +120,7 @@ __global__ void crossentropy_backward_kernel(T* probs, const int32_t* targets, f
 }  // namespace
 
 void attention_softmax_forward(cudaStream_t s, DPtr att, int64_t rows, int T) {
+  if (rows == 0) return;  // a grid of no blocks is a launch error
   const unsigned blocks = unsigned((rows + kWarpsPerBlock - 1) / kWarpsPerBlock);
   dispatch(att.dtype, [&](auto tag) {
     using X = decltype(tag);
@@ -130,6 +131,7 @@ void attention_softmax_forward(cudaStream_t s, DPtr att, int64_t rows, int T) {
 }
 
 void attention_softmax_backward(cudaStream_t s, DPtr datt, DPtr att, int64_t rows, int T) {
+  if (rows == 0) return;  // a grid of no blocks is a launch error
   const unsigned blocks = unsigned((rows + kWarpsPerBlock - 1) / kWarpsPerBlock);
   dispatch(att.dtype, [&](auto tag) {
     using X = decltype(tag);
