@@ -58,15 +58,5 @@ GemmCall linear_backward_input_gelu(DPtr dinp, DPtr dout, DPtr weight, DPtr pre,
 // dweight(OC, IC) += dout(N, OC)^T @ inp(N, IC)
 GemmCall linear_backward_weight(DPtr dweight, DPtr dout, DPtr inp, int N, int IC, int OC);
 
-// Causal attention over qkv(B, T, 3C) with NH heads, one strided batch of all heads per
-// sequence. Forward: scores, then (after the causal softmax in place in att) the output.
-std::vector<GemmCall> attention_scores(DPtr att, DPtr qkv, int B, int T, int C, int NH);
-std::vector<GemmCall> attention_output(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH);
-// Backward: dP into datt and dV, then (after the softmax backward in place in datt) dQ and dK.
-std::vector<GemmCall> attention_backward_values(DPtr dqkv, DPtr datt, DPtr dout, DPtr qkv, DPtr att,
-                                                int B, int T, int C, int NH);
-std::vector<GemmCall> attention_backward_queries_keys(DPtr dqkv, DPtr datt, DPtr qkv, int B, int T,
-                                                      int C, int NH);
-
 }  // namespace gemm_plan
 }  // namespace trainer

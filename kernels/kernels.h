@@ -115,11 +115,16 @@ class Kernels {
     if (dinp) gelu_backward(dinp, pre, dinp, N * IC);
   }
 
-  // --- causal self-attention: qkv(B,T,3C) -> out(B,T,C), att(B,NH,T,T) softmax kept -----------
+  // --- causal self-attention: qkv(B,T,3C) -> out(B,T,C) -------------------------------------
+  // What the forward keeps in `att` for the backward: the softmax probabilities (B,NH,T,T) in
+  // the activation dtype; or, where this is false, each row's log-sum-exp (B,NH,T) in fp32, the
+  // probabilities being recomputed by blocks in backward (kernels/blocked_attention.h), which
+  // then needs no datt.
+  virtual bool attention_keeps_probabilities() const { return true; }
   virtual void attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH) = 0;
-  // dqkv = ; datt is scratch of att's size
-  virtual void attention_backward(DPtr dqkv, DPtr datt, DPtr dout, DPtr qkv, DPtr att, int B, int T,
-                                  int C, int NH) = 0;
+  // dqkv = ; datt is scratch of att's size; out is the forward's output
+  virtual void attention_backward(DPtr dqkv, DPtr datt, DPtr dout, DPtr qkv, DPtr out, DPtr att,
+                                  int B, int T, int C, int NH) = 0;
 
   // --- GELU (tanh approximation) -------------------------------------------------------------
   virtual void gelu_forward(DPtr out, DPtr inp, int64_t n) = 0;

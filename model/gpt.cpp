@@ -17,9 +17,9 @@ static int64_t round16(int64_t elems) {
 struct GPT::LayerActs {
   DPtr ln1, ln1_mean, ln1_rstd;  // (B,T,C), (B,T), (B,T)
   DPtr qkv;                      // (B,T,3Cl)
-  DPtr att;                      // (B,NHl,T,T) softmax
-  DPtr atty;                     // (B,T,Cl) attention output before the projection
-  DPtr res2;                     // (B,T,C) residual after attention
+  DPtr att;   // (B,NHl,T,T) softmax, or (B,NHl,T) log-sum-exp (Kernels::attention_forward)
+  DPtr atty;  // (B,T,Cl) attention output before the projection
+  DPtr res2;  // (B,T,C) residual after attention
   DPtr ln2, ln2_mean, ln2_rstd;
   DPtr fch, fch_gelu;  // (B,T,4Cl)
   DPtr res3;           // (B,T,C) residual after the MLP: the block's output
@@ -73,7 +73,8 @@ GPT::GPT(const GPTConfig& cfg, Kernels& kernels, DType dtype, int max_B, int max
   grads_ = k_.alloc(table_.total, grad_dtype_);
 
   const int64_t BT = int64_t(max_B) * max_T, C = cfg.d_model, Cl = C_local_;
-  const int64_t att = int64_t(max_B) * NH_local_ * max_T * max_T;
+  const bool keeps_probs = k_.attention_keeps_probabilities();
+  const int64_t att = keeps_probs ? int64_t(max_B) * NH_local_ * max_T * max_T : 0;
   const bool last = shard_.last_stage();
   int64_t cursor = 0;
   auto take = [&](int64_t elems) {
@@ -98,7 +99,8 @@ GPT::GPT(const GPTConfig& cfg, Kernels& kernels, DType dtype, int max_B, int max
   off_.d_atty = take(BT * Cl);
   off_.d_fch = take(BT * 4 * Cl);
   acts_ = k_.alloc(cursor, dtype);
-  stats_off_.layer_stride = 4 * round16(BT);
+  // Per layer: ln1 and ln2 means and rstds, and the attention's log-sum-exps where kept.
+  stats_off_.layer_stride = 4 * round16(BT) + (keeps_probs ? 0 : round16(BT * NH_local_));
   stats_off_.lnf = stats_off_.layer_stride * int64_t(blocks_.size());
   stats_off_.slot_stride = stats_off_.lnf + (last ? 6 * round16(BT) : 0);
   stats_ = k_.alloc(stats_off_.slot_stride * slots_, stats_dtype_);
@@ -117,7 +119,8 @@ GPT::~GPT() {
 // Sizes of LayerActs' activation fields (the statistics aside), in declaration order.
 std::array<int64_t, 9> GPT::layer_sizes() const {
   const int64_t BT = int64_t(max_B_) * max_T_, C = cfg_.d_model, Cl = C_local_;
-  const int64_t att = int64_t(max_B_) * NH_local_ * max_T_ * max_T_;
+  const int64_t att =
+      k_.attention_keeps_probabilities() ? int64_t(max_B_) * NH_local_ * max_T_ * max_T_ : 0;
   return {BT * C, BT * 3 * Cl, att, BT * Cl, BT * C, BT * C, BT * 4 * Cl, BT * 4 * Cl, BT * C};
 }
 
@@ -133,6 +136,7 @@ GPT::LayerActs GPT::layer(int slot, int l) const {
   const int64_t row = round16(int64_t(max_B_) * max_T_);
   DPtr st = stats_ + slot * stats_off_.slot_stride + local * stats_off_.layer_stride;
   auto [ln1, qkv, att, atty, res2, ln2, fch, fch_gelu, res3] = views;
+  if (!k_.attention_keeps_probabilities()) att = st + 4 * row;
   return {ln1, st,           st + row,     qkv, att,      atty, res2,
           ln2, st + 2 * row, st + 3 * row, fch, fch_gelu, res3};
 }
@@ -316,8 +320,8 @@ void GPT::backward(int slot, float loss_scale) {
     LayerActs a = layer(slot, l);
     DPtr x = l == first ? s.encoded : layer(slot, l - 1).res3;
     // res3 = res2 + proj(gelu(fc(ln2(res2)))): d_res is the gradient w.r.t. res3 and res2.
-    k_.matmul_backward_gelu(d_fch, G(w.fcproj_w), G(w.fcproj_b), d_res, a.fch_gelu,
-                            P(w.fcproj_w), a.fch, BT, 4 * Cl, C);
+    k_.matmul_backward_gelu(d_fch, G(w.fcproj_w), G(w.fcproj_b), d_res, a.fch_gelu, P(w.fcproj_w),
+                            a.fch, BT, 4 * Cl, C);
     ready();
     k_.matmul_backward(d_ln, G(w.fc_w), G(w.fc_b), d_fch, a.ln2, P(w.fc_w), BT, C, 4 * Cl);
     tp_sum(d_ln, BT * C);
@@ -327,7 +331,7 @@ void GPT::backward(int slot, float loss_scale) {
     // res2 = x + proj(attention(qkv(ln1(x)))).
     k_.matmul_backward(d_atty, G(w.proj_w), G(w.proj_b), d_res, a.atty, P(w.proj_w), BT, Cl, C);
     ready();
-    k_.attention_backward(d_qkv, d_att, d_atty, a.qkv, a.att, B, T, Cl, NHl);
+    k_.attention_backward(d_qkv, d_att, d_atty, a.qkv, a.atty, a.att, B, T, Cl, NHl);
     ready();
     k_.matmul_backward(d_ln, G(w.qkv_w), G(w.qkv_b), d_qkv, a.ln1, P(w.qkv_w), BT, C, 3 * Cl);
     tp_sum(d_ln, BT * C);

@@ -4,9 +4,11 @@
 // relies on, checked without a GPU. Double precision throughout: agreement to 1e-12.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
+#include "kernels/blocked_attention.h"
 #include "kernels/gemm_plan.h"
 #include "kernels/shared_math.h"
 #include "test_util.h"
@@ -51,10 +53,6 @@ void run_naive(const GemmCall& g) {
   }
 }
 
-void run_naive(const std::vector<GemmCall>& calls) {
-  for (const GemmCall& c : calls) run_naive(c);
-}
-
 std::vector<double> random(size_t n, uint64_t seed) {
   return test::random_vector<double>(n, seed);
 }
@@ -92,10 +90,12 @@ TEST(GemmPlan, LinearWithGeluEpiloguesAreTheCpusLinearAndGelu) {
                                            host_ptr(x.data()), host_ptr(w.data()),
                                            host_ptr(bias.data()), N, IC, OC));
   run_naive(gemm_plan::linear_backward_input_gelu(host_ptr(dpre.data()), host_ptr(dy.data()),
-                                                  host_ptr(w2.data()), host_ptr(pre.data()), N,
-                                                  OC, IC));
-  DPtr pre_ref = d.upload(std::vector<double>(N * OC)), act_ref = d.upload(std::vector<double>(N * OC));
-  DPtr dact_ref = d.upload(std::vector<double>(N * OC)), dw2 = d.upload(std::vector<double>(IC * OC));
+                                                  host_ptr(w2.data()), host_ptr(pre.data()), N, OC,
+                                                  IC));
+  DPtr pre_ref = d.upload(std::vector<double>(N * OC)),
+       act_ref = d.upload(std::vector<double>(N * OC));
+  DPtr dact_ref = d.upload(std::vector<double>(N * OC)),
+       dw2 = d.upload(std::vector<double>(IC * OC));
   d.k->matmul_forward(pre_ref, d.upload(x), d.upload(w), d.upload(bias), N, IC, OC);
   d.k->gelu_forward(act_ref, pre_ref, N * OC);
   d.k->matmul_backward(dact_ref, dw2, DPtr{}, d.upload(dy), act_ref, d.upload(w2), N, OC, IC);
@@ -107,65 +107,127 @@ TEST(GemmPlan, LinearWithGeluEpiloguesAreTheCpusLinearAndGelu) {
   DPtr pre2 = d.upload(std::vector<double>(N * OC)), act2 = d.upload(std::vector<double>(N * OC));
   DPtr dpre2 = d.upload(std::vector<double>(N * OC)), dw2b = d.upload(std::vector<double>(IC * OC));
   d.k->matmul_gelu_forward(pre2, act2, d.upload(x), d.upload(w), d.upload(bias), N, IC, OC);
-  d.k->matmul_backward_gelu(dpre2, dw2b, DPtr{}, d.upload(dy), act2, d.upload(w2), pre2, N, OC,
-                            IC);
+  d.k->matmul_backward_gelu(dpre2, dw2b, DPtr{}, d.upload(dy), act2, d.upload(w2), pre2, N, OC, IC);
   EXPECT_TRUE(test::all_close(act, d.download<double>(act2, N * OC), kTol, kTol));
   EXPECT_TRUE(test::all_close(dpre, d.download<double>(dpre2, N * OC), kTol, kTol));
   EXPECT_TRUE(test::all_close(d.download<double>(dw2, IC * OC), d.download<double>(dw2b, IC * OC),
                               kTol, kTol));
 }
 
-// The causal softmax and its backward, as the GPU's kernels compute them (row r is query r % T).
-void causal_softmax(std::vector<double>& att, int64_t rows, int T) {
-  for (int64_t r = 0; r < rows; r++) {
-    double* a = att.data() + r * T;
-    const int i = int(r % T);
-    double mx = a[0], sum = 0;
-    for (int j = 0; j <= i; j++) mx = std::max(mx, a[j]);
-    for (int j = 0; j <= i; j++) sum += std::exp(a[j] - mx);
-    for (int j = 0; j < T; j++) a[j] = j <= i ? std::exp(a[j] - mx) / sum : 0.0;
+// The blocked attention's steps on the CPU, in double, each as its comment in
+// kernels/blocked_attention.h says (the GPU runs the same sequence of calls and GEMM plans).
+class NaiveAttentionSteps final : public AttentionSteps {
+ public:
+  void gemm(const GemmCall& c) override {
+    run_naive(c);
+    gemms++;
   }
-}
-void causal_softmax_backward(std::vector<double>& datt, const std::vector<double>& att,
-                             int64_t rows, int T) {
-  for (int64_t r = 0; r < rows; r++) {
-    const double* p = att.data() + r * T;
-    double* d = datt.data() + r * T;
-    const int i = int(r % T);
-    double dot = 0;
-    for (int j = 0; j <= i; j++) dot += p[j] * d[j];
-    for (int j = 0; j < T; j++) d[j] = j <= i ? p[j] * (d[j] - dot) : 0.0;
+  void to_heads(DPtr dst, DPtr src, int64_t width, int64_t column0,
+                const AttentionShape& s) override {
+    for (int64_t e = 0; e < s.elems(); e++)
+      dst.as<double>()[e] =
+          src.as<double>()[token_major_index(e, s.T, s.hs(), s.NH, width, column0)];
   }
-}
+  void from_heads(DPtr dst, int64_t width, int64_t column0, DPtr src,
+                  const AttentionShape& s) override {
+    for (int64_t e = 0; e < s.elems(); e++)
+      dst.as<double>()[token_major_index(e, s.T, s.hs(), s.NH, width, column0)] =
+          src.as<double>()[e];
+  }
+  template <class F>
+  void each_row(QueryBlock blk, const AttentionShape& sh, F&& f) {
+    for (int64_t r = 0; r < sh.heads() * blk.nq; r++)
+      f(r * blk.keys(), head_of_row(r, blk) * sh.T + query_of_row(r, blk), query_of_row(r, blk));
+  }
+  void softmax_rows(DPtr p, DPtr lse, DPtr s, QueryBlock blk, const AttentionShape& sh) override {
+    each_row(blk, sh, [&](int64_t at, int64_t stat, int i) {
+      const double* x = s.as<double>() + at;
+      const double m = *std::max_element(x, x + i + 1);
+      double sum = 0;
+      for (int j = 0; j <= i; j++) sum += std::exp(x[j] - m);
+      lse.as<double>()[stat] = m + std::log(sum);
+    });
+    probs_rows(p, s, lse, blk, sh);
+  }
+  void probs_rows(DPtr p, DPtr s, DPtr lse, QueryBlock blk, const AttentionShape& sh) override {
+    each_row(blk, sh, [&](int64_t at, int64_t stat, int i) {
+      for (int j = 0; j < blk.keys(); j++)
+        p.as<double>()[at + j] =
+            j <= i ? std::exp(s.as<double>()[at + j] - lse.as<double>()[stat]) : 0.0;
+    });
+  }
+  void dsoftmax_rows(DPtr p, DPtr dp, DPtr D, QueryBlock blk, const AttentionShape& sh) override {
+    each_row(blk, sh, [&](int64_t at, int64_t stat, int i) {
+      for (int j = 0; j < blk.keys(); j++) {
+        double& x = p.as<double>()[at + j];
+        x = j <= i ? x * (dp.as<double>()[at + j] - D.as<double>()[stat]) : 0.0;
+      }
+    });
+  }
+  void row_dots(DPtr D, DPtr dout, DPtr out, const AttentionShape& s) override {
+    for (int64_t r = 0; r < s.heads() * s.T; r++) {
+      double sum = 0;
+      for (int d = 0; d < s.hs(); d++) {
+        const int64_t at = token_major_index(r * s.hs() + d, s.T, s.hs(), s.NH, s.C, 0);
+        sum += dout.as<double>()[at] * out.as<double>()[at];
+      }
+      D.as<double>()[r] = sum;
+    }
+  }
+  void zero(DPtr p, int64_t n) override { std::fill_n(p.as<double>(), n, 0.0); }
+  int gemms = 0;
+};
 
-TEST(GemmPlan, AttentionForwardAndBackwardAreTheCpuBackends) {
+// Blocks of 4 over T = 10 (the last one short) and one block over all of T: the CPU backend's
+// attention (which keeps T x T probabilities) to 1e-12, forward and backward.
+TEST(GemmPlan, BlockedAttentionIsTheCpusAttention) {
   test::Device d;
-  const int B = 3, T = 6, C = 12, NH = 3;
-  const int64_t BT = int64_t(B) * T, rows = int64_t(B) * NH * T, att_n = rows * T;
+  const int B = 2, T = 10, C = 12, NH = 3;
+  const int64_t BT = int64_t(B) * T;
   auto qkv = random(BT * 3 * C, 1), dout = random(BT * C, 2);
-  std::vector<double> out(BT * C), att(att_n), dqkv(BT * 3 * C, 99.0), datt(att_n);
-  run_naive(gemm_plan::attention_scores(host_ptr(att.data()), host_ptr(qkv.data()), B, T, C, NH));
-  causal_softmax(att, rows, T);
-  run_naive(gemm_plan::attention_output(host_ptr(out.data()), host_ptr(att.data()),
-                                        host_ptr(qkv.data()), B, T, C, NH));
-  run_naive(gemm_plan::attention_backward_values(host_ptr(dqkv.data()), host_ptr(datt.data()),
-                                                 host_ptr(dout.data()), host_ptr(qkv.data()),
-                                                 host_ptr(att.data()), B, T, C, NH));
-  causal_softmax_backward(datt, att, rows, T);
-  run_naive(gemm_plan::attention_backward_queries_keys(host_ptr(dqkv.data()), host_ptr(datt.data()),
-                                                       host_ptr(qkv.data()), B, T, C, NH));
-
+  DPtr qkv_d = d.upload(qkv), dout_d = d.upload(dout);
   DPtr out_ref = d.upload(std::vector<double>(BT * C)),
-       att_ref = d.upload(std::vector<double>(att_n));
+       att = d.upload(std::vector<double>(BT * NH * T));
   DPtr dqkv_ref = d.upload(std::vector<double>(BT * 3 * C)),
-       scratch = d.upload(std::vector<double>(att_n));
-  DPtr qkv_d = d.upload(qkv);
-  d.k->attention_forward(out_ref, att_ref, qkv_d, B, T, C, NH);
-  d.k->attention_backward(dqkv_ref, scratch, d.upload(dout), qkv_d, att_ref, B, T, C, NH);
-  EXPECT_TRUE(test::all_close(att, d.download<double>(att_ref, att_n), kTol, kTol));
-  EXPECT_TRUE(test::all_close(out, d.download<double>(out_ref, BT * C), kTol, kTol));
-  // Every element of dqkv written (it started at 99): dQ, dK and dV all equal the CPU's.
-  EXPECT_TRUE(test::all_close(dqkv, d.download<double>(dqkv_ref, BT * 3 * C), kTol, kTol));
+       datt = d.upload(std::vector<double>(BT * NH * T));
+  d.k->attention_forward(out_ref, att, qkv_d, B, T, C, NH);
+  d.k->attention_backward(dqkv_ref, datt, dout_d, qkv_d, out_ref, att, B, T, C, NH);
+  const auto expected_out = d.download<double>(out_ref, BT * C);
+  const auto expected_dqkv = d.download<double>(dqkv_ref, BT * 3 * C);
+
+  for (int block : {4, T, 128}) {
+    SCOPED_TRACE(testing::Message() << "block " << block);
+    const AttentionShape shape{B, T, C, NH, block};
+    const AttentionScratchSizes n = attention_scratch_sizes(shape);
+    auto buf = [&](int64_t elems) { return d.upload(std::vector<double>(elems, 77.0)); };
+    const AttentionScratch w{buf(n.head_major), buf(n.head_major), buf(n.head_major),
+                             buf(n.head_major), buf(n.head_major), buf(n.head_major),
+                             buf(n.head_major), buf(n.block),      buf(n.block),
+                             buf(n.rows)};
+    DPtr out = buf(BT * C), lse = buf(n.rows), dqkv = buf(BT * 3 * C);
+    NaiveAttentionSteps steps;
+    blocked_attention_forward(steps, w, out, lse, qkv_d, shape);
+    EXPECT_EQ(steps.gemms, 2 * int(query_blocks(shape).size()));
+    blocked_attention_backward(steps, w, dqkv, dout_d, qkv_d, out, lse, shape);
+    EXPECT_TRUE(test::all_close(expected_out, d.download<double>(out, BT * C), kTol, kTol));
+    // Every element of dqkv written (the buffers started at 77).
+    EXPECT_TRUE(test::all_close(expected_dqkv, d.download<double>(dqkv, BT * 3 * C), kTol, kTol));
+    // The log-sum-exp of row (b, h, t) over the scores it sees, from scratch.
+    const int hs = C / NH;
+    const std::vector<double> lse_host = d.download<double>(lse, n.rows);
+    for (int64_t r = 0; r < n.rows; r += 7) {
+      const int t = int(r % T), h = int(r / T % NH), b = int(r / T / NH);
+      double sum = 0;
+      for (int j = 0; j <= t; j++) {
+        double dot = 0;
+        for (int e = 0; e < hs; e++)
+          dot += qkv[(int64_t(b) * T + t) * 3 * C + h * hs + e] *
+                 qkv[(int64_t(b) * T + j) * 3 * C + C + h * hs + e];
+        sum += std::exp(dot / std::sqrt(double(hs)));
+      }
+      EXPECT_NEAR(lse_host[size_t(r)], std::log(sum), kTol) << "row " << r;
+    }
+  }
 }
 
 }  // namespace

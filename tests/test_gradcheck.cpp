@@ -104,7 +104,7 @@ TEST_F(GradCheck, CausalAttention) {
   DPtr qkvd = d.upload(qkv);
   d.k->attention_forward(out, att, qkvd, B, T, C, NH);
   DPtr dqkv = d.upload(Vec(B * T * 3 * C)), datt = d.upload(Vec(B * NH * T * T));
-  d.k->attention_backward(dqkv, datt, d.upload(r), qkvd, att, B, T, C, NH);
+  d.k->attention_backward(dqkv, datt, d.upload(r), qkvd, out, att, B, T, C, NH);
   expect_gradient(f, qkv, d.download<double>(dqkv, B * T * 3 * C), "dqkv");
 }
 

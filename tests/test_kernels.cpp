@@ -188,7 +188,7 @@ TEST(Kernels, AttentionForwardBackward) {
     EXPECT_TRUE(all_close(d.download<float>(att, B * NH * T * T), ref.att, kRtol, kAtol));
     DPtr dqkv = d.upload(std::vector<float>(B * T * 3 * C, 9.0f));
     DPtr datt = d.upload(std::vector<float>(B * NH * T * T, 5.0f));
-    d.k->attention_backward(dqkv, datt, d.upload(dout), qkvd, att, B, T, C, NH);
+    d.k->attention_backward(dqkv, datt, d.upload(dout), qkvd, out, att, B, T, C, NH);
     EXPECT_TRUE(all_close(d.download<float>(dqkv, B * T * 3 * C), ref.dqkv, kRtol, kAtol))
         << "T=" << T;
   }

@@ -244,14 +244,14 @@ class CpuKernels final : public Kernels {
       cpu::attention_forward(out.as<S>(), att.as<S>(), qkv.as<S>(), B, T, C, NH);
     });
   }
-  void attention_backward(DPtr dqkv, DPtr datt, DPtr dout, DPtr qkv, DPtr att, int B, int T, int C,
-                          int NH) override {
+  void attention_backward(DPtr dqkv, DPtr datt, DPtr dout, DPtr qkv, DPtr /*out*/, DPtr att, int B,
+                          int T, int C, int NH) override {
     if (Staging::any_half({dqkv, datt, dout, qkv, att})) {
       Staging s(pool_);
       return attention_backward(s.out(dqkv, int64_t(B) * T * 3 * C),
                                 s.out(datt, int64_t(B) * NH * T * T),
                                 s.in(dout, int64_t(B) * T * C), s.in(qkv, int64_t(B) * T * 3 * C),
-                                s.in(att, int64_t(B) * NH * T * T), B, T, C, NH);
+                                DPtr{}, s.in(att, int64_t(B) * NH * T * T), B, T, C, NH);
     }
     dispatch(dout.dtype, [&]<class S>(S) {
       cpu::attention_backward(dqkv.as<S>(), datt.as<S>(), dout.as<S>(), qkv.as<S>(), att.as<S>(), B,

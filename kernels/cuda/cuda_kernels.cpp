@@ -200,9 +200,11 @@ class CudaKernels final : public Kernels {
       return Kernels::matmul_backward_gelu(dinp, dweight, dbias, dout, inp, weight, pre, N, IC, OC);
     matmul_backward(DPtr{}, dweight, dbias, dout, inp, weight, N, IC, OC);
   }
+  // Attention by query blocks (kernels/blocked_attention.h): att holds each row's log-sum-exp.
+  bool attention_keeps_probabilities() const override { return false; }
   void attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH) override;
-  void attention_backward(DPtr dqkv, DPtr datt, DPtr dout, DPtr qkv, DPtr att, int B, int T, int C,
-                          int NH) override;
+  void attention_backward(DPtr dqkv, DPtr datt, DPtr dout, DPtr qkv, DPtr out, DPtr att, int B,
+                          int T, int C, int NH) override;
   void gelu_forward(DPtr out, DPtr inp, int64_t n) override {
     cuda::gelu_forward(compute_, out, inp, n);
   }
@@ -311,16 +313,23 @@ class CudaKernels final : public Kernels {
     return base_ + *offset;
   }
 
-  // Scratch floats for column reductions, grown (rarely) and reused: all users are on the
-  // compute stream, so a later kernel never overtakes an earlier one that still reads it.
-  float* scratch(int64_t n) {
-    if (scratch_elems_ < n) {
-      if (scratch_) arena_->release(reinterpret_cast<std::byte*>(scratch_) - base_);
-      scratch_ = static_cast<float*>(raw_alloc(n * int64_t(sizeof(float))));
-      scratch_elems_ = n;
+  // Scratch memory for column reductions and attention, grown (in the first steps) and reused:
+  // all users are on the compute stream, so a later kernel never overtakes an earlier one that
+  // still reads it, and none keeps data in it from one call to the next.
+  std::byte* scratch_bytes(int64_t bytes) {
+    if (scratch_bytes_ < bytes) {
+      if (scratch_) arena_->release(scratch_ - base_);
+      scratch_ = nullptr;
+      scratch_bytes_ = 0;
+      scratch_ = static_cast<std::byte*>(raw_alloc(bytes));
+      scratch_bytes_ = bytes;
     }
     return scratch_;
   }
+  float* scratch(int64_t n) {
+    return reinterpret_cast<float*>(scratch_bytes(n * int64_t(sizeof(float))));
+  }
+  AttentionScratch attention_scratch(const AttentionShape& s, DType act);
 
   double fetch_result() {
     CUDA_CHECK(cudaMemcpyAsync(host_result_, sum_result_, sizeof(double), cudaMemcpyDeviceToHost,
@@ -337,29 +346,86 @@ class CudaKernels final : public Kernels {
   void* workspace_ = nullptr;
   std::optional<Gemm> gemm_;
   std::optional<TokenRing> ring_;
-  float* scratch_ = nullptr;
-  int64_t scratch_elems_ = 0;
+  std::byte* scratch_ = nullptr;
+  int64_t scratch_bytes_ = 0;
   double *sum_partials_ = nullptr, *sum_result_ = nullptr, *host_result_ = nullptr;
   TokenIndex token_index_;  // the embedding backward's rows and positions
 };
 
-// Causal attention per batch entry: the scores of all heads in one strided-batched GEMM (heads
-// are hs columns apart in qkv), the causal softmax over every row at once, then P V
-// (kernels/gemm_plan.h has the products).
-void CudaKernels::attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH) {
-  for (const GemmCall& c : gemm_plan::attention_scores(att, qkv, B, T, C, NH)) gemm_->run(c);
-  cuda::attention_softmax_forward(compute_, att, int64_t(B) * NH * T, T);
-  for (const GemmCall& c : gemm_plan::attention_output(out, att, qkv, B, T, C, NH)) gemm_->run(c);
+// The blocked attention's device steps: cuBLASLt and the kernels of attention.cu.
+class CudaAttentionSteps final : public AttentionSteps {
+ public:
+  CudaAttentionSteps(cudaStream_t stream, Gemm& gemm) : s_(stream), gemm_(gemm) {}
+  void gemm(const GemmCall& c) override { gemm_.run(c); }
+  void to_heads(DPtr dst, DPtr src, int64_t width, int64_t column0,
+                const AttentionShape& sh) override {
+    cuda::attention_to_heads(s_, dst, src, width, column0, sh);
+  }
+  void from_heads(DPtr dst, int64_t width, int64_t column0, DPtr src,
+                  const AttentionShape& sh) override {
+    cuda::attention_from_heads(s_, dst, width, column0, src, sh);
+  }
+  void softmax_rows(DPtr p, DPtr lse, DPtr s, QueryBlock blk, const AttentionShape& sh) override {
+    cuda::attention_softmax_rows(s_, p, lse, s, blk, sh);
+  }
+  void probs_rows(DPtr p, DPtr s, DPtr lse, QueryBlock blk, const AttentionShape& sh) override {
+    cuda::attention_probs_rows(s_, p, s, lse, blk, sh);
+  }
+  void dsoftmax_rows(DPtr p, DPtr dp, DPtr D, QueryBlock blk, const AttentionShape& sh) override {
+    cuda::attention_dsoftmax_rows(s_, p, dp, D, blk, sh);
+  }
+  void row_dots(DPtr D, DPtr dout, DPtr out, const AttentionShape& sh) override {
+    cuda::attention_row_dots(s_, D, dout, out, sh);
+  }
+  void zero(DPtr p, int64_t n) override {
+    CUDA_CHECK(cudaMemsetAsync(p.p, 0, size_t(n) * dtype_size(p.dtype), s_));
+  }
+
+ private:
+  cudaStream_t s_;
+  Gemm& gemm_;
+};
+
+// One scratch piece per AttentionScratch field, 256-byte aligned: head-major copies and
+// probabilities in the activation dtype, scores, accumulators and row statistics in fp32.
+AttentionScratch CudaKernels::attention_scratch(const AttentionShape& s, DType act) {
+  const AttentionScratchSizes n = attention_scratch_sizes(s);
+  const std::array<std::pair<int64_t, DType>, 10> parts{{{n.head_major, act},
+                                                         {n.head_major, act},
+                                                         {n.head_major, act},
+                                                         {n.head_major, act},
+                                                         {n.head_major, act},
+                                                         {n.head_major, DType::f32},
+                                                         {n.head_major, DType::f32},
+                                                         {n.block, DType::f32},
+                                                         {n.block, act},
+                                                         {n.rows, DType::f32}}};
+  std::array<int64_t, 10> at{};
+  int64_t bytes = 0;
+  for (size_t i = 0; i < parts.size(); i++) {
+    at[i] = bytes;
+    bytes += (parts[i].first * int64_t(dtype_size(parts[i].second)) + 255) / 256 * 256;
+  }
+  std::byte* base = scratch_bytes(bytes);
+  auto field = [&](size_t i) { return DPtr{base + at[i], parts[i].second, true}; };
+  return {field(0), field(1), field(2), field(3), field(4),
+          field(5), field(6), field(7), field(8), field(9)};
 }
 
-void CudaKernels::attention_backward(DPtr dqkv, DPtr datt, DPtr dout, DPtr qkv, DPtr att, int B,
-                                     int T, int C, int NH) {
-  for (const GemmCall& c :
-       gemm_plan::attention_backward_values(dqkv, datt, dout, qkv, att, B, T, C, NH))
-    gemm_->run(c);
-  cuda::attention_softmax_backward(compute_, datt, att, int64_t(B) * NH * T, T);
-  for (const GemmCall& c : gemm_plan::attention_backward_queries_keys(dqkv, datt, qkv, B, T, C, NH))
-    gemm_->run(c);
+void CudaKernels::attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH) {
+  if (int64_t(B) * T == 0) return;
+  const AttentionShape shape{B, T, C, NH};
+  CudaAttentionSteps steps(compute_, *gemm_);
+  blocked_attention_forward(steps, attention_scratch(shape, out.dtype), out, att, qkv, shape);
+}
+
+void CudaKernels::attention_backward(DPtr dqkv, DPtr /*datt*/, DPtr dout, DPtr qkv, DPtr out,
+                                     DPtr att, int B, int T, int C, int NH) {
+  if (int64_t(B) * T == 0) return;
+  const AttentionShape shape{B, T, C, NH};
+  CudaAttentionSteps steps(compute_, *gemm_);
+  blocked_attention_backward(steps, attention_scratch(shape, dout.dtype), dqkv, dout, qkv, out, att,
+                             shape);
 }
 
 // Dense peak of the tensor cores (16-bit) or of the fp32 units (fp32 GEMMs do not use TF32),

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "kernels/blocked_attention.h"
 #include "kernels/kernels.h"
 
 namespace trainer::cuda {
@@ -39,11 +40,19 @@ void residual_layernorm_forward(cudaStream_t s, DPtr res, DPtr out, DPtr mean, D
 // dbias(OC) += column sums of dout(N, OC); `partials`: kColumnChunks * OC floats.
 void bias_backward(cudaStream_t s, DPtr dbias, DPtr dout, int64_t N, int OC, float* partials);
 
-// Causal softmax over the last dim of `rows` rows of length T (row r is query r % T), in place;
-// entries above the diagonal become 0.
-void attention_softmax_forward(cudaStream_t s, DPtr att, int64_t rows, int T);
-// datt (holding dP) becomes dS = P * (dP - rowsum(P * dP)), 0 above the diagonal.
-void attention_softmax_backward(cudaStream_t s, DPtr datt, DPtr att, int64_t rows, int T);
+// The blocked attention's steps (AttentionSteps in kernels/blocked_attention.h says what each
+// computes); scores, dP, lse and D are fp32.
+void attention_to_heads(cudaStream_t s, DPtr dst, DPtr src, int64_t width, int64_t column0,
+                        const AttentionShape& shape);
+void attention_from_heads(cudaStream_t s, DPtr dst, int64_t width, int64_t column0, DPtr src,
+                          const AttentionShape& shape);
+void attention_softmax_rows(cudaStream_t s, DPtr p, DPtr lse, DPtr scores, QueryBlock blk,
+                            const AttentionShape& shape);
+void attention_probs_rows(cudaStream_t s, DPtr p, DPtr scores, DPtr lse, QueryBlock blk,
+                          const AttentionShape& shape);
+void attention_dsoftmax_rows(cudaStream_t s, DPtr p, DPtr dp, DPtr D, QueryBlock blk,
+                             const AttentionShape& shape);
+void attention_row_dots(cudaStream_t s, DPtr D, DPtr dout, DPtr out, const AttentionShape& shape);
 
 void crossentropy_max(cudaStream_t s, DPtr rowmax, DPtr logits, int64_t N, VocabSlice v);
 void crossentropy_sumexp(cudaStream_t s, DPtr sumexp, DPtr target_logit, DPtr logits, DPtr rowmax,

@@ -1,5 +1,5 @@
-// The softmaxes: causal attention (one warp per row) and softmax + cross-entropy over a slice of
-// the vocabulary (one block per row). Every reduction has a fixed shape and order.
+// Softmax + cross-entropy over a slice of the vocabulary, one block per row. Every reduction has a
+// fixed shape and order.
 #include <cfloat>
 
 #include "kernels/cuda/cuda_check.h"
@@ -10,39 +10,7 @@
 namespace trainer::cuda {
 namespace {
 
-constexpr int kWarpsPerBlock = 8;
 constexpr int kRowThreads = 512;  // threads per vocabulary row
-
-template <class T>
-__global__ void attention_softmax_forward_kernel(T* att, int64_t rows, int T_) {
-  const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= rows) return;
-  const int i = int(row % T_);  // the query: keys 0..i are visible
-  T* a = att + row * T_;
-  float mx = -FLT_MAX;
-  for (int j = lane; j <= i; j += 32) mx = fmaxf(mx, load(a[j]));
-  mx = warp_max(mx);
-  float sum = 0;
-  for (int j = lane; j <= i; j += 32) sum += expf(load(a[j]) - mx);
-  const float inv = 1.0f / warp_sum(sum);
-  for (int j = lane; j < T_; j += 32) a[j] = store<T>(j <= i ? expf(load(a[j]) - mx) * inv : 0.0f);
-}
-
-template <class T>
-__global__ void attention_softmax_backward_kernel(T* datt, const T* att, int64_t rows, int T_) {
-  const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= rows) return;
-  const int i = int(row % T_);
-  const T* p = att + row * T_;
-  T* d = datt + row * T_;
-  float dot = 0;
-  for (int j = lane; j <= i; j += 32) dot += load(p[j]) * load(d[j]);
-  dot = warp_sum(dot);
-  for (int j = lane; j < T_; j += 32)
-    d[j] = store<T>(j <= i ? load(p[j]) * (load(d[j]) - dot) : 0.0f);
-}
 
 // Block-wide sum or max of one value per thread (blockDim.x a multiple of 32, at most 1024), in
 // a fixed order; every thread gets the result.
@@ -118,28 +86,6 @@ __global__ void crossentropy_backward_kernel(T* probs, const int32_t* targets, f
 }
 
 }  // namespace
-
-void attention_softmax_forward(cudaStream_t s, DPtr att, int64_t rows, int T) {
-  if (rows == 0) return;  // a grid of no blocks is a launch error
-  const unsigned blocks = unsigned((rows + kWarpsPerBlock - 1) / kWarpsPerBlock);
-  dispatch(att.dtype, [&](auto tag) {
-    using X = decltype(tag);
-    attention_softmax_forward_kernel<X>
-        <<<blocks, 32 * kWarpsPerBlock, 0, s>>>(typed<X>(att), rows, T);
-  });
-  CUDA_CHECK_LAUNCH("attention_softmax_forward");
-}
-
-void attention_softmax_backward(cudaStream_t s, DPtr datt, DPtr att, int64_t rows, int T) {
-  if (rows == 0) return;  // a grid of no blocks is a launch error
-  const unsigned blocks = unsigned((rows + kWarpsPerBlock - 1) / kWarpsPerBlock);
-  dispatch(att.dtype, [&](auto tag) {
-    using X = decltype(tag);
-    attention_softmax_backward_kernel<X>
-        <<<blocks, 32 * kWarpsPerBlock, 0, s>>>(typed<X>(datt), typed<X>(att), rows, T);
-  });
-  CUDA_CHECK_LAUNCH("attention_softmax_backward");
-}
 
 void crossentropy_max(cudaStream_t s, DPtr rowmax, DPtr logits, int64_t N, VocabSlice v) {
   if (N == 0) return;

@@ -1,0 +1,183 @@
+// The row and layout kernels of the blocked attention (kernels/blocked_attention.h; its GEMMs
+// are cuBLASLt's). Rows are one warp each; reductions have a fixed order.
+#include <cfloat>
+
+#include "kernels/blocked_attention.h"
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/device_types.cuh"
+#include "kernels/cuda/dispatch.cuh"
+#include "kernels/cuda/ops.h"
+
+namespace trainer::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarpsPerBlock = kThreads / 32;
+
+// The head-major tensors' layout: (B, NH, T, hs), from a token-major (B, T, width) one.
+struct Layout {
+  int T, hs, NH;
+  int64_t width, column0;
+};
+
+template <class D, class S>
+__global__ void to_heads_kernel(D* dst, const S* src, int64_t n, Layout l) {
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
+       e += int64_t(gridDim.x) * blockDim.x)
+    dst[e] = store<D>(load(src[token_major_index(e, l.T, l.hs, l.NH, l.width, l.column0)]));
+}
+
+template <class D, class S>
+__global__ void from_heads_kernel(D* dst, const S* src, int64_t n, Layout l) {
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
+       e += int64_t(gridDim.x) * blockDim.x)
+    dst[token_major_index(e, l.T, l.hs, l.NH, l.width, l.column0)] = store<D>(load(src[e]));
+}
+
+// One warp per row of the block: its log-sum-exp over the visible keys, then the probabilities.
+template <class P>
+__global__ void softmax_rows_kernel(P* p, float* lse, const float* s, int64_t rows, QueryBlock blk,
+                                    int T) {
+  const int64_t r = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (r >= rows) return;
+  const int i = query_of_row(r, blk), L = blk.keys();
+  const float* x = s + r * L;
+  float mx = -FLT_MAX;
+  for (int j = lane; j <= i; j += 32) mx = fmaxf(mx, x[j]);
+  mx = warp_max(mx);
+  float sum = 0;
+  for (int j = lane; j <= i; j += 32) sum += expf(x[j] - mx);
+  const float l = mx + logf(warp_sum(sum));
+  if (lane == 0) lse[head_of_row(r, blk) * T + i] = l;
+  for (int j = lane; j < L; j += 32) p[r * L + j] = store<P>(j <= i ? expf(x[j] - l) : 0.0f);
+}
+
+// Elementwise over the block's rows x L entries: the probabilities again from the kept lse.
+template <class P>
+__global__ void probs_rows_kernel(P* p, const float* s, const float* lse, int64_t n, QueryBlock blk,
+                                  int T) {
+  const int L = blk.keys();
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
+       e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = e / L;
+    const int j = int(e % L), i = query_of_row(r, blk);
+    p[e] = store<P>(j <= i ? expf(s[e] - lse[head_of_row(r, blk) * T + i]) : 0.0f);
+  }
+}
+
+// p (P) becomes dS = P (dP - D_i).
+template <class P>
+__global__ void dsoftmax_rows_kernel(P* p, const float* dp, const float* D, int64_t n,
+                                     QueryBlock blk, int T) {
+  const int L = blk.keys();
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
+       e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = e / L;
+    const int j = int(e % L), i = query_of_row(r, blk);
+    p[e] = store<P>(j <= i ? load(p[e]) * (dp[e] - D[head_of_row(r, blk) * T + i]) : 0.0f);
+  }
+}
+
+// One warp per (b, h, t): the dot product of dout and out over the head's columns.
+template <class X>
+__global__ void row_dots_kernel(float* D, const X* dout, const X* out, int64_t rows, Layout l) {
+  const int64_t r = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (r >= rows) return;
+  const int64_t at = token_major_index(r * l.hs, l.T, l.hs, l.NH, l.width, 0);
+  float sum = 0;
+  for (int d = lane; d < l.hs; d += 32) sum += load(dout[at + d]) * load(out[at + d]);
+  sum = warp_sum(sum);
+  if (lane == 0) D[r] = sum;
+}
+
+Layout layout(const AttentionShape& s, int64_t width, int64_t column0) {
+  return {s.T, s.hs(), s.NH, width, column0};
+}
+unsigned row_blocks(int64_t rows) {
+  return unsigned((rows + kWarpsPerBlock - 1) / kWarpsPerBlock);
+}
+
+}  // namespace
+
+void attention_to_heads(cudaStream_t st, DPtr dst, DPtr src, int64_t width, int64_t column0,
+                        const AttentionShape& s) {
+  const int64_t n = s.elems();
+  if (n == 0) return;
+  dispatch(dst.dtype, [&](auto d) {
+    dispatch(src.dtype, [&](auto x) {
+      using D = decltype(d);
+      using S = decltype(x);
+      to_heads_kernel<D, S><<<blocks_for(n, kThreads), kThreads, 0, st>>>(
+          typed<D>(dst), typed<S>(src), n, layout(s, width, column0));
+    });
+  });
+  CUDA_CHECK_LAUNCH("attention_to_heads");
+}
+
+void attention_from_heads(cudaStream_t st, DPtr dst, int64_t width, int64_t column0, DPtr src,
+                          const AttentionShape& s) {
+  const int64_t n = s.elems();
+  if (n == 0) return;
+  dispatch(dst.dtype, [&](auto d) {
+    dispatch(src.dtype, [&](auto x) {
+      using D = decltype(d);
+      using S = decltype(x);
+      from_heads_kernel<D, S><<<blocks_for(n, kThreads), kThreads, 0, st>>>(
+          typed<D>(dst), typed<S>(src), n, layout(s, width, column0));
+    });
+  });
+  CUDA_CHECK_LAUNCH("attention_from_heads");
+}
+
+void attention_softmax_rows(cudaStream_t st, DPtr p, DPtr lse, DPtr s, QueryBlock blk,
+                            const AttentionShape& sh) {
+  const int64_t rows = sh.heads() * blk.nq;
+  if (rows == 0) return;
+  dispatch(p.dtype, [&](auto tag) {
+    using P = decltype(tag);
+    softmax_rows_kernel<P>
+        <<<row_blocks(rows), kThreads, 0, st>>>(typed<P>(p), f32(lse), f32(s), rows, blk, sh.T);
+  });
+  CUDA_CHECK_LAUNCH("attention_softmax_rows");
+}
+
+void attention_probs_rows(cudaStream_t st, DPtr p, DPtr s, DPtr lse, QueryBlock blk,
+                          const AttentionShape& sh) {
+  const int64_t n = sh.heads() * blk.nq * blk.keys();
+  if (n == 0) return;
+  dispatch(p.dtype, [&](auto tag) {
+    using P = decltype(tag);
+    probs_rows_kernel<P>
+        <<<blocks_for(n, kThreads), kThreads, 0, st>>>(typed<P>(p), f32(s), f32(lse), n, blk, sh.T);
+  });
+  CUDA_CHECK_LAUNCH("attention_probs_rows");
+}
+
+void attention_dsoftmax_rows(cudaStream_t st, DPtr p, DPtr dp, DPtr D, QueryBlock blk,
+                             const AttentionShape& sh) {
+  const int64_t n = sh.heads() * blk.nq * blk.keys();
+  if (n == 0) return;
+  dispatch(p.dtype, [&](auto tag) {
+    using P = decltype(tag);
+    dsoftmax_rows_kernel<P>
+        <<<blocks_for(n, kThreads), kThreads, 0, st>>>(typed<P>(p), f32(dp), f32(D), n, blk, sh.T);
+  });
+  CUDA_CHECK_LAUNCH("attention_dsoftmax_rows");
+}
+
+void attention_row_dots(cudaStream_t st, DPtr D, DPtr dout, DPtr out, const AttentionShape& s) {
+  const int64_t rows = s.heads() * s.T;
+  if (rows == 0) return;
+  if (dout.dtype != out.dtype)
+    throw std::invalid_argument("attention_row_dots: dout and out must have one dtype");
+  dispatch(dout.dtype, [&](auto tag) {
+    using X = decltype(tag);
+    row_dots_kernel<X><<<row_blocks(rows), kThreads, 0, st>>>(f32(D), typed<X>(dout), typed<X>(out),
+                                                              rows, layout(s, s.C, 0));
+  });
+  CUDA_CHECK_LAUNCH("attention_row_dots");
+}
+
+}  // namespace trainer::cuda
