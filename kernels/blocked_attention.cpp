@@ -12,7 +12,8 @@ std::vector<QueryBlock> query_blocks(const AttentionShape& s) {
 }
 
 AttentionScratchSizes attention_scratch_sizes(const AttentionShape& s) {
-  return {s.elems(), s.heads() * s.T, s.heads() * std::min(s.block, s.T) * s.T};
+  const int64_t widest = QueryBlock{0, s.T}.stride();
+  return {s.elems(), s.heads() * s.T, s.heads() * std::min(s.block, s.T) * widest};
 }
 
 namespace gemm_plan {
@@ -23,9 +24,9 @@ namespace {
 GemmOperand heads(DPtr x, const AttentionShape& sh, int row = 0) {
   return {x + int64_t(row) * sh.hs(), sh.hs(), int64_t(sh.T) * sh.hs()};
 }
-// A block's (nq, L) row-major matrices: column-major L x nq, ld L.
+// A block's (nq, L) row-major matrices: column-major L x nq, ld the block's stride.
 GemmOperand rows(DPtr x, QueryBlock blk) {
-  return {x, blk.keys(), int64_t(blk.nq) * blk.keys()};
+  return {x, blk.stride(), int64_t(blk.nq) * blk.stride()};
 }
 float scale(const AttentionShape& sh) {
   return float(1.0 / std::sqrt(double(sh.hs())));

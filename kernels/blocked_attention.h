@@ -28,6 +28,9 @@ struct AttentionShape {
 struct QueryBlock {
   int q0, nq;
   TRAINER_HD int keys() const { return q0 + nq; }
+  // The row stride of the block's (nq, keys) matrices: a multiple of 8, so that every row of a
+  // 16-bit matrix starts 16-byte aligned (the fast GEMM kernels' need) whatever T is.
+  TRAINER_HD int stride() const { return (keys() + 7) / 8 * 8; }
 };
 std::vector<QueryBlock> query_blocks(const AttentionShape& s);
 
@@ -41,8 +44,9 @@ TRAINER_HD int64_t token_major_index(int64_t head_major, int T, int hs, int NH, 
 }
 
 // The row operations, for row r of a block: batch entry bh = r / nq, query i = q0 + r % nq, whose
-// scores s[0, L) (already scaled) have keys j <= i visible. Their log-sum-exp is
-// m + log(sum_j exp(s_j - m)) with m the largest; a probability is exp(s_j - lse) (0 when j > i).
+// scores s[0, L) (already scaled; the row starts r * stride() in) have keys j <= i visible. Their
+// log-sum-exp is m + log(sum_j exp(s_j - m)) with m the largest; a probability is exp(s_j - lse) (0
+// when j > i).
 TRAINER_HD int query_of_row(int64_t r, QueryBlock blk) {
   return blk.q0 + int(r % blk.nq);
 }
@@ -62,12 +66,12 @@ class AttentionSteps {
   // The reverse (dst's dtype may differ: a cast).
   virtual void from_heads(DPtr dst, int64_t width, int64_t column0, DPtr src,
                           const AttentionShape& s) = 0;
-  // For the heads() * nq rows of the block, s (row stride L): lse[bh * T + i] and p (row stride
-  // L) = the causal softmax of s.
+  // For the heads() * nq rows of the block, s (row stride blk.stride()): lse[bh * T + i] and p
+  // (same layout) = the causal softmax of s.
   virtual void softmax_rows(DPtr p, DPtr lse, DPtr s, QueryBlock blk, const AttentionShape& sh) = 0;
   // p = exp(s - lse) for j <= i, else 0 (forward's probabilities, recomputed).
   virtual void probs_rows(DPtr p, DPtr s, DPtr lse, QueryBlock blk, const AttentionShape& sh) = 0;
-  // p (holding P) becomes dS = P * (dP - D_i), 0 for j > i; dp holds dP (row stride L).
+  // p (holding P) becomes dS = P * (dP - D_i), 0 for j > i; dp holds dP (layout as s).
   virtual void dsoftmax_rows(DPtr p, DPtr dp, DPtr D, QueryBlock blk, const AttentionShape& sh) = 0;
   // D[bh * T + t] = sum over the head's hs columns of dout * out (both (B, T, C)).
   virtual void row_dots(DPtr D, DPtr dout, DPtr out, const AttentionShape& s) = 0;
@@ -76,7 +80,7 @@ class AttentionSteps {
 
 // Working memory: q, k, v, o, dq in the activation dtype, elems() each (o holds dO in backward);
 // dk, dv accumulators and d in fp32 (d: heads() * T); s (fp32) and p (activation dtype) hold
-// heads() * min(block, T) * T each.
+// heads() * min(block, T) * T rounded up to 8 each.
 struct AttentionScratch {
   DPtr q, k, v, o, dq, dk, dv, s, p, d;
 };
@@ -96,7 +100,7 @@ void blocked_attention_backward(AttentionSteps& x, const AttentionScratch& w, DP
 namespace gemm_plan {
 // The products of one query block over head-major q, k, v (scale = 1/sqrt(hs) where it applies):
 // s = scale Q_blk K^T; o_blk = P V; dv += P^T dO_blk; dp = dO_blk V^T; dq_blk = scale dS K;
-// dk += scale dS^T Q_blk. s, p, dp, dS: (heads, nq, L) row-major.
+// dk += scale dS^T Q_blk. s, p, dp, dS: (heads, nq, L) row-major, rows blk.stride() apart.
 GemmCall block_scores(DPtr s, DPtr q, DPtr k, QueryBlock blk, const AttentionShape& sh);
 GemmCall block_output(DPtr o, DPtr p, DPtr v, QueryBlock blk, const AttentionShape& sh);
 GemmCall block_backward_values(DPtr dv, DPtr p, DPtr dout, QueryBlock blk,

@@ -137,7 +137,7 @@ class NaiveAttentionSteps final : public AttentionSteps {
   template <class F>
   void each_row(QueryBlock blk, const AttentionShape& sh, F&& f) {
     for (int64_t r = 0; r < sh.heads() * blk.nq; r++)
-      f(r * blk.keys(), head_of_row(r, blk) * sh.T + query_of_row(r, blk), query_of_row(r, blk));
+      f(r * blk.stride(), head_of_row(r, blk) * sh.T + query_of_row(r, blk), query_of_row(r, blk));
   }
   void softmax_rows(DPtr p, DPtr lse, DPtr s, QueryBlock blk, const AttentionShape& sh) override {
     each_row(blk, sh, [&](int64_t at, int64_t stat, int i) {

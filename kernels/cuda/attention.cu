@@ -42,7 +42,8 @@ __global__ void softmax_rows_kernel(P* p, float* lse, const float* s, int64_t ro
   const int lane = threadIdx.x % 32;
   if (r >= rows) return;
   const int i = query_of_row(r, blk), L = blk.keys();
-  const float* x = s + r * L;
+  const int64_t row = r * blk.stride();
+  const float* x = s + row;
   float mx = -FLT_MAX;
   for (int j = lane; j <= i; j += 32) mx = fmaxf(mx, x[j]);
   mx = warp_max(mx);
@@ -50,19 +51,20 @@ __global__ void softmax_rows_kernel(P* p, float* lse, const float* s, int64_t ro
   for (int j = lane; j <= i; j += 32) sum += expf(x[j] - mx);
   const float l = mx + logf(warp_sum(sum));
   if (lane == 0) lse[head_of_row(r, blk) * T + i] = l;
-  for (int j = lane; j < L; j += 32) p[r * L + j] = store<P>(j <= i ? expf(x[j] - l) : 0.0f);
+  for (int j = lane; j < L; j += 32) p[row + j] = store<P>(j <= i ? expf(x[j] - l) : 0.0f);
 }
 
-// Elementwise over the block's rows x L entries: the probabilities again from the kept lse.
+// Elementwise over the block's rows x L entries (rows stride() apart): the probabilities again
+// from the kept lse.
 template <class P>
 __global__ void probs_rows_kernel(P* p, const float* s, const float* lse, int64_t n, QueryBlock blk,
                                   int T) {
   const int L = blk.keys();
   for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
        e += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = e / L;
+    const int64_t r = e / L, at = r * blk.stride() + e % L;
     const int j = int(e % L), i = query_of_row(r, blk);
-    p[e] = store<P>(j <= i ? expf(s[e] - lse[head_of_row(r, blk) * T + i]) : 0.0f);
+    p[at] = store<P>(j <= i ? expf(s[at] - lse[head_of_row(r, blk) * T + i]) : 0.0f);
   }
 }
 
@@ -73,9 +75,9 @@ __global__ void dsoftmax_rows_kernel(P* p, const float* dp, const float* D, int6
   const int L = blk.keys();
   for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
        e += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = e / L;
+    const int64_t r = e / L, at = r * blk.stride() + e % L;
     const int j = int(e % L), i = query_of_row(r, blk);
-    p[e] = store<P>(j <= i ? load(p[e]) * (dp[e] - D[head_of_row(r, blk) * T + i]) : 0.0f);
+    p[at] = store<P>(j <= i ? load(p[at]) * (dp[at] - D[head_of_row(r, blk) * T + i]) : 0.0f);
   }
 }
 

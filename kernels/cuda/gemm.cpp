@@ -55,6 +55,7 @@ struct Gemm::Plan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtMatmulAlgo_t algo{};
+  bool ran = false;  // a matmul with this plan has been enqueued
   ~Plan() {
     for (cublasLtMatrixLayout_t l : {a, b, c})
       if (l) cublasLtMatrixLayoutDestroy(l);
@@ -128,7 +129,6 @@ Gemm::Plan* Gemm::plan(const Key& key, const GemmCall& c) {
   }
   if (c.epilogue != GemmEpilogue::none) {
     if (batch != 1) throw std::logic_error("Gemm: GELU epilogues are for batch 1");
-    set(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, int32_t(cuda_type(c.aux.p.dtype)));
     set(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, int64_t(c.aux.ld));
     set(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, static_cast<void*>(c.aux.p.p));
   }
@@ -176,28 +176,40 @@ Gemm::Plan* Gemm::plan(const Key& key, const GemmCall& c) {
 void Gemm::no_algorithm(const GemmCall& c) {
   throw std::runtime_error(fmt::format(
       "cuBLASLt has no algorithm for {}x{}x{} (transa {}, transb {}, batch {}, {} x {} -> {}, "
-      "beta {}, bias {}, epilogue {})",
+      "beta {}, bias {}, epilogue {}; or it refused the one its heuristic chose)",
       c.m, c.n, c.k, c.trans_a, c.trans_b, c.batch, dtype_name(c.A.p.dtype),
       dtype_name(c.B.p.dtype), dtype_name(c.C.p.dtype), c.beta, bool(c.bias), int(c.epilogue)));
 }
 
-void Gemm::enqueue(Plan& p, const GemmCall& c) {
+cublasStatus_t Gemm::enqueue(Plan& p, const GemmCall& c) {
   // Pointers are not part of the key: set the ones the descriptor holds for this call.
   if (c.bias) set(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(c.bias.p));
   if (c.epilogue != GemmEpilogue::none)
     set(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, static_cast<void*>(c.aux.p.p));
-  LT_CHECK(cublasLtMatmul(handle_, p.desc, &c.alpha, c.A.p.p, p.a, c.B.p.p, p.b, &c.beta, c.C.p.p,
-                          p.c, c.C.p.p, p.c, &p.algo, workspace_, workspace_bytes_, stream_));
+  return cublasLtMatmul(handle_, p.desc, &c.alpha, c.A.p.p, p.a, c.B.p.p, p.b, &c.beta, c.C.p.p,
+                        p.c, c.C.p.p, p.c, &p.algo, workspace_, workspace_bytes_, stream_);
 }
 
 bool Gemm::try_run(const GemmCall& c) {
   if (c.A.p.dtype != c.B.p.dtype) throw std::invalid_argument("Gemm: A and B must have one dtype");
-  // cuBLASLt's documented needs of the auxiliary matrix: 16-byte aligned, ld a multiple of 8.
-  if (c.epilogue != GemmEpilogue::none && (alignment(c.aux, 1) < 16 || c.aux.ld % 8 != 0))
+  const bool fused = c.epilogue != GemmEpilogue::none;
+  // cuBLASLt's documented needs of the auxiliary matrix: 16-byte aligned, ld a multiple of 8,
+  // and (its type left at the default) the output's type.
+  if (fused && (alignment(c.aux, 1) < 16 || c.aux.ld % 8 != 0 || c.aux.p.dtype != c.C.p.dtype))
     return false;
-  Plan* p = plan(key_of(c), c);
+  const Key key = key_of(c);
+  Plan* p = plan(key, c);
   if (!p) return false;
-  enqueue(*p, c);
+  const cublasStatus_t status = enqueue(*p, c);
+  // A fused epilogue the heuristic offered but the matmul refuses (it validates before it
+  // enqueues anything) is remembered as unavailable, like one the heuristic did not offer.
+  if (fused && !p->ran &&
+      (status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE)) {
+    plans_[key].reset();
+    return false;
+  }
+  LT_CHECK(status);
+  p->ran = true;
   return true;
 }
 

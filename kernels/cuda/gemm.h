@@ -37,7 +37,7 @@ class Gemm {
   static Key key_of(const GemmCall& call);
   // The cached plan for the call; null when cuBLASLt has no algorithm for it.
   Plan* plan(const Key& key, const GemmCall& call);
-  void enqueue(Plan& plan, const GemmCall& call);
+  cublasStatus_t enqueue(Plan& plan, const GemmCall& call);
   [[noreturn]] static void no_algorithm(const GemmCall& call);
 
   cudaStream_t stream_;
