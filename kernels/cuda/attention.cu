@@ -20,18 +20,17 @@ struct Layout {
   int64_t width, column0;
 };
 
-template <class D, class S>
-__global__ void to_heads_kernel(D* dst, const S* src, int64_t n, Layout l) {
+// Element e of the head-major tensor to (kToHeads) or from its place in the token-major one.
+template <bool kToHeads, class D, class S>
+__global__ void relayout_kernel(D* dst, const S* src, int64_t n, Layout l) {
   for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
-       e += int64_t(gridDim.x) * blockDim.x)
-    dst[e] = store<D>(load(src[token_major_index(e, l.T, l.hs, l.NH, l.width, l.column0)]));
-}
-
-template <class D, class S>
-__global__ void from_heads_kernel(D* dst, const S* src, int64_t n, Layout l) {
-  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
-       e += int64_t(gridDim.x) * blockDim.x)
-    dst[token_major_index(e, l.T, l.hs, l.NH, l.width, l.column0)] = store<D>(load(src[e]));
+       e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = token_major_index(e, l.T, l.hs, l.NH, l.width, l.column0);
+    if (kToHeads)
+      dst[e] = store<D>(load(src[t]));
+    else
+      dst[t] = store<D>(load(src[e]));
+  }
 }
 
 // One warp per row of the block: its log-sum-exp over the visible keys, then the probabilities.
@@ -101,36 +100,32 @@ unsigned row_blocks(int64_t rows) {
   return unsigned((rows + kWarpsPerBlock - 1) / kWarpsPerBlock);
 }
 
+template <bool kToHeads>
+void relayout(cudaStream_t st, DPtr dst, DPtr src, int64_t width, int64_t column0,
+              const AttentionShape& s) {
+  const int64_t n = s.elems();
+  if (n == 0) return;
+  dispatch(dst.dtype, [&](auto d) {
+    dispatch(src.dtype, [&](auto x) {
+      using D = decltype(d);
+      using S = decltype(x);
+      relayout_kernel<kToHeads, D, S><<<blocks_for(n, kThreads), kThreads, 0, st>>>(
+          typed<D>(dst), typed<S>(src), n, layout(s, width, column0));
+    });
+  });
+  CUDA_CHECK_LAUNCH(kToHeads ? "attention_to_heads" : "attention_from_heads");
+}
+
 }  // namespace
 
 void attention_to_heads(cudaStream_t st, DPtr dst, DPtr src, int64_t width, int64_t column0,
                         const AttentionShape& s) {
-  const int64_t n = s.elems();
-  if (n == 0) return;
-  dispatch(dst.dtype, [&](auto d) {
-    dispatch(src.dtype, [&](auto x) {
-      using D = decltype(d);
-      using S = decltype(x);
-      to_heads_kernel<D, S><<<blocks_for(n, kThreads), kThreads, 0, st>>>(
-          typed<D>(dst), typed<S>(src), n, layout(s, width, column0));
-    });
-  });
-  CUDA_CHECK_LAUNCH("attention_to_heads");
+  relayout<true>(st, dst, src, width, column0, s);
 }
 
 void attention_from_heads(cudaStream_t st, DPtr dst, int64_t width, int64_t column0, DPtr src,
                           const AttentionShape& s) {
-  const int64_t n = s.elems();
-  if (n == 0) return;
-  dispatch(dst.dtype, [&](auto d) {
-    dispatch(src.dtype, [&](auto x) {
-      using D = decltype(d);
-      using S = decltype(x);
-      from_heads_kernel<D, S><<<blocks_for(n, kThreads), kThreads, 0, st>>>(
-          typed<D>(dst), typed<S>(src), n, layout(s, width, column0));
-    });
-  });
-  CUDA_CHECK_LAUNCH("attention_from_heads");
+  relayout<false>(st, dst, src, width, column0, s);
 }
 
 void attention_softmax_rows(cudaStream_t st, DPtr p, DPtr lse, DPtr s, QueryBlock blk,

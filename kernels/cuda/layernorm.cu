@@ -12,15 +12,11 @@ namespace {
 constexpr float kLayerNormEps = 1e-5f;
 constexpr int kWarpsPerBlock = 8;
 
+// The rest of one row's forward, by its warp: mean (from each lane's share `sum` of the row x),
+// rstd, the normalised output and the statistics.
 template <class T>
-__global__ void layernorm_forward_kernel(T* out, float* mean, float* rstd, const T* inp, const T* w,
-                                         const T* b, int64_t N, int C) {
-  const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= N) return;
-  const T* x = inp + row * C;
-  float sum = 0;
-  for (int c = lane; c < C; c += 32) sum += load(x[c]);
+__device__ void normalize_row(const T* x, float sum, T* out, float* mean, float* rstd, const T* w,
+                              const T* b, int64_t row, int C, int lane) {
   const float m = warp_sum(sum) / float(C);
   float sq = 0;
   for (int c = lane; c < C; c += 32) {
@@ -35,6 +31,18 @@ __global__ void layernorm_forward_kernel(T* out, float* mean, float* rstd, const
     mean[row] = m;
     rstd[row] = s;
   }
+}
+
+template <class T>
+__global__ void layernorm_forward_kernel(T* out, float* mean, float* rstd, const T* inp, const T* w,
+                                         const T* b, int64_t N, int C) {
+  const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= N) return;
+  const T* x = inp + row * C;
+  float sum = 0;
+  for (int c = lane; c < C; c += 32) sum += load(x[c]);
+  normalize_row(x, sum, out, mean, rstd, w, b, row, C, lane);
 }
 
 // The residual add fused in: each lane rounds its sums as they are stored and normalises those
@@ -54,20 +62,7 @@ __global__ void residual_layernorm_forward_kernel(T* res, T* out, float* mean, f
     x[c] = r;
     sum += load(r);
   }
-  const float m = warp_sum(sum) / float(C);
-  float sq = 0;
-  for (int c = lane; c < C; c += 32) {
-    const float d = load(x[c]) - m;
-    sq += d * d;
-  }
-  const float s = 1.0f / sqrtf(warp_sum(sq) / float(C) + kLayerNormEps);
-  T* o = out + row * C;
-  for (int c = lane; c < C; c += 32)
-    o[c] = store<T>((load(x[c]) - m) * s * load(w[c]) + load(bias[c]));
-  if (lane == 0) {
-    mean[row] = m;
-    rstd[row] = s;
-  }
+  normalize_row(x, sum, out, mean, rstd, w, bias, row, C, lane);
 }
 
 // dinp += for one row per warp.
