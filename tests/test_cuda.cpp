@@ -86,6 +86,11 @@ class Backends {
     k.download_f32(v.data(), p, n);
     return v;
   }
+  // Makes the GPU's copy hold the CPU's values (so that a later step starts from equal inputs).
+  void copy_cpu_to_gpu(const Twin& t) {
+    const std::vector<float> v = host(*cpu, t.cpu, t.n);
+    gpu->upload_f32(t.gpu, v.data(), t.n);
+  }
   ::testing::AssertionResult close(const Twin& t, Tolerance tol) {
     return test::all_close(host(*gpu, t.gpu, t.n), host(*cpu, t.cpu, t.n), tol.rtol, tol.atol);
   }
@@ -205,9 +210,11 @@ TEST_P(CudaKernels, MatmulForwardBackwardWithAndWithoutBias) {
     }
 }
 
-// The GELU fused into cuBLASLt's epilogues (OC = 56, ld a multiple of 8) and the unfused
-// fallback (OC = 52). Fused, the 16-bit pre-activation and the product it multiplies are rounded
-// at other points than in the CPU's separate kernels: two roundings, so 2x.
+// The GELU fused into cuBLASLt's epilogues (OC = 56, ld a multiple of 8; 16-bit only) and the
+// unfused path (OC = 52, and fp32). Fused, the activation is the GELU of the unrounded
+// pre-activation and the input gradient is rounded once from fp32 products: two roundings apart
+// from the CPU's separate kernels, so 2x. The backward starts from the CPU's pre and act, so that
+// the weight gradient, a sum over 96 rows, compares a product of equal inputs.
 TEST_P(CudaKernels, MatmulWithGeluFusedAndFallback) {
   const DType t = GetParam();
   Backends b;
@@ -221,13 +228,17 @@ TEST_P(CudaKernels, MatmulWithGeluFusedAndFallback) {
          dw2 = b.zeros(int64_t(IC) * OC, DType::f32), db2 = b.zeros(IC, DType::f32);
     b.both([&](Kernels& k, auto at) {
       k.matmul_gelu_forward(at(pre), at(act), at(x), at(w), at(bias), N, IC, OC);
-      // The next layer (OC -> IC) takes act; its input gradient goes back through the GELU.
-      k.matmul_backward_gelu(at(dact), at(dw2), at(db2), at(dy), at(act), at(w2), at(pre), N, OC,
-                             IC);
     });
     SCOPED_TRACE(testing::Message() << "OC " << OC);
     EXPECT_TRUE(b.close(pre, tolerance(t)));
     EXPECT_TRUE(b.close(act, tolerance(t, 2)));
+    b.copy_cpu_to_gpu(pre);
+    b.copy_cpu_to_gpu(act);
+    b.both([&](Kernels& k, auto at) {
+      // The next layer (OC -> IC) takes act; its input gradient goes back through the GELU.
+      k.matmul_backward_gelu(at(dact), at(dw2), at(db2), at(dy), at(act), at(w2), at(pre), N, OC,
+                             IC);
+    });
     EXPECT_TRUE(b.close(dact, tolerance(t, 2)));
     EXPECT_TRUE(b.close(dw2, tolerance(t)));
     EXPECT_TRUE(b.close(db2, tolerance(DType::f32)));

@@ -9,13 +9,19 @@
 #include <vector>
 
 #include "comm/staged_comm.h"
-#ifdef TRAINER_WITH_CUDA
+#ifdef TRAINER_WITH_NCCL
 #include "comm/nccl_comm.h"
 #endif
 
 namespace trainer {
 
 using Uuid = std::array<std::byte, 16>;
+
+#ifdef TRAINER_WITH_NCCL
+constexpr bool kNcclBuilt = true;
+#else
+constexpr bool kNcclBuilt = false;  // GPU collectives through MPI, staged in host memory
+#endif
 
 GpuPlacement place_on_gpus(const Config& cfg, World& world, const std::string& origin) {
   if (cfg.run.device == "cpu") return {};
@@ -48,12 +54,18 @@ GpuPlacement place_on_gpus(const Config& cfg, World& world, const std::string& o
     const int n = int(std::count(all.begin(), all.end(), all[size_t(r)]));
     if (n > most_sharing) most_sharing = n, shared_by = r;
   }
+  if (cfg.run.gpu_collectives == "nccl" && !kNcclBuilt)
+    throw ConfigError(fmt::format(
+        "{}: [run] gpu_collectives = \"nccl\", but this trainer was built without NCCL (use "
+        "\"mpi\" or \"auto\", or rebuild with NCCL found: cmake -DNCCL_ROOT=...)",
+        origin));
   if (cfg.run.gpu_collectives == "nccl" && most_sharing > 1)
     throw ConfigError(fmt::format(
         "{}: [run] gpu_collectives = \"nccl\", but {} ranks share the GPU of rank {} on {}: NCCL "
         "needs one GPU per rank (use \"mpi\" or \"auto\")",
         origin, most_sharing, shared_by, world.host_of(shared_by)));
-  p.collectives = cfg.run.gpu_collectives == "mpi" || most_sharing > 1 ? "mpi" : "nccl";
+  p.collectives =
+      cfg.run.gpu_collectives == "mpi" || most_sharing > 1 || !kNcclBuilt ? "mpi" : "nccl";
   return p;
 }
 
@@ -65,9 +77,10 @@ std::unique_ptr<Kernels> make_kernels(const Config& cfg, const GpuPlacement& pla
   return make_cuda_kernels(o);
 }
 
-GroupWrapper group_wrapper(const GpuPlacement& placement, World& world, Kernels& kernels) {
+GroupWrapper group_wrapper(const GpuPlacement& placement, [[maybe_unused]] World& world,
+                           Kernels& kernels) {
   if (placement.collectives.empty()) return nullptr;
-#ifdef TRAINER_WITH_CUDA
+#ifdef TRAINER_WITH_NCCL
   if (placement.collectives == "nccl")
     return [&world, &kernels](std::unique_ptr<Communicator> c) {
       return make_nccl_communicator(std::move(c), kernels, world);

@@ -38,12 +38,14 @@ int generate(const std::string& checkpoint, const std::string& prompt, int token
 }
 
 std::string version_string() {
-#ifdef TRAINER_WITH_CUDA
-  const char* cuda = "built with CUDA toolkit (CUDA kernels: not yet)";
+#if defined(TRAINER_WITH_CUDA) && defined(TRAINER_WITH_NCCL)
+  const char* backends = "cpu, cuda (cuBLASLt, NCCL)";
+#elif defined(TRAINER_WITH_CUDA)
+  const char* backends = "cpu, cuda (cuBLASLt; no NCCL: GPU collectives through MPI)";
 #else
-  const char* cuda = "CPU only";
+  const char* backends = "cpu";
 #endif
-  return fmt::format("trainer {} ({}, backends: cpu; {})", TRAINER_VERSION, __DATE__, cuda);
+  return fmt::format("trainer {} ({}, backends: {})", TRAINER_VERSION, __DATE__, backends);
 }
 
 }  // namespace

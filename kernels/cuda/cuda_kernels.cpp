@@ -256,6 +256,8 @@ class CudaKernels final : public Kernels {
     Upload(CudaKernels& k, const int32_t* host, int64_t n) : k_(k), slot_(k.ring_->next()) {
       TokenRing::Slot& s = slot_;
       if (s.capacity < n) k.grow(s, n);
+      device = s.device;
+      if (n == 0) return;  // nothing to copy (and memcpy must not see null pointers)
       CUDA_CHECK(cudaEventSynchronize(s.copied));  // the slot's previous copy has left `pinned`
       std::memcpy(s.pinned, host, size_t(n) * sizeof(int32_t));
       CUDA_CHECK(cudaStreamWaitEvent(k.copy_, s.consumed, 0));
@@ -263,7 +265,6 @@ class CudaKernels final : public Kernels {
                                  cudaMemcpyHostToDevice, k.copy_));
       CUDA_CHECK(cudaEventRecord(s.copied, k.copy_));
       CUDA_CHECK(cudaStreamWaitEvent(k.compute_, s.copied, 0));
-      device = s.device;
     }
     ~Upload() { cudaEventRecord(slot_.consumed, k_.compute_); }
     Upload(const Upload&) = delete;

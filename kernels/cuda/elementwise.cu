@@ -87,13 +87,14 @@ __global__ void convert_kernel(D* dst, const S* src, int64_t n) {
     dst[i] = store<D>(load(src[i]));
 }
 
-// fp32 -> bf16 with stochastic rounding: the random bits are a function of (seed, index), as on
-// the CPU, so both backends round every element the same way.
-__global__ void convert_stochastic_kernel(bf16* dst, const float* src, int64_t n, uint64_t seed) {
+// fp32 (or fp16, widened exactly) -> bf16 with stochastic rounding: the random bits are a
+// function of (seed, index), as on the CPU, so both backends round every element the same way.
+template <class S>
+__global__ void convert_stochastic_kernel(bf16* dst, const S* src, int64_t n, uint64_t seed) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
-    dst[i] = bf16{
-        bf16_bits_stochastic(__float_as_uint(src[i]), uint32_t(random_bits(seed, uint64_t(i))))};
+    dst[i] = bf16{bf16_bits_stochastic(__float_as_uint(load(src[i])),
+                                       uint32_t(random_bits(seed, uint64_t(i))))};
 }
 
 }  // namespace
@@ -163,9 +164,12 @@ void convert(cudaStream_t s, DPtr dst, DPtr src, int64_t n, uint64_t stochastic_
           cudaMemcpyAsync(dst.p, src.p, n * dtype_size(dst.dtype), cudaMemcpyDeviceToDevice, s));
     return;
   }
-  if (dst.dtype == DType::bf16 && src.dtype == DType::f32 && stochastic_seed != 0) {
-    convert_stochastic_kernel<<<blocks_for(n, kThreads), kThreads, 0, s>>>(
-        typed<bf16>(dst), typed<float>(src), n, stochastic_seed);
+  if (dst.dtype == DType::bf16 && stochastic_seed != 0) {  // from f32 or f16, as on the CPU
+    dispatch(src.dtype, [&](auto stag) {
+      using S = decltype(stag);
+      convert_stochastic_kernel<S><<<blocks_for(n, kThreads), kThreads, 0, s>>>(
+          typed<bf16>(dst), typed<S>(src), n, stochastic_seed);
+    });
   } else {
     dispatch(dst.dtype, [&](auto dtag) {
       using D = decltype(dtag);
