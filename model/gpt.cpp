@@ -40,6 +40,7 @@ GPT::GPT(const GPTConfig& cfg, Kernels& kernels, DType dtype, int max_B, int max
       dtype_(dtype),
       grad_dtype_(o.grad_dtype ? *o.grad_dtype : dtype),
       stats_dtype_(is_half(dtype) ? DType::f32 : dtype),
+      keeps_probs_(kernels.attention_keeps_probabilities()),
       shard_(o.shard ? *o.shard : ModelShard::whole(cfg)),
       tp_(o.tp),
       slots_(o.slots),
@@ -73,8 +74,7 @@ GPT::GPT(const GPTConfig& cfg, Kernels& kernels, DType dtype, int max_B, int max
   grads_ = k_.alloc(table_.total, grad_dtype_);
 
   const int64_t BT = int64_t(max_B) * max_T, C = cfg.d_model, Cl = C_local_;
-  const bool keeps_probs = k_.attention_keeps_probabilities();
-  const int64_t att = keeps_probs ? int64_t(max_B) * NH_local_ * max_T * max_T : 0;
+  const int64_t att = keeps_probs_ ? int64_t(max_B) * NH_local_ * max_T * max_T : 0;
   const bool last = shard_.last_stage();
   int64_t cursor = 0;
   auto take = [&](int64_t elems) {
@@ -100,7 +100,7 @@ GPT::GPT(const GPTConfig& cfg, Kernels& kernels, DType dtype, int max_B, int max
   off_.d_fch = take(BT * 4 * Cl);
   acts_ = k_.alloc(cursor, dtype);
   // Per layer: ln1 and ln2 means and rstds, and the attention's log-sum-exps where kept.
-  stats_off_.layer_stride = 4 * round16(BT) + (keeps_probs ? 0 : round16(BT * NH_local_));
+  stats_off_.layer_stride = 4 * round16(BT) + (keeps_probs_ ? 0 : round16(BT * NH_local_));
   stats_off_.lnf = stats_off_.layer_stride * int64_t(blocks_.size());
   stats_off_.slot_stride = stats_off_.lnf + (last ? 6 * round16(BT) : 0);
   stats_ = k_.alloc(stats_off_.slot_stride * slots_, stats_dtype_);
@@ -119,8 +119,7 @@ GPT::~GPT() {
 // Sizes of LayerActs' activation fields (the statistics aside), in declaration order.
 std::array<int64_t, 9> GPT::layer_sizes() const {
   const int64_t BT = int64_t(max_B_) * max_T_, C = cfg_.d_model, Cl = C_local_;
-  const int64_t att =
-      k_.attention_keeps_probabilities() ? int64_t(max_B_) * NH_local_ * max_T_ * max_T_ : 0;
+  const int64_t att = keeps_probs_ ? int64_t(max_B_) * NH_local_ * max_T_ * max_T_ : 0;
   return {BT * C, BT * 3 * Cl, att, BT * Cl, BT * C, BT * C, BT * 4 * Cl, BT * 4 * Cl, BT * C};
 }
 
@@ -136,7 +135,7 @@ GPT::LayerActs GPT::layer(int slot, int l) const {
   const int64_t row = round16(int64_t(max_B_) * max_T_);
   DPtr st = stats_ + slot * stats_off_.slot_stride + local * stats_off_.layer_stride;
   auto [ln1, qkv, att, atty, res2, ln2, fch, fch_gelu, res3] = views;
-  if (!k_.attention_keeps_probabilities()) att = st + 4 * row;
+  if (!keeps_probs_) att = st + 4 * row;
   return {ln1, st,           st + row,     qkv, att,      atty, res2,
           ln2, st + 2 * row, st + 3 * row, fch, fch_gelu, res3};
 }

@@ -116,6 +116,7 @@ class GPT {
   // Per-row statistics (norm means and inverse deviations, losses, the softmax's max and sum)
   // stay in fp32 when the activations are 16-bit, as on GPUs.
   DType stats_dtype_;
+  bool keeps_probs_;  // the backend's attention keeps probabilities (else log-sum-exps)
   ModelShard shard_;
   Communicator* tp_;
   int slots_;

@@ -37,8 +37,7 @@ GpuPlacement place_on_gpus(const Config& cfg, World& world, const std::string& o
     p.device = world.local_rank() % gpus;
     try {  // thrown here, it would leave the other ranks waiting in the gather
       mine = cuda_device_uuid(p.device);
-    } catch (const std::exception&) {
-      mine = Uuid{};
+    } catch (const std::exception&) {  // stays all zeros: reported below as no GPU
     }
   }
   std::vector<Uuid> all(size_t(world.size()));

@@ -53,30 +53,20 @@ __global__ void softmax_rows_kernel(P* p, float* lse, const float* s, int64_t ro
   for (int j = lane; j < L; j += 32) p[row + j] = store<P>(j <= i ? expf(x[j] - l) : 0.0f);
 }
 
-// Elementwise over the block's rows x L entries (rows stride() apart): the probabilities again
-// from the kept lse.
-template <class P>
-__global__ void probs_rows_kernel(P* p, const float* s, const float* lse, int64_t n, QueryBlock blk,
-                                  int T) {
-  const int L = blk.keys();
-  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
-       e += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = e / L, at = r * blk.stride() + e % L;
-    const int j = int(e % L), i = query_of_row(r, blk);
-    p[at] = store<P>(j <= i ? expf(s[at] - lse[head_of_row(r, blk) * T + i]) : 0.0f);
-  }
-}
-
-// p (P) becomes dS = P (dP - D_i).
-template <class P>
-__global__ void dsoftmax_rows_kernel(P* p, const float* dp, const float* D, int64_t n,
+// Elementwise over the block's rows x L entries of p (rows stride() apart), from x (same layout)
+// and a per-row statistic: the probabilities again from the kept lse (x the scores), or, with
+// kGrad, P becoming dS = P (dP - D_i) (x holding dP). 0 where j > i.
+template <bool kGrad, class P>
+__global__ void block_entries_kernel(P* p, const float* x, const float* row_stat, int64_t n,
                                      QueryBlock blk, int T) {
   const int L = blk.keys();
   for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
        e += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = e / L, at = r * blk.stride() + e % L;
     const int j = int(e % L), i = query_of_row(r, blk);
-    p[at] = store<P>(j <= i ? load(p[at]) * (dp[at] - D[head_of_row(r, blk) * T + i]) : 0.0f);
+    const float stat = row_stat[head_of_row(r, blk) * T + i];
+    const float v = kGrad ? load(p[at]) * (x[at] - stat) : expf(x[at] - stat);
+    p[at] = store<P>(j <= i ? v : 0.0f);
   }
 }
 
@@ -98,6 +88,19 @@ Layout layout(const AttentionShape& s, int64_t width, int64_t column0) {
 }
 unsigned row_blocks(int64_t rows) {
   return unsigned((rows + kWarpsPerBlock - 1) / kWarpsPerBlock);
+}
+
+template <bool kGrad>
+void block_entries(cudaStream_t st, DPtr p, DPtr x, DPtr row_stat, QueryBlock blk,
+                   const AttentionShape& sh) {
+  const int64_t n = sh.heads() * blk.nq * blk.keys();
+  if (n == 0) return;
+  dispatch(p.dtype, [&](auto tag) {
+    using P = decltype(tag);
+    block_entries_kernel<kGrad, P><<<blocks_for(n, kThreads), kThreads, 0, st>>>(
+        typed<P>(p), f32(x), f32(row_stat), n, blk, sh.T);
+  });
+  CUDA_CHECK_LAUNCH(kGrad ? "attention_dsoftmax_rows" : "attention_probs_rows");
 }
 
 template <bool kToHeads>
@@ -142,26 +145,12 @@ void attention_softmax_rows(cudaStream_t st, DPtr p, DPtr lse, DPtr s, QueryBloc
 
 void attention_probs_rows(cudaStream_t st, DPtr p, DPtr s, DPtr lse, QueryBlock blk,
                           const AttentionShape& sh) {
-  const int64_t n = sh.heads() * blk.nq * blk.keys();
-  if (n == 0) return;
-  dispatch(p.dtype, [&](auto tag) {
-    using P = decltype(tag);
-    probs_rows_kernel<P>
-        <<<blocks_for(n, kThreads), kThreads, 0, st>>>(typed<P>(p), f32(s), f32(lse), n, blk, sh.T);
-  });
-  CUDA_CHECK_LAUNCH("attention_probs_rows");
+  block_entries<false>(st, p, s, lse, blk, sh);
 }
 
 void attention_dsoftmax_rows(cudaStream_t st, DPtr p, DPtr dp, DPtr D, QueryBlock blk,
                              const AttentionShape& sh) {
-  const int64_t n = sh.heads() * blk.nq * blk.keys();
-  if (n == 0) return;
-  dispatch(p.dtype, [&](auto tag) {
-    using P = decltype(tag);
-    dsoftmax_rows_kernel<P>
-        <<<blocks_for(n, kThreads), kThreads, 0, st>>>(typed<P>(p), f32(dp), f32(D), n, blk, sh.T);
-  });
-  CUDA_CHECK_LAUNCH("attention_dsoftmax_rows");
+  block_entries<true>(st, p, dp, D, blk, sh);
 }
 
 void attention_row_dots(cudaStream_t st, DPtr D, DPtr dout, DPtr out, const AttentionShape& s) {
