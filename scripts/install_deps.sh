@@ -9,6 +9,7 @@ packages=(
   libopenmpi-dev openmpi-bin libhdf5-openmpi-dev
   libgtest-dev googletest
   python3 python3-numpy python3-torch python3-h5py libjemalloc2
+  zstd debootstrap
 )
 
 missing=()

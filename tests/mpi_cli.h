@@ -19,9 +19,9 @@ class MpiCli : public test::TempDirTest {
  protected:
   void SetUp() override {
     TempDirTest::SetUp();
-    const auto r = test::run_command(std::string(TRAINER_BIN) + " prepare --input " + SOURCE_DIR +
-                                     "/tests/data/pride_and_prejudice_opening.txt" + " --out-dir " +
-                                     path("data"));
+    const auto r = test::run_command(
+        test::trainer_bin() + " prepare --input " + test::source_dir() +
+        "/tests/data/pride_and_prejudice_opening.txt" + " --out-dir " + path("data"));
     ASSERT_EQ(r.code, 0) << r.output;
     std::ofstream(path("run.toml"))
         << "[run]\nout_dir = \"" << path("out") << "\"\nthreads = 1\npeak_tflops = 1.0\n"
@@ -33,8 +33,8 @@ class MpiCli : public test::TempDirTest {
   // env: "NAME=value " assignments for the ranks (local ranks inherit mpirun's environment).
   std::string mpirun_command(int ranks, const std::string& settings) {
     // -q: without Open MPI's own banner about the non-zero exit.
-    return "timeout 60 " + std::string(MPIEXEC) + " -q --allow-run-as-root --oversubscribe -np " +
-           std::to_string(ranks) + " " + TRAINER_BIN + " train " + path("run.toml") + " " +
+    return "timeout 60 " + test::mpiexec() + " -q --allow-run-as-root --oversubscribe -np " +
+           std::to_string(ranks) + " " + test::trainer_bin() + " train " + path("run.toml") + " " +
            settings;
   }
   test::CommandResult mpirun(int ranks, const std::string& settings, const std::string& env = "") {
@@ -47,7 +47,7 @@ class MpiCli : public test::TempDirTest {
   }
   // Shell: a pgrep/pkill pattern for the ranks of run.toml.
   std::string ranks_pattern() {
-    return "'^" + std::string(TRAINER_BIN) + " train " + path("run.toml") + "'";
+    return "'^" + test::trainer_bin() + " train " + path("run.toml") + "'";
   }
   static int count(const std::string& text, const std::string& what) {
     int n = 0;

@@ -259,7 +259,7 @@ TEST_F(MpiCli, KilledRankUnderTheSupervisorFinishesBitwise) {
   SCOPED_TRACE("SIGKILL to the rank listed " + std::to_string(victim) + " at step " +
                std::to_string(kill_at));
   const std::string job = mpirun_command(4, common + "--set checkpoint.resume=" + quoted("auto"));
-  r = test::run_command("(" + std::string(SOURCE_DIR) +
+  r = test::run_command("(" + test::source_dir() +
                         "/scripts/supervise.sh --retries 2 --delay 0 -- " + job + ") & sup=$!; " +
                         wait_for_step(kill_at) + "kill -KILL $(pgrep -f " + ranks_pattern() +
                         " | sed -n " + std::to_string(victim) + "p); wait $sup");
@@ -304,11 +304,11 @@ TEST_F(MpiCli, TimedCheckpointsGoToTheConfiguredDirectory) {
 TEST_F(MpiCli, CrashDuringWriteLeavesThePreviousCheckpoint) {
   const std::string run = mpirun_command(
       2, "--set train.steps=1000000 --set checkpoint.every_steps=5 --set parallel.dp=2");
-  const auto r = test::run_command("(TRAINER_TEST_WRITE_DELAY=10,60 " + run +
-                                   ") & pid=$!; for i in $(seq 1 1000); do " + "[ -e " +
-                                   path("out/checkpoints/step_00000010.tmp/state.h5") +
-                                   " ] && break; sleep 0.02; done; sleep 0.5; pkill -KILL -f '^" +
-                                   TRAINER_BIN + " train " + path("run.toml") + "'; wait $pid");
+  const auto r = test::run_command(
+      "(TRAINER_TEST_WRITE_DELAY=10,60 " + run + ") & pid=$!; for i in $(seq 1 1000); do " +
+      "[ -e " + path("out/checkpoints/step_00000010.tmp/state.h5") +
+      " ] && break; sleep 0.02; done; sleep 0.5; pkill -KILL -f '^" + test::trainer_bin() +
+      " train " + path("run.toml") + "'; wait $pid");
   EXPECT_NE(r.code, 0) << r.output;
   ASSERT_TRUE(fs::exists(path("out/checkpoints/step_00000010.tmp/state.h5"))) << r.output;
   EXPECT_EQ(latest_of(path("out/checkpoints")), "step_00000005");

@@ -20,14 +20,14 @@ namespace fs = std::filesystem;
 
 using Result = test::CommandResult;
 Result run(const std::string& args) {
-  return test::run_command(std::string(TRAINER_BIN) + " " + args);
+  return test::run_command(test::trainer_bin() + " " + args);
 }
 
 class Cli : public test::TempDirTest {
  protected:
   // Byte-level shards from a real excerpt of Pride and Prejudice.
   void prepare_data() {
-    const Result r = run("prepare --input " + std::string(SOURCE_DIR) +
+    const Result r = run("prepare --input " + test::source_dir() +
                          "/tests/data/pride_and_prejudice_opening.txt --out-dir " + path("data"));
     ASSERT_EQ(r.code, 0) << r.output;
   }

@@ -54,9 +54,9 @@ class ParallelTraining : public ::testing::TestWithParam<Layout> {
     root_ = fs::temp_directory_path() / ("trainer_parallel_" + std::to_string(::getpid()));
     fs::remove_all(root_);
     fs::create_directories(root_);
-    const auto r = test::run_command(std::string(TRAINER_BIN) + " prepare --input " + SOURCE_DIR +
-                                     "/tests/data/pride_and_prejudice_opening.txt" + " --out-dir " +
-                                     (root_ / "data").string());
+    const auto r = test::run_command(
+        test::trainer_bin() + " prepare --input " + test::source_dir() +
+        "/tests/data/pride_and_prejudice_opening.txt" + " --out-dir " + (root_ / "data").string());
     ASSERT_EQ(r.code, 0) << r.output;
     std::ofstream(root_ / "config.toml")
         << "[run]\nseed = 11\nthreads = 1\npeak_tflops = 1.0\n"
@@ -74,10 +74,11 @@ class ParallelTraining : public ::testing::TestWithParam<Layout> {
   // Trains under mpirun with `ranks` processes; returns the run directory.
   static std::string train(const std::string& name, int ranks, const std::string& settings) {
     const std::string out = (root_ / name).string();
-    const auto r = test::run_command(
-        std::string("timeout 120 ") + MPIEXEC + " --allow-run-as-root --oversubscribe -np " +
-        std::to_string(ranks) + " " + TRAINER_BIN + " train " + (root_ / "config.toml").string() +
-        " --set run.out_dir=\\\"" + out + "\\\" " + settings);
+    const auto r =
+        test::run_command(std::string("timeout 120 ") + test::mpiexec() +
+                          " --allow-run-as-root --oversubscribe -np " + std::to_string(ranks) +
+                          " " + test::trainer_bin() + " train " + (root_ / "config.toml").string() +
+                          " --set run.out_dir=\\\"" + out + "\\\" " + settings);
     EXPECT_EQ(r.code, 0) << r.output;
     return out;
   }
@@ -237,7 +238,7 @@ TEST_F(MpiCli, BadLayoutsEndEveryRankWithOneLine) {
     EXPECT_FALSE(fs::exists(path("out"))) << settings;
   }
   // Without mpirun the world is one process.
-  const auto r = test::run_command(std::string(TRAINER_BIN) + " train " + path("run.toml") +
+  const auto r = test::run_command(test::trainer_bin() + " train " + path("run.toml") +
                                    " --set parallel.tp=2");
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.output.find("world size 1 is not divisible by tp x pp = 2 x 1 = 2"),

@@ -8,6 +8,7 @@
 #include <array>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <random>
@@ -32,6 +33,25 @@ inline CommandResult run_command(const std::string& command) {
   const int status = pclose(p);
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
 }
+
+#if defined(TRAINER_BIN) && defined(MPIEXEC) && defined(SOURCE_DIR)
+// The trainer, mpiexec and the source tree: the build's paths, unless the environment names
+// others (TRAINER_BIN, TRAINER_MPIEXEC, TRAINER_SOURCE_DIR), as the GPU bundle does when it runs
+// these tests relocated on a machine without this build tree (scripts/gpu_check.sh --bundle).
+inline std::string env_or(const char* name, const char* build_value) {
+  const char* v = std::getenv(name);
+  return v && *v ? v : build_value;
+}
+inline std::string trainer_bin() {
+  return env_or("TRAINER_BIN", TRAINER_BIN);
+}
+inline std::string mpiexec() {
+  return env_or("TRAINER_MPIEXEC", MPIEXEC);
+}
+inline std::string source_dir() {
+  return env_or("TRAINER_SOURCE_DIR", SOURCE_DIR);
+}
+#endif
 
 // A fresh directory per test, removed afterwards.
 class TempDirTest : public ::testing::Test {
