@@ -68,7 +68,7 @@ grep -q "TRAINER_MARCH:STRING=$MARCH" "$BUILD/CMakeCache.txt" ||
 STAGE="$BUILD/stage"
 B="$STAGE/trainer-gpu"
 rm -rf "$STAGE"
-mkdir -p "$B"/{bin,lib,src/tests/data,mpi/bin,mpi/lib,mpi/share,mpi/etc,mpi/pmix/lib/pmix}
+mkdir -p "$B"/{bin,lib,src/tests/data,mpi/bin,mpi/lib,mpi/share,mpi/etc,mpi/pmix/lib/pmix,mpi/pmix/share}
 cp "$BUILD/trainer" "$BUILD/bench/trainer_bench" "$BUILD/tests/cuda_tests" "$B/bin/"
 for f in "${extra[@]}"; do cp "$f" "$B/bin/"; done
 cp "$ROOT"/tests/data/* "$B/src/tests/data/"

@@ -97,16 +97,25 @@ echo "== 3. the bundle alone in a bare Debian 12"
 (($(id -u) == 0)) || skip "not root: chroot and mount need root"
 command -v debootstrap >/dev/null || skip "debootstrap not found (apt-get install debootstrap)"
 root="$WORK/root"
-mounts=()
+# Unmounts whatever is mounted below the root (also what a killed earlier run left), then
+# removes it, never while anything is still mounted there (the CUDA toolkit is bound in).
+mounted_below() { findmnt -l -n -o TARGET | awk -v r="$root/" 'index($0, r) == 1' | sort -r; }
 cleanup() {
-  local i
-  for ((i = ${#mounts[@]} - 1; i >= 0; i--)); do umount -l "${mounts[i]}" 2>/dev/null || true; done
-  rm -rf "$root"
+  local m
+  [[ -d $root ]] || return 0
+  for m in $(mounted_below); do umount -l "$m" || true; done
+  if [[ -n $(mounted_below) ]]; then
+    echo "FAIL: still mounted below $root (not removed): $(mounted_below | tr '\n' ' ')"
+    return 1
+  fi
+  rm -rf --one-file-system "$root"
 }
-trap cleanup EXIT
+trap 'cleanup || exit 1' EXIT
 mkdir -p "$WORK/probe"
+umount -l "$WORK/probe" 2>/dev/null || true
 mount -t tmpfs none "$WORK/probe" 2>/dev/null || skip "cannot mount here (a container without CAP_SYS_ADMIN)"
 umount "$WORK/probe"
+cleanup
 
 cache="${TRAINER_ROOTFS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/trainer/debian12-minbase.tar}"
 if [[ ! -f $cache ]]; then
@@ -125,19 +134,15 @@ if [[ ! -f $cache ]]; then
   tar -C "$WORK/debootstrap" -cf "$cache.tmp" . && mv "$cache.tmp" "$cache"
   rm -rf "$WORK/debootstrap"
 fi
-rm -rf "$root" && mkdir -p "$root"
+mkdir -p "$root"
 tar -C "$root" -xf "$cache"
 cp -r "$bundle" "$root/bundle"
 cp "$CHECK" "$root/gpu_check.sh"
 mkdir -p "$root/out"
-for fs in proc sys dev/shm; do
-  case $fs in
-    proc) mount -t proc proc "$root/proc" ;;
-    sys) mount --bind /sys "$root/sys" && mount -o remount,bind,ro "$root/sys" ;;
-    dev/shm) mount -t tmpfs tmpfs "$root/dev/shm" ;;
-  esac
-  mounts+=("$root/$fs")
-done
+mount -t proc proc "$root/proc"
+mount --bind /sys "$root/sys"
+mount -o remount,bind,ro "$root/sys"
+mount -t tmpfs tmpfs "$root/dev/shm"
 in_root() {
   timeout 600 chroot "$root" /usr/bin/env -i HOME=/root TMPDIR=/tmp OUT=/out \
     PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin "$@"
@@ -152,8 +157,8 @@ expect "no CUDA libraries" 2 "libcublasLt.so.13 not found" -- \
 # The CUDA toolkit, read-only, as the GPU machine has it (and nothing else of this machine).
 cuda="$(realpath /usr/local/cuda)"
 mkdir -p "$root$cuda"
-mount --bind "$cuda" "$root$cuda" && mount -o remount,bind,ro "$root$cuda"
-mounts+=("$root$cuda")
+mount --bind "$cuda" "$root$cuda"
+mount -o remount,bind,ro "$root$cuda"
 ln -s "$cuda" "$root/usr/local/cuda"
 
 rc=0
