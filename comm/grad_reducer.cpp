@@ -21,9 +21,12 @@ GradReducer::GradReducer(Kernels& k, DPtr grads, DPtr params, int64_t total, Com
   // reduce-scatter gives it, sub-divided across nodes.
   const int64_t piece_index = hier ? int64_t(intra->rank()) * N + inter->rank() : dp.rank();
   const int64_t bucket = std::max<int64_t>(unit, (options.bucket_elems + unit - 1) / unit * unit);
+  bucket_bytes_ = bucket * int64_t(dtype_size(grads.dtype));
 
-  shard_elems_ = total / P;
-  shard_ = k.alloc(shard_elems_, grads.dtype);
+  if (options.shard) {  // ZeRO-1's gradient shard; plain data parallelism reduces in place
+    shard_elems_ = total / P;
+    shard_ = k.alloc(shard_elems_, grads.dtype);
+  }
   if (hier) scratch_ = k.alloc(total / L, grads.dtype);
   if (hier && !options.shard) intra_gather_ = intra->dup();
   Communicator* gather = intra_gather_.get();
@@ -87,7 +90,7 @@ GradReducer::GradReducer(Kernels& k, DPtr grads, DPtr params, int64_t total, Com
 
 GradReducer::~GradReducer() {
   for (Bucket& b : buckets_) b.pending.wait();
-  k_.free(shard_);
+  if (shard_) k_.free(shard_);
   if (scratch_) k_.free(scratch_);
 }
 
@@ -161,12 +164,15 @@ void GradReducer::reduce_compressed(Bucket& b) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-void GradReducer::ready(int64_t frontier) {
+void GradReducer::ready(int64_t frontier, int layers_left) {
   // Compressed steps reduce at finish(), bucket by bucket, so that blocking compressed
   // exchanges and chains keep one order of collectives on every rank.
   if (!armed_ || !opts_.overlap || compressing_) return;
   for (Bucket& b : buckets_)
-    if (!b.launched && b.begin >= frontier) launch(b);
+    if (!b.launched && b.begin >= frontier) {
+      launch(b);
+      b.layers_left = layers_left;
+    }
   progress();
 }
 
@@ -179,6 +185,8 @@ void GradReducer::run_chain(Bucket& b, const std::vector<Step>& chain) {
 }
 
 void GradReducer::finish() {
+  started_.clear();
+  for (Bucket& b : buckets_) started_.push_back(std::exchange(b.layers_left, -1));
   if (compressing_) {
     for (Bucket& b : buckets_) {
       if (b.compressor) {

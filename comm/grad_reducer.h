@@ -43,8 +43,9 @@ class GradReducer {
 
   // The next backward produces the gradients to reduce (the last micro-batch of a step).
   void arm() { armed_ = true; }
-  // Every gradient at or above `frontier` is final: start the buckets that completes.
-  void ready(int64_t frontier);
+  // Every gradient at or above `frontier` is final: start the buckets that completes (with
+  // overlap on, once armed). layers_left: how many layers' backward had not started then.
+  void ready(int64_t frontier, int layers_left = 0);
   // Starts what is left and waits for all of it. Afterwards the gradients are summed over the
   // data-parallel group: in place, or (shard) in shard_grads().
   void finish();
@@ -55,12 +56,19 @@ class GradReducer {
     int64_t offset, count, shard_offset;
   };
   const std::vector<Piece>& pieces() const { return pieces_; }
-  int64_t shard_elems() const { return shard_elems_; }
-  DPtr shard_grads() const { return shard_; }
+  int64_t shard_elems() const { return shard_elems_; }  // 0 without ZeRO-1
+  DPtr shard_grads() const { return shard_; }           // null without ZeRO-1
   // All-gathers each bucket's pieces of the parameters (after the update of this rank's).
   void gather_params();
 
   int buckets() const { return int(buckets_.size()); }
+  int64_t bucket_bytes() const { return bucket_bytes_; }  // the size buckets are cut to
+  // The communicator of the hierarchical all-reduce's gather inside the node (a duplicate of
+  // `intra`), null otherwise: its traffic is the node's too.
+  Communicator* intra_gather() const { return intra_gather_.get(); }
+  // How early each bucket of the last finish() was started, in bucket order (the end of the
+  // buffer first): the layers_left that ready() reported, or -1 when it started in finish().
+  const std::vector<int>& started_with_layers_left() const { return started_; }
 
   // Compression is used from step warmup_steps on (set before each step's backward).
   void set_step(int64_t step);
@@ -86,6 +94,7 @@ class GradReducer {
     size_t next = 0;  // steps of the running chain started so far
     Request pending;
     bool launched = false;
+    int layers_left = -1;                    // when it was launched: see started_with_layers_left()
     std::unique_ptr<Compressor> compressor;  // null: reduced uncompressed
     int64_t piece_offset = 0;                // this rank's piece (ZeRO-1), in the buffer
   };
@@ -107,8 +116,9 @@ class GradReducer {
   bool compressing_ = false;
   CompressionStats compression_stats_;
   std::vector<float> host_bucket_;  // a device bucket's copy for the (host) compressors
-  int64_t shard_elems_ = 0;
+  int64_t shard_elems_ = 0, bucket_bytes_ = 0;
   bool armed_ = false;
+  std::vector<int> started_;
 };
 
 }  // namespace trainer

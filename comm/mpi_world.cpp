@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
+#include <string_view>
 #include <type_traits>
 
 #include "comm/communicator.h"
@@ -237,8 +238,13 @@ class MpiWorld final : public World {
     if (!initialized) {
       int provided = 0;
       // The training thread and the checkpoint writer's thread (parallel HDF5 on its own
-      // communicator) call MPI at the same time.
-      MPI_CHECK(MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided));
+      // communicator) call MPI at the same time. TRAINER_MPI_THREAD_LEVEL=funneled asks for
+      // less, for MPI libraries that are slower with threads (checkpoints are then written
+      // in the step).
+      const char* level = std::getenv("TRAINER_MPI_THREAD_LEVEL");
+      const int wanted = level && std::string_view(level) == "funneled" ? MPI_THREAD_FUNNELED
+                                                                        : MPI_THREAD_MULTIPLE;
+      MPI_CHECK(MPI_Init_thread(argc, argv, wanted, &provided));
       thread_multiple_ = provided >= MPI_THREAD_MULTIPLE;
       owns_mpi_ = true;
     } else {

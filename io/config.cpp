@@ -272,6 +272,7 @@ Config parse_config(const std::string& text, const std::string& origin,
     r.field("gpu_collectives", c.run.gpu_collectives, one_of({"auto", "nccl", "mpi"}));
     r.field("threads", c.run.threads, in_range(0, 1024));
     r.field("peak_tflops", c.run.peak_tflops, at_least(0));
+    r.field("phase_timing", c.run.phase_timing);
     r.finish();
   }
   {
@@ -454,7 +455,8 @@ std::string config_to_toml(const Config& c) {
                           {"gpu_memory_fraction", c.run.gpu_memory_fraction},
                           {"gpu_collectives", c.run.gpu_collectives},
                           {"threads", c.run.threads},
-                          {"peak_tflops", c.run.peak_tflops}}},
+                          {"peak_tflops", c.run.peak_tflops},
+                          {"phase_timing", c.run.phase_timing}}},
       {"model", toml::table{{"vocab_size", c.model.vocab_size},
                             {"vocab_multiple", c.model.vocab_multiple},
                             {"seq_len", c.model.seq_len},

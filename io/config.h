@@ -21,12 +21,14 @@ struct RunConfig {
   std::string gpu_collectives = "auto";  // nccl | mpi (staged through host memory) | auto
   int threads = 0;                       // OpenMP/OpenBLAS threads; 0 = all cores
   double peak_tflops = 0;                // MFU denominator; 0 = measure sgemm at start-up
+  bool phase_timing =
+      false;  // a GPU: wait after each micro-batch's forward and backward to time them
 };
 
 struct DataConfig {
   std::vector<std::string> train = {"data/austen/train.bin"};  // token shards
   std::vector<std::string> val = {"data/austen/val.bin"};
-  int prefetch = 4;  // micro-batches queued ahead
+  int prefetch = 4;  // micro-batches ready ahead of the step
 };
 
 struct TrainConfig {

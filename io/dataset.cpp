@@ -50,9 +50,11 @@ DataLoader::DataLoader(const Dataset& data, int B, int T, int grad_accum, uint64
       accum_(grad_accum),
       dp_rank_(dp_rank),
       dp_size_(dp_size),
+      prefetch_(prefetch),
       order_(data.windows(), seed),
       first_sample_(first_sample) {
-  for (int i = 0; i < prefetch; i++) {
+  // `prefetch` batches ready ahead, and one more that the consumer holds (next()'s result).
+  for (int i = 0; i < prefetch + 1; i++) {
     Batch b;
     b.inputs.resize(size_t(B) * T);
     b.targets.resize(size_t(B) * T);
@@ -75,7 +77,7 @@ void DataLoader::produce() {
     Batch b;
     {
       std::unique_lock lock(mu_);
-      cv_.wait(lock, [&] { return stop_ || !free_.empty(); });
+      cv_.wait(lock, [&] { return stop_ || (!free_.empty() && int(ready_.size()) < prefetch_); });
       if (stop_) return;
       b = std::move(free_.front());
       free_.pop_front();
@@ -106,12 +108,18 @@ const Batch& DataLoader::next() {
   const auto t0 = std::chrono::steady_clock::now();
   std::unique_lock lock(mu_);
   if (!current_.inputs.empty()) free_.push_back(std::move(current_));
-  cv_.notify_all();
   cv_.wait(lock, [&] { return !ready_.empty(); });
   current_ = std::move(ready_.front());
   ready_.pop_front();
   wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  lock.unlock();
+  cv_.notify_all();  // a buffer and a place in the queue are free: the producer fills the next
   return current_;
+}
+
+int DataLoader::ready_batches() {
+  std::lock_guard lock(mu_);
+  return int(ready_.size());
 }
 
 double DataLoader::take_wait_seconds() {

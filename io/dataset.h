@@ -66,12 +66,14 @@ class DataLoader {
   const Batch& next();
   // Time next() spent waiting for the producer, in seconds, since the last call.
   double take_wait_seconds();
+  // Batches filled and waiting (at most `prefetch`).
+  int ready_batches();
 
  private:
   void produce();
 
   const Dataset& data_;
-  int B_, T_, accum_, dp_rank_, dp_size_;
+  int B_, T_, accum_, dp_rank_, dp_size_, prefetch_;
   SampleOrder order_;
   int64_t first_sample_;
   int64_t next_step_ = 0;

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "kernels/dtype.h"
 
@@ -23,6 +24,12 @@ namespace trainer {
 struct VocabSlice {
   int start = 0, valid = 0, width = 0;
   TRAINER_HD bool holds(int32_t token) const { return token >= start && token < start + valid; }
+};
+
+// Elements [offset, offset + count) of a buffer.
+struct Range {
+  int64_t offset = 0, count = 0;
+  bool operator==(const Range& o) const { return offset == o.offset && count == o.count; }
 };
 
 struct AdamWArgs {
@@ -47,6 +54,9 @@ class Kernels {
   virtual void free_host(void* p) noexcept = 0;  // a release: errors are not reported
   // Waits until all work enqueued so far has finished (for timing; a no-op on the CPU).
   virtual void synchronize() {}
+  // Whether calls return before their work is done (a GPU's stream), so that timing a phase
+  // on the host needs a synchronize().
+  virtual bool asynchronous() const { return false; }
   // Device memory reserved for the job and the most of it ever in use; zero on the CPU.
   struct MemoryUse {
     int64_t reserved = 0, peak = 0;
@@ -161,6 +171,10 @@ class Kernels {
   // --- optimizer -----------------------------------------------------------------------------
   // Sum of squares of x in double, in a fixed reduction order (deterministic).
   virtual double sum_squares(DPtr x, int64_t n) = 0;
+  // The same over several ranges of x, in one pass: on a GPU one launch and one wait however
+  // many ranges there are (a sharded or tensor-parallel model's gradient norm sums hundreds).
+  // Deterministic; on the CPU bitwise the per-range sums added in order.
+  virtual double sum_squares(DPtr x, const std::vector<Range>& ranges) = 0;
   // AdamW with decoupled weight decay: param -= lr * (mhat / (sqrt(vhat) + eps) + wd * param)
   virtual void adamw_update(DPtr param, DPtr grad, DPtr m, DPtr v, int64_t n,
                             const AdamWArgs& args) = 0;

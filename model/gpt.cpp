@@ -294,13 +294,14 @@ void GPT::backward(int slot, float loss_scale) {
   DPtr d_att = acts_ + off_.d_att, d_atty = acts_ + off_.d_atty, d_fch = acts_ + off_.d_fch;
   // Reports the gradients finished so far; called between kernels as well (with the same
   // frontier) so that collectives already in flight are driven on while backward runs.
+  const int first = shard_.first_layer, end = shard_.end_layer;
   int64_t frontier = table_.total;
-  auto ready = [&](const ParamInfo* first = nullptr) {
-    if (first) frontier = first->offset;
-    if (grads_ready_) grads_ready_(frontier);
+  int layers_left = end - first;
+  auto ready = [&](const ParamInfo* first_final = nullptr) {
+    if (first_final) frontier = first_final->offset;
+    if (grads_ready_) grads_ready_(frontier, layers_left);
   };
 
-  const int first = shard_.first_layer, end = shard_.end_layer;
   DPtr x_last = end > first ? layer(slot, end - 1).res3 : s.encoded;
   if (shard_.last_stage()) {
     if (!have_probs_[slot]) throw std::logic_error("backward() needs a forward() with targets");
@@ -315,6 +316,7 @@ void GPT::backward(int slot, float loss_scale) {
     ready(lnf_w_);
   }  // else d_res holds the output's gradient, received from the next stage
   for (int l = end - 1; l >= first; l--) {
+    layers_left = l - first;  // this one has started
     const BlockParams& w = blocks_[l - first];
     LayerActs a = layer(slot, l);
     DPtr x = l == first ? s.encoded : layer(slot, l - 1).res3;

@@ -92,9 +92,12 @@ class GPT {
   DPtr logits(int slot = 0) const;  // (B, T, vocab().width)
   DPtr losses(int slot = 0) const;  // (B, T) per-token losses of the last forward with targets
 
-  // Called during backward with an offset into the flat gradient buffer: every gradient at or
-  // above it is final for this backward (used to start reducing them while backward goes on).
-  void set_grads_ready_hook(std::function<void(int64_t)> hook) { grads_ready_ = std::move(hook); }
+  // Called during backward with an offset into the flat gradient buffer, every gradient at or
+  // above which is final for this backward, and the number of this stage's layers whose
+  // backward has not started yet (the data-parallel reducer starts buckets while backward goes
+  // on, and records how early).
+  using GradsReadyHook = std::function<void(int64_t frontier, int layers_left)>;
+  void set_grads_ready_hook(GradsReadyHook hook) { grads_ready_ = std::move(hook); }
 
  private:
   struct LayerActs;
@@ -129,7 +132,7 @@ class GPT {
   int B_ = 0, T_ = 0;             // shape of the last forward
   std::vector<char> have_probs_;  // per slot: forward computed probabilities for backward
   std::vector<std::vector<int32_t>> tokens_, targets_;  // per slot
-  std::function<void(int64_t)> grads_ready_;
+  GradsReadyHook grads_ready_;
 
   DPtr params_, grads_;
   DPtr acts_;   // one slab for all activations and backward scratch

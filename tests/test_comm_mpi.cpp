@@ -172,10 +172,15 @@ TEST(Mpi, GradReducerMatchesTheSumInEveryMode) {
       }
       reducer.ready(0);
       reducer.finish();
+      // Every bucket started during "backward", and the layers left were recorded (0 here).
+      EXPECT_EQ(reducer.started_with_layers_left(), std::vector<int>(13, 0));
       if (!shard) {
         std::vector<float> got(total);
         k->copy_to_host(got.data(), grads, total);
         EXPECT_EQ(got, want);
+        // Reduced in place: no gradient shard is allocated without ZeRO-1.
+        EXPECT_FALSE(reducer.shard_grads());
+        EXPECT_EQ(reducer.shard_elems(), 0);
       } else {
         // This rank's pieces hold the sums; the pieces of all ranks tile the buffer once.
         std::vector<float> shard_host(reducer.shard_elems());

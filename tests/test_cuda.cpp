@@ -325,6 +325,16 @@ TEST_P(CudaKernels, SumOfSquaresAndAdamW) {
   int i = 0;
   b.both([&](Kernels& k, auto at) { sums[i++] = k.sum_squares(at(g), n); });
   EXPECT_NEAR(sums[1], sums[0], 1e-9 * sums[0]);  // double accumulation of the same values
+  // Over ranges (one kernel on the GPU), twice with other ranges in between: re-uploaded.
+  const std::vector<Range> ranges = {{0, 1}, {5, 70000}, {70005, 0}, {80000, 20003}},
+                           others = {{3, 4}};
+  double over[3] = {0, 0, 0};
+  i = 0;
+  b.both([&](Kernels& k, auto at) { over[i++] = k.sum_squares(at(g), ranges); });
+  b.gpu->sum_squares(g.gpu, others);
+  over[2] = b.gpu->sum_squares(g.gpu, ranges);
+  EXPECT_NEAR(over[1], over[0], 1e-9 * over[0]);
+  EXPECT_EQ(over[2], over[1]);
   // AdamW on fp32 master weights and state with gradients of this dtype, three steps.
   Twin p = b.random(n, DType::f32, 2), m = b.zeros(n, DType::f32), v = b.zeros(n, DType::f32);
   for (int64_t step = 1; step <= 3; step++) {
@@ -457,6 +467,28 @@ TEST_F(CudaCli, TrainsLikeTheCpuDeterministicallyAndWithRanksSharingTheGpu) {
       run(1, "bf16",
           "--set run.device=" + quoted("cuda") + " --set precision.compute=" + quoted("bf16"));
   expect_close(bf16, cpu, 2e-2);
+}
+
+// run.phase_timing: on the GPU the step waits for the device after each micro-batch only when
+// asked, and only then reports forward and backward times (otherwise they would be launches).
+TEST_F(CudaCli, PhasesAreTimedOnlyWhenAsked) {
+  for (bool timing : {false, true}) {
+    const std::string out = path(timing ? "timed" : "untimed");
+    const auto r =
+        mpirun(1,
+               "--set train.steps=2 --set run.gpu_memory_fraction=0.2 "
+               "--set run.device=" +
+                   quoted("cuda") + " --set run.phase_timing=" + (timing ? "true" : "false") +
+                   " --set run.out_dir=" + quoted(out));
+    ASSERT_EQ(r.code, 0) << r.output;
+    std::ifstream in(out + "/metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      const auto j = nlohmann::json::parse(line);
+      if (j.contains("loss")) {
+        EXPECT_EQ(j.contains("forward_ms"), timing) << line;
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -1,10 +1,12 @@
 // Token shards in all three layouts, every kind of damaged file, and the batch order.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <set>
+#include <thread>
 
 #include "io/dataset.h"
 #include "io/token_shard.h"
@@ -195,6 +197,26 @@ TEST_F(DataTest, LoaderYieldsTheGlobalSamplesInStepOrder) {
         EXPECT_TRUE(std::equal(tg.begin(), tg.end(), b.targets.begin() + r * T));
       }
     }
+}
+
+// prefetch = N: N batches ready ahead, also while the consumer holds the one next() returned.
+TEST_F(DataTest, LoaderKeepsPrefetchBatchesReadyAhead) {
+  write_token_shard(path("p.bin"), ramp(5001, 256), 256);
+  Dataset data({path("p.bin")}, 256, 16);
+  auto settle = [](DataLoader& loader, int want) {  // the producer thread fills the queue
+    for (int i = 0; i < 500 && loader.ready_batches() < want; i++)
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // and stops there
+    return loader.ready_batches();
+  };
+  for (int prefetch : {1, 3}) {
+    DataLoader loader(data, 2, 16, 1, 42, prefetch, 0);
+    EXPECT_EQ(settle(loader, prefetch), prefetch);
+    for (int step = 0; step < 3; step++) {
+      loader.next();
+      EXPECT_EQ(settle(loader, prefetch), prefetch) << "prefetch " << prefetch;
+    }
+  }
 }
 
 TEST_F(DataTest, ShardsDoNotShareWindows) {

@@ -325,6 +325,23 @@ TEST(Kernels, SumSquaresIsDeterministicAndExact) {
   }
 }
 
+// Over ranges: exactly the per-range sums added in order (the gradient norm before and after
+// it became one call), and the sum over the union of the ranges in double.
+TEST(Kernels, SumSquaresOverRangesIsThePerRangeSum) {
+  Device d;
+  auto x = random_vector(5000, 29);
+  DPtr xd = d.upload(x);
+  const std::vector<Range> ranges = {{0, 1}, {7, 100}, {200, 0}, {300, 4000}, {4999, 1}};
+  double per_range = 0, want = 0;
+  for (const Range& r : ranges) {
+    per_range += d.k->sum_squares(xd + r.offset, r.count);
+    for (int64_t i = r.offset; i < r.offset + r.count; i++) want += double(x[i]) * x[i];
+  }
+  EXPECT_EQ(d.k->sum_squares(xd, ranges), per_range);
+  EXPECT_NEAR(d.k->sum_squares(xd, ranges), want, 1e-12 * want);
+  EXPECT_EQ(d.k->sum_squares(xd, std::vector<Range>{}), 0.0);
+}
+
 TEST(Kernels, AdamWMatchesReference) {
   Device d;
   const int n = 257;

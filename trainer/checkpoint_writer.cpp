@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <stdexcept>
 #include <utility>
 
@@ -13,12 +15,15 @@ namespace trainer {
 constexpr int kWriterNice = 10;
 
 CheckpointWriter::CheckpointWriter(const GPTConfig& model, std::unique_ptr<Communicator> comm,
-                                   std::string dir, int keep_last, bool async)
+                                   std::string dir, int keep_last, bool threaded, double timeout_s,
+                                   std::function<void(int64_t step)> on_hang)
     : model_(model),
       comm_(std::move(comm)),
       dir_(std::move(dir)),
       keep_last_(keep_last),
-      async_(async) {}
+      threaded_(threaded),
+      timeout_s_(timeout_s),
+      on_hang_(std::move(on_hang)) {}
 
 CheckpointWriter::~CheckpointWriter() {
   if (thread_.joinable()) thread_.join();
@@ -38,20 +43,38 @@ void CheckpointWriter::write() {
   done_ = true;
 }
 
-void CheckpointWriter::start(bool sync) {
+void CheckpointWriter::start() {
   if (thread_.joinable() || result_)
     throw std::logic_error("CheckpointWriter::start: wait() for the previous write first");
   done_ = false;
-  if (async_ && !sync) {
+  writing_ = snapshot_.state.step;
+  if (threaded_) {
     thread_ = std::thread([this] {
       // Below the training threads: on a node without spare cores the write should take
       // their idle time, not slow the step down (Linux: per-thread niceness).
       setpriority(PRIO_PROCESS, pid_t(syscall(SYS_gettid)), kWriterNice);
       write();
     });
-  } else {
-    write();
+    return;
   }
+  // In this thread, watched: past the timeout, on_hang ends the job.
+  std::mutex mu;
+  std::condition_variable cv;
+  bool finished = false;
+  std::thread watchdog;
+  if (timeout_s_ > 0 && on_hang_)
+    watchdog = std::thread([&] {
+      std::unique_lock lock(mu);
+      if (!cv.wait_for(lock, std::chrono::duration<double>(timeout_s_), [&] { return finished; }))
+        on_hang_(writing_);
+    });
+  write();
+  {
+    std::lock_guard lock(mu);
+    finished = true;
+  }
+  cv.notify_all();
+  if (watchdog.joinable()) watchdog.join();
 }
 
 std::optional<CheckpointWriter::Result> CheckpointWriter::wait() {

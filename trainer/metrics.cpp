@@ -20,28 +20,35 @@ void MetricsLog::step(const StepStats& s, bool print) {
                       {"loss_scale", s.loss_scale},
                       {"ms", s.total_s * 1e3},
                       {"data_ms", s.data_s * 1e3},
-                      {"forward_ms", s.forward_s * 1e3},
-                      {"backward_ms", s.backward_s * 1e3},
+                      {"data_queue", s.data_queue},
                       {"optimizer_ms", s.optimizer_s * 1e3},
                       {"comm_exposed_ms", s.comm_s * 1e3},
                       {"bytes_sent", s.bytes_sent},
+                      {"buckets", s.buckets},
+                      {"buckets_overlapped", s.buckets_overlapped},
+                      {"first_bucket_layers_left", s.first_bucket_layers_left},
                       {"bytes_uncompressed", s.bytes_uncompressed},
                       {"compress_ms", s.compress_s * 1e3},
                       {"pipe_wait_ms", s.pipe_wait_s * 1e3},
                       {"bubble", s.bubble},
                       {"tokens_per_s", s.tokens_per_s},
                       {"mfu", s.mfu}};
+  if (s.phases_timed) {
+    j["forward_ms"] = s.forward_s * 1e3;
+    j["backward_ms"] = s.backward_s * 1e3;
+  }
+  if (!s.bytes_by_group.empty()) j["bytes_sent_groups"] = s.bytes_by_group;
   if (!s.bad.empty()) j["bad"] = s.bad;
   out_ << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
   out_.flush();
   if (print)
     fmt::print(
-        "step {:6d} | loss {:.4f} | lr {:.2e} | norm {:.3f} | {:7.1f} ms (data {:.1f} fwd {:.1f} "
-        "bwd {:.1f} opt {:.1f} comm {:.1f} pipe {:.1f}) | {:.2f} MB sent{} | {:7.0f} tok/s | MFU "
-        "{:4.1f}%{}\n",
-        s.step, s.loss, s.lr, s.grad_norm, s.total_s * 1e3, s.data_s * 1e3, s.forward_s * 1e3,
-        s.backward_s * 1e3, s.optimizer_s * 1e3, s.comm_s * 1e3, s.pipe_wait_s * 1e3,
-        double(s.bytes_sent) / 1e6,
+        "step {:6d} | loss {:.4f} | lr {:.2e} | norm {:.3f} | {:7.1f} ms (data {:.1f} {} opt "
+        "{:.1f} comm {:.1f} pipe {:.1f}) | {:.2f} MB sent{} | {:7.0f} tok/s | MFU {:4.1f}%{}\n",
+        s.step, s.loss, s.lr, s.grad_norm, s.total_s * 1e3, s.data_s * 1e3,
+        s.phases_timed ? fmt::format("fwd {:.1f} bwd {:.1f}", s.forward_s * 1e3, s.backward_s * 1e3)
+                       : std::string("fwd/bwd untimed"),
+        s.optimizer_s * 1e3, s.comm_s * 1e3, s.pipe_wait_s * 1e3, double(s.bytes_sent) / 1e6,
         s.bytes_uncompressed > 0
             ? fmt::format(" (compressed buckets {:.2f} MB as fp32, {:.1f} ms)",
                           double(s.bytes_uncompressed) / 1e6, s.compress_s * 1e3)

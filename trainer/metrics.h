@@ -3,6 +3,7 @@
 // <out_dir>/metrics.jsonl.
 #include <cstdint>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -17,8 +18,10 @@ struct StepStats {
   bool checkpoint_due = false;  // [checkpoint] every_minutes has passed (rank 0's clock)
   std::string bad;              // why the step guard skipped it ("" if it did not)
   bool rollback = false;        // too many bad steps in a row: back to the last checkpoint
+  int data_queue = 0;  // batches the loader had ready when the step began (at most prefetch)
   // Seconds per phase: waiting for data, forward, backward, norm + optimizer, and the total.
   double data_s = 0, forward_s = 0, backward_s = 0, optimizer_s = 0, total_s = 0;
+  bool phases_timed = true;  // forward_s and backward_s measured (else not reported)
   double tokens_per_s = 0, mfu = 0;
   // Communication: time blocked on collectives that compute did not hide (data-parallel buckets
   // still in flight after backward, tensor-parallel all-reduces, the tied-embedding sync, ZeRO's
@@ -26,6 +29,10 @@ struct StepStats {
   // (the measured bubble, with the transfers) as seconds and as a fraction of the step.
   double comm_s = 0, pipe_wait_s = 0, bubble = 0;
   int64_t bytes_sent = 0;
+  std::map<std::string, int64_t> bytes_by_group;  // of bytes_sent: dp, tp, pp, emb, intra, inter
+  // Data-parallel buckets: how many, how many started while layers' backward was still to run
+  // (overlap), and how many layers were still to run when the first one started (-1: after).
+  int buckets = 0, buckets_overlapped = 0, first_bucket_layers_left = -1;
   // Gradient compression: what the compressed buckets would have sent as plain fp32, and the
   // time spent in them (encode, exchange, decode).
   int64_t bytes_uncompressed = 0;

@@ -24,7 +24,8 @@ int Pipeline::slots(int stage, int stages, int micro_batches) {
   return std::max(1, std::min(stages - stage, micro_batches));
 }
 
-Pipeline::Pipeline(GPT& model, Communicator& pp, Communicator* tp, int micro_batches, int B, int T)
+Pipeline::Pipeline(GPT& model, Communicator& pp, Communicator* tp, int micro_batches, int B, int T,
+                   bool time_phases)
     : model_(model),
       pp_(pp),
       tp_(tp),
@@ -32,6 +33,7 @@ Pipeline::Pipeline(GPT& model, Communicator& pp, Communicator* tp, int micro_bat
       B_(B),
       T_(T),
       slots_(slots(pp.rank(), pp.size(), micro_batches)),
+      time_phases_(time_phases || !model.kernels().asynchronous()),
       actions_(one_f_one_b(pp.rank(), pp.size(), micro_batches)),
       output_sends_(slots_) {}
 
@@ -39,6 +41,10 @@ double Pipeline::step(const std::function<const Batch&()>& next_batch, float los
                       const std::function<void()>& before_last_backward, PipeTimes& times) {
   const int64_t activation = int64_t(B_) * T_ * model_.config().d_model;
   double loss = 0;
+  times.timed = time_phases_;
+  auto phase_done = [&] {  // a GPU's kernels run after the call returns
+    if (time_phases_) model_.kernels().synchronize();
+  };
   for (const PipeAction& a : actions_) {
     const int slot = a.micro % slots_;
     if (a.kind == PipeAction::forward) {
@@ -47,7 +53,7 @@ double Pipeline::step(const std::function<const Batch&()>& next_batch, float los
       if (a.recv >= 0) pp_.recv(model_.input(slot), activation, a.recv, forward_tag(a.micro));
       const auto t0 = Clock::now();
       loss += model_.forward(slot, batch.inputs.data(), batch.targets.data(), B_, T_);
-      model_.kernels().synchronize();  // a GPU's kernels run after the call returns
+      phase_done();
       times.forward_s += seconds_since(t0);
       if (a.send >= 0)
         output_sends_[slot] =
@@ -58,7 +64,7 @@ double Pipeline::step(const std::function<const Batch&()>& next_batch, float los
       if (a.micro == micro_batches_ - 1) before_last_backward();
       const auto t0 = Clock::now();
       model_.backward(slot, loss_scale);
-      model_.kernels().synchronize();
+      phase_done();
       times.backward_s += seconds_since(t0);
       if (a.send >= 0)
         grad_send_ = pp_.isend(model_.grad_io(), activation, a.send, backward_tag(a.micro));

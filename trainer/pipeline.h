@@ -14,6 +14,7 @@ namespace trainer {
 
 struct PipeTimes {
   double forward_s = 0, backward_s = 0;
+  bool timed = true;  // false: an asynchronous device, not waited for (the times are launches)
 };
 
 class Pipeline {
@@ -22,7 +23,10 @@ class Pipeline {
   static int slots(int stage, int stages, int micro_batches);
 
   // pp: the pipeline group (stage = rank); tp: the tensor-parallel group, or null.
-  Pipeline(GPT& model, Communicator& pp, Communicator* tp, int micro_batches, int B, int T);
+  // time_phases: on an asynchronous device, wait after every forward and backward so that
+  // their times are the device's (a host wait per micro-batch; otherwise none in the step).
+  Pipeline(GPT& model, Communicator& pp, Communicator* tp, int micro_batches, int B, int T,
+           bool time_phases = false);
 
   // One step's forwards and backwards over the micro-batches. next_batch() is called once per
   // micro-batch, in order; before_last_backward() just before this stage's last backward
@@ -44,6 +48,7 @@ class Pipeline {
   Communicator& pp_;
   Communicator* tp_;
   int micro_batches_, B_, T_, slots_;
+  bool time_phases_;
   std::vector<PipeAction> actions_;
   std::vector<Request> output_sends_;  // per slot
   Request grad_send_;

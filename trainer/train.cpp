@@ -61,6 +61,13 @@ std::vector<Span> whole_spans(const ParamTable& table) {
   return spans;
 }
 
+std::vector<Range> owned_ranges(const std::vector<Span>& spans) {
+  std::vector<Range> ranges;
+  for (const Span& s : spans)
+    if (s.param->owned()) ranges.push_back({s.shard_offset, s.count});
+  return ranges;
+}
+
 std::vector<Span> shard_spans(const ParamTable& table,
                               const std::vector<GradReducer::Piece>& pieces) {
   std::vector<Span> spans;
@@ -93,6 +100,10 @@ int threads_per_rank(const Config& cfg, const World& world) {
 
 DType compute_dtype(const PrecisionConfig& p) {
   return p.compute == "bf16" ? DType::bf16 : p.compute == "fp16" ? DType::f16 : DType::f32;
+}
+// A buffer's type as [precision] names it.
+std::string_view precision_name(DType t) {
+  return t == DType::bf16 ? "bf16" : t == DType::f16 ? "fp16" : "fp32";
 }
 
 // Test hook: TRAINER_TEST_INJECT_INF="step,rank" makes one gradient infinite on that rank at
@@ -140,6 +151,18 @@ std::string resume_file(const Config& cfg, bool report) {
   return found;
 }
 
+// A checkpoint write that hangs (a dead peer inside a parallel HDF5 collective, a stuck file
+// system) ends the job like a hung collective.
+void end_hung_checkpoint(World& world, double limit, int64_t step) {
+  fmt::print(stderr,
+             "trainer: the checkpoint write of step {} did not finish within {} s "
+             "(checkpoint_timeout_s): a peer is dead or hung, or the file system is stuck; "
+             "ending the job\n",
+             step, limit);
+  std::fflush(stderr);
+  world.abort(1);
+}
+
 // Everything a step touches, built once.
 struct Run {
   const Config& cfg;
@@ -153,6 +176,9 @@ struct Run {
   GPT model;
   GradReducer reducer;
   std::vector<Span> spans;  // what this rank updates and sums into the gradient norm
+  // Of the spans, those this rank counts in the global gradient norm (each element once), as
+  // ranges of the optimizer's gradient buffer: one fused sum per step.
+  std::vector<Range> norm_ranges = owned_ranges(spans);
   AdamW optimizer;
   std::optional<DataLoader> loader;  // started where the run starts (and again on a rollback)
   Pipeline pipe;
@@ -177,7 +203,8 @@ struct Run {
 
   static ReducerOptions reducer_options(const Config& c, const GPT& model) {
     ReducerOptions o;
-    o.bucket_elems = int64_t(c.parallel.bucket_mb * (1 << 20) / 4);
+    // bucket_mb of the gradient buffer's real elements (2 bytes each for 16-bit gradients).
+    o.bucket_elems = int64_t(c.parallel.bucket_mb * (1 << 20) / dtype_size(model.grads().dtype));
     o.overlap = c.parallel.overlap;
     o.shard = c.parallel.zero == 1;
     const CompressionConfig& z = c.comm.compression;
@@ -245,13 +272,20 @@ struct Run {
                   c.parallel.zero ? reducer.shard_grads() : model.grads(),
                   c.parallel.zero ? reducer.shard_elems() : model.table().total),
         pipe(model, *groups.pp, groups.tp.get(), c.train.grad_accum, c.train.micro_batch,
-             c.model.seq_len),
+             c.model.seq_len, c.run.phase_timing),
         scaler(c.precision),
         guard(c.faults, scaler.dynamic()),
         writer(c.model, writer_comm(w), checkpoint_dir(c), c.checkpoint.keep_last,
-               c.checkpoint.async && (w.size() == 1 || w.thread_multiple())),
+               w.size() == 1 || w.thread_multiple(), c.faults.checkpoint_timeout_s,
+               [&w, limit = c.faults.checkpoint_timeout_s](int64_t step) {
+                 end_hung_checkpoint(w, limit, step);
+               }),
         flops_per_token(6.0 * double(gpt2_flop_params(c.model)) +
-                        12.0 * c.model.n_layer * c.model.d_model * c.model.seq_len) {}
+                        12.0 * c.model.n_layer * c.model.d_model * c.model.seq_len) {
+    // Backward reports the gradients it has finished; the reducer starts their buckets.
+    model.set_grads_ready_hook(
+        [this](int64_t frontier, int layers_left) { reducer.ready(frontier, layers_left); });
+  }
 
   bool replica_leader() const { return me.dp == 0; }
   // Whether this rank writes its part of a checkpoint: a data-parallel replica only once, but
@@ -260,15 +294,23 @@ struct Run {
   Layout layout() const {
     return {world.size(), dims.dp(), dims.tp(), dims.pp(), cfg.parallel.zero, cfg.parallel.order};
   }
-  // Every group this rank communicates in, the pipeline's last: the time blocked in the others
-  // is exposed communication, in the pipeline's it is waiting for the neighbouring stages.
-  std::vector<Communicator*> traffic_groups() const {
-    std::vector<Communicator*> v = {groups.dp.get(), groups.tp.get(), groups.emb.get()};
-    if (groups.intra) v.insert(v.end(), {groups.intra.get(), groups.inter.get()});
-    v.push_back(groups.pp.get());
+  // Every communicator this rank uses, by group, the pipeline's last: the time blocked in the
+  // others is exposed communication, in the pipeline's it is waiting for the neighbouring
+  // stages. The hierarchical all-reduce's gather has its own communicator inside the node.
+  struct NamedGroup {
+    const char* name;
+    Communicator* comm;
+  };
+  std::vector<NamedGroup> traffic_groups() const {
+    std::vector<NamedGroup> v = {
+        {"dp", groups.dp.get()}, {"tp", groups.tp.get()}, {"emb", groups.emb.get()}};
+    if (groups.intra)
+      v.insert(v.end(), {{"intra", groups.intra.get()}, {"inter", groups.inter.get()}});
+    if (reducer.intra_gather()) v.push_back({"intra", reducer.intra_gather()});
+    v.push_back({"pp", groups.pp.get()});
     return v;
   }
-  const std::vector<Communicator*> all_groups = traffic_groups();
+  const std::vector<NamedGroup> all_groups = traffic_groups();
   const ParamInfo* tied_embedding = model.table().find("wte.weight");  // null: middle stage
 };
 
@@ -308,9 +350,9 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   StepStats s;
   s.step = step;
   const auto t_step = Clock::now();
-  const std::vector<Communicator*>& all = run.all_groups;
-  std::array<Communicator::Traffic, 8> before;
-  for (size_t i = 0; i < all.size(); i++) before[i] = all[i]->traffic();
+  const auto& all = run.all_groups;
+  std::vector<Communicator::Traffic> before;
+  for (const auto& g : all) before.push_back(g.comm->traffic());
 
   run.model.zero_grad();
   run.reducer.set_step(step);
@@ -318,12 +360,14 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   // Gradients of loss x scale (fp16), averaged over the micro-batches and data-parallel ranks.
   const double scale = run.scaler.scale();
   s.loss_scale = scale;
+  s.data_queue = run.loader->ready_batches();
   const double loss_sum = run.pipe.step([&]() -> const Batch& { return run.loader->next(); },
                                         float(scale / (M * dp)), [&] { run.reducer.arm(); }, times);
   if (run.inject_inf.first == step && run.inject_inf.second == run.world.rank())
     poison_gradient(run);
   s.forward_s = times.forward_s;
   s.backward_s = times.backward_s;
+  s.phases_timed = times.timed;
   s.data_s = run.loader->take_wait_seconds();
 
   // The tied embedding's two copies (first and last stage) get the sum of both gradients.
@@ -332,6 +376,10 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
                                ReduceOp::sum);
   run.reducer.ready(0);
   run.reducer.finish();
+  const std::vector<int>& started = run.reducer.started_with_layers_left();
+  s.buckets = int(started.size());
+  for (int layers_left : started) s.buckets_overlapped += layers_left > 0;
+  s.first_bucket_layers_left = started.empty() ? -1 : started.front();
 
   const auto t_opt = Clock::now();
   // The step's mean loss and squared gradient norm, summed over the world: each loss once per
@@ -344,10 +392,7 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
     run.inject_nan.erase(it);
     if (run.world.rank() == 0) sums[0] = NAN;
   }
-  if (zero || run.replica_leader())
-    for (const Span& span : run.spans)
-      if (span.param->owned())
-        sums[1] += run.kernels->sum_squares(grads + span.shard_offset, span.count);
+  if (zero || run.replica_leader()) sums[1] = run.kernels->sum_squares(grads, run.norm_ranges);
   run.world.comm().all_reduce(host_ptr(sums), 4, ReduceOp::sum);
   s.stop = sums[2] > 0;  // a signal reached some rank: every rank stops after this step
   s.checkpoint_due = sums[3] > 0;
@@ -370,8 +415,10 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   s.optimizer_s = seconds_since(t_opt);
 
   for (size_t i = 0; i < all.size(); i++) {
-    const Communicator::Traffic now = all[i]->traffic();
-    s.bytes_sent += now.bytes_sent - before[i].bytes_sent;
+    const Communicator::Traffic now = all[i].comm->traffic();
+    const int64_t sent = now.bytes_sent - before[i].bytes_sent;
+    s.bytes_sent += sent;
+    if (sent) s.bytes_by_group[all[i].name] += sent;
     const double waited = now.wait_s - before[i].wait_s;
     (i + 1 == all.size() ? s.pipe_wait_s : s.comm_s) += waited;
   }
@@ -448,9 +495,9 @@ void print_start(const Run& run) {
       cfg.train.micro_batch, cfg.model.seq_len, cfg.train.grad_accum, dims.dp(), tokens_per_step);
   fmt::print(
       "parallel: dp {} x tp {} x pp {} (order {}), zero {}, {} all-reduce, {} buckets of "
-      "{} MB, overlap {}, 1F1B bubble {:.1f}% ({} stages, {} micro-batches)\n",
+      "{:.3g} MB, overlap {}, 1F1B bubble {:.1f}% ({} stages, {} micro-batches)\n",
       dims.dp(), dims.tp(), dims.pp(), cfg.parallel.order, cfg.parallel.zero,
-      cfg.parallel.allreduce, run.reducer.buckets(), cfg.parallel.bucket_mb,
+      cfg.parallel.allreduce, run.reducer.buckets(), double(run.reducer.bucket_bytes()) / (1 << 20),
       cfg.parallel.overlap ? "on" : "off", 100 * pipeline_bubble(dims.pp(), cfg.train.grad_accum),
       dims.pp(), cfg.train.grad_accum);
   if (dims.pp() > 1) {
@@ -461,7 +508,7 @@ void print_start(const Run& run) {
     fmt::print("pipeline stages (blocks; embedding on the first, head on the last):{}\n", stages);
   }
   fmt::print("precision: compute {}, gradients {}, master weights and AdamW state fp32{}\n",
-             cfg.precision.compute, cfg.precision.grads == "fp32" ? "fp32" : cfg.precision.compute,
+             precision_name(run.model.params().dtype), precision_name(run.model.grads().dtype),
              cfg.precision.compute != "fp16" ? ""
              : run.scaler.dynamic()
                  ? fmt::format(", dynamic loss scale from {}", run.scaler.scale())
@@ -477,14 +524,17 @@ void print_start(const Run& run) {
     fmt::print("  ... {} more ranks on {} nodes in all\n", dims.world() - kRanksListed,
                run.world.node_of(dims.world() - 1) + 1);
   const int64_t params = run.model.table().total;
+  const double param_bytes = double(dtype_size(run.model.params().dtype));
+  const double grad_bytes = double(dtype_size(run.model.grads().dtype));
   fmt::print(
       "memory per rank (rank 0): params {:.2f} MB, grads {:.2f} MB, optimizer state {:.2f} MB"
       "{}\n",
-      megabytes(params), megabytes(params), megabytes(2 * run.optimizer.state_elems()),
-      cfg.parallel.zero
-          ? fmt::format(" (ZeRO-1: 1/{} of {:.2f} MB, + {:.2f} MB gradient shard)", dims.dp(),
-                        megabytes(2 * params), megabytes(run.reducer.shard_elems()))
-          : "");
+      megabytes(params) * param_bytes / 4, megabytes(params) * grad_bytes / 4,
+      megabytes(2 * run.optimizer.state_elems()),
+      cfg.parallel.zero ? fmt::format(" (ZeRO-1: 1/{} of {:.2f} MB, + {:.2f} MB gradient shard)",
+                                      dims.dp(), megabytes(2 * params),
+                                      megabytes(run.reducer.shard_elems()) * grad_bytes / 4)
+                        : "");
   fmt::print("MFU peak: {:.1f} GFLOP/s per rank ({}), {:.1f} MFLOP/token\n", run.peak_flops / 1e9,
              cfg.run.peak_tflops > 0   ? "configured"
              : cfg.run.device == "cpu" ? "measured sgemm"
@@ -611,6 +661,10 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
       log->event({{"step", step}, {"resumed_from", resume}});
     }
   }
+  if (leader && cfg.checkpoint.async && !run.writer.threaded())
+    fmt::print(
+        "checkpoints: written synchronously, not in the background: a writer thread on several "
+        "ranks needs MPI_THREAD_MULTIPLE, which this MPI library did not provide\n");
   // The snapshot buffers are touched now, so that the first periodic checkpoint's stall is a
   // copy, not the page faults of allocating gigabytes.
   if (cfg.checkpoint.async && (cfg.checkpoint.every_steps > 0 || cfg.checkpoint.every_minutes > 0))
@@ -642,17 +696,9 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   };
   // Waits for the write in flight and reports it. A write that hangs (a dead peer inside a
   // parallel HDF5 collective, a stuck file system) ends the job like a hung collective.
-  auto await_writer = [&](int64_t at) {
+  auto await_writer = [&]() {
     const double limit = cfg.faults.checkpoint_timeout_s;
-    if (!run.writer.finishes_within(limit)) {
-      fmt::print(stderr,
-                 "trainer: the checkpoint write did not finish within {} s at step {} "
-                 "(checkpoint_timeout_s): a peer is dead or hung, or the file system is stuck; "
-                 "ending the job\n",
-                 limit, at);
-      std::fflush(stderr);
-      world.abort(1);
-    }
+    if (!run.writer.finishes_within(limit)) end_hung_checkpoint(world, limit, run.writer.writing());
     return report(run.writer.wait());
   };
   auto last_checkpoint_time = Clock::now();
@@ -660,7 +706,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   // the rest unless `sync`. Returns false if a synchronous write failed.
   auto checkpoint = [&](int64_t at, bool sync) {
     const auto t0 = Clock::now();
-    bool ok = await_writer(at);  // one write at a time
+    bool ok = await_writer();  // one write at a time
     Snapshot& snap = run.writer.snapshot();
     take_snapshot(run.model, &run.optimizer, run.writes_checkpoint(), snap);
     const int64_t samples = run.samples_at(at);
@@ -680,15 +726,18 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     world.comm().all_gather(host_ptr(&size), host_ptr(sizes.data()), 1);
     snap.comm_state_sizes.assign(sizes.begin(), sizes.end());
     const double mb = double(snap.params.size() * (snap.has_moments ? 3 : 1)) * 4 / (1 << 20);
-    run.writer.start(sync && !cfg.checkpoint.async);  // with a thread, sync waits for it below
-    if (sync) ok = await_writer(at);         // this one decides (an earlier failure was reported)
+    // In the background unless asked to wait (the final and the signalled checkpoints, or
+    // async = false) or unable to (no writer thread).
+    const bool background = !sync && cfg.checkpoint.async && run.writer.threaded();
+    run.writer.start();
+    if (!background) ok = await_writer();    // this one decides (an earlier failure was reported)
     const double stall = seconds_since(t0);  // what the step was blocked for
     last_checkpoint_time = Clock::now();
     if (leader) {
       fmt::print(
           "step {:6d} | checkpoint: training stalled {:.0f} ms ({:.1f} MB copied on rank 0{})\n",
-          at, stall * 1e3, mb, sync ? ", written synchronously" : "");
-      log->event({{"step", at}, {"checkpoint_stall_ms", stall * 1e3}, {"async", !sync}});
+          at, stall * 1e3, mb, background ? "" : ", written synchronously");
+      log->event({{"step", at}, {"checkpoint_stall_ms", stall * 1e3}, {"async", background}});
     }
     return ok;
   };
@@ -699,7 +748,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   std::string last_target;
   int rollbacks = 0;
   auto roll_back = [&](int64_t bad_step) {
-    await_writer(bad_step);
+    await_writer();
     const std::string target =
         !run.writer.last_written().empty() ? run.writer.last_written() + "/state.h5" : resume;
     if (target.empty())

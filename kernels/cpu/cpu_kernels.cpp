@@ -351,6 +351,11 @@ class CpuKernels final : public Kernels {
       });
     });
   }
+  double sum_squares(DPtr x, const std::vector<Range>& ranges) override {
+    double total = 0;
+    for (const Range& r : ranges) total += sum_squares(x + r.offset, r.count);
+    return total;
+  }
   double sum_squares(DPtr x, int64_t n) override {
     if (Staging::any_half({x})) {
       Staging s(pool_);

@@ -240,6 +240,25 @@ class CudaKernels final : public Kernels {
   void convert(DPtr dst, DPtr src, int64_t n, uint64_t stochastic_seed) override {
     cuda::convert(compute_, dst, src, n, stochastic_seed);
   }
+  bool asynchronous() const override { return true; }
+  double sum_squares(DPtr x, const std::vector<Range>& ranges) override {
+    if (ranges.empty()) return 0;
+    if (ranges != ranges_) {  // the same ranges every step: uploaded once
+      const int64_t bytes = int64_t(ranges.size() * sizeof(Range));
+      if (bytes > ranges_capacity_) {
+        if (ranges_device_) arena_->release(reinterpret_cast<std::byte*>(ranges_device_) - base_);
+        ranges_device_ = static_cast<Range*>(raw_alloc(bytes));
+        ranges_capacity_ = bytes;
+      }
+      ranges_ = ranges;
+      CUDA_CHECK(cudaMemcpyAsync(ranges_device_, ranges_.data(), size_t(bytes),
+                                 cudaMemcpyHostToDevice, compute_));
+      CUDA_CHECK(cudaStreamSynchronize(compute_));  // ranges_ may change before the copy ran
+    }
+    cuda::sum_squares_ranges(compute_, x, ranges_device_, int(ranges.size()), sum_partials_,
+                             sum_result_);
+    return fetch_result();
+  }
   double sum_squares(DPtr x, int64_t n) override {
     if (n <= 0) return 0;
     cuda::sum_values(compute_, x, n, sum_partials_, sum_result_, 1.0, true);
@@ -353,6 +372,9 @@ class CudaKernels final : public Kernels {
   std::byte* scratch_ = nullptr;
   int64_t scratch_bytes_ = 0;
   double *sum_partials_ = nullptr, *sum_result_ = nullptr, *host_result_ = nullptr;
+  std::vector<Range> ranges_;  // the ranges sum_squares last uploaded to ranges_device_
+  Range* ranges_device_ = nullptr;
+  int64_t ranges_capacity_ = 0;
   TokenIndex token_index_;  // the embedding backward's rows and positions
 };
 

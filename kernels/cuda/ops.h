@@ -67,6 +67,10 @@ void crossentropy_backward(cudaStream_t s, DPtr probs, const int32_t* targets, f
 // *result (device) = scale * the sum of x (or of x^2) in double, through kSumBlocks partials.
 void sum_values(cudaStream_t s, DPtr x, int64_t n, double* partials, double* result, double scale,
                 bool squares = false);
+// *result (device) = the sum of the squares of x over `count` ranges (a device array), through
+// kSumBlocks partials: each block takes a fixed share of every range, ranges in order.
+void sum_squares_ranges(cudaStream_t s, DPtr x, const Range* ranges, int count, double* partials,
+                        double* result);
 void adamw_update(cudaStream_t s, DPtr param, DPtr grad, DPtr m, DPtr v, int64_t n,
                   const AdamWArgs& args);
 

@@ -42,6 +42,23 @@ __global__ void partial_sums_kernel(double* partials, const T* x, int64_t n) {
   if (threadIdx.x == 0) partials[blockIdx.x] = total;
 }
 
+template <class T>
+__global__ void partial_squares_ranges_kernel(double* partials, const T* x, const Range* ranges,
+                                              int count) {
+  double acc = 0;
+  for (int r = 0; r < count; r++) {
+    const T* base = x + ranges[r].offset;
+    const int64_t n = ranges[r].count;
+    for (int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x; i < n;
+         i += int64_t(kSumBlocks) * kThreads) {
+      const double v = load(base[i]);
+      acc += v * v;
+    }
+  }
+  const double total = block_sum_double(acc);
+  if (threadIdx.x == 0) partials[blockIdx.x] = total;
+}
+
 __global__ void finish_sum_kernel(double* result, const double* partials, double scale) {
   double acc = 0;
   for (int i = threadIdx.x; i < kSumBlocks; i += kThreads) acc += partials[i];
@@ -75,6 +92,17 @@ void sum_values(cudaStream_t s, DPtr x, int64_t n, double* partials, double* res
   });
   finish_sum_kernel<<<1, kThreads, 0, s>>>(result, partials, scale);
   CUDA_CHECK_LAUNCH("sum_values");
+}
+
+void sum_squares_ranges(cudaStream_t s, DPtr x, const Range* ranges, int count, double* partials,
+                        double* result) {
+  dispatch(x.dtype, [&](auto tag) {
+    using X = decltype(tag);
+    partial_squares_ranges_kernel<X>
+        <<<kSumBlocks, kThreads, 0, s>>>(partials, typed<X>(x), ranges, count);
+  });
+  finish_sum_kernel<<<1, kThreads, 0, s>>>(result, partials, 1.0);
+  CUDA_CHECK_LAUNCH("sum_squares_ranges");
 }
 
 void adamw_update(cudaStream_t s, DPtr param, DPtr grad, DPtr m, DPtr v, int64_t n,
