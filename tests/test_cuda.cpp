@@ -469,6 +469,33 @@ TEST_F(CudaCli, TrainsLikeTheCpuDeterministicallyAndWithRanksSharingTheGpu) {
   expect_close(bf16, cpu, 2e-2);
 }
 
+// run.gpu_memory_fraction reserves that share of the GPU, split between the ranks sharing it;
+// run.gpu_collectives: "auto" stages through MPI for ranks sharing a GPU, "nccl" refuses them.
+TEST_F(CudaCli, MemoryFractionAndCollectivesReachThePlacement) {
+  auto reserved_gib = [&](int ranks, const std::string& settings, std::string* banner) {
+    const auto r = mpirun(ranks, "--set train.steps=1 --set run.device=" + quoted("cuda") + " " +
+                                     settings + " --set run.out_dir=" + quoted(path("m")));
+    EXPECT_EQ(r.code, 0) << r.output;
+    *banner = r.output;
+    const size_t at = r.output.find(" GiB reserved per rank");
+    if (at == std::string::npos) return 0.0;
+    const size_t from = r.output.rfind(", ", at) + 2;
+    return std::stod(r.output.substr(from, at - from));
+  };
+  std::string one, two, shared;
+  const double a = reserved_gib(1, "--set run.gpu_memory_fraction=0.1", &one);
+  const double b = reserved_gib(1, "--set run.gpu_memory_fraction=0.2", &two);
+  const double c = reserved_gib(2, "--set run.gpu_memory_fraction=0.2", &shared);
+  EXPECT_NEAR(b / a, 2.0, 0.2) << one << two;
+  EXPECT_NEAR(c / a, 1.0, 0.1) << shared;  // 0.2 split between the two ranks on the GPU
+  EXPECT_NE(shared.find("collectives mpi"), std::string::npos) << shared;
+  const auto r = mpirun(2, "--set train.steps=1 --set run.device=" + quoted("cuda") +
+                               " --set run.gpu_memory_fraction=0.2 --set run.gpu_collectives=" +
+                               quoted("nccl") + " --set run.out_dir=" + quoted(path("n")));
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("ranks share the GPU of rank 0"), std::string::npos) << r.output;
+}
+
 // run.phase_timing: on the GPU the step waits for the device after each micro-batch only when
 // asked, and only then reports forward and backward times (otherwise they would be launches).
 TEST_F(CudaCli, PhasesAreTimedOnlyWhenAsked) {
