@@ -409,7 +409,7 @@ TEST_F(MpiCli, DiskFullIsAClearErrorAndKeepsThePreviousCheckpoint) {
   EXPECT_NE(r.output.find("File too large (the previous checkpoints are intact)"),
             std::string::npos)
       << r.output;
-  EXPECT_NE(r.output.find("step     11 | loss"), std::string::npos) << "trained on";
+  EXPECT_NE(r.output.find("step     11/"), std::string::npos) << "trained on";
   EXPECT_EQ(latest_of(path("out/checkpoints")), "step_00000005");
   EXPECT_FALSE(fs::exists(path("out/checkpoints/step_00000010.tmp")));
   EXPECT_FALSE(fs::exists(path("out/checkpoints/step_00000012")));
@@ -438,6 +438,28 @@ TEST_F(MpiCli, HungPeerEndsTheJobAfterTheCollectiveTimeout) {
   EXPECT_NE(r.output.find("(collective_timeout_s): a peer is dead or hung; ending the job"),
             std::string::npos)
       << r.output;
+}
+
+// Resuming a run that has already reached train.steps trains nothing: a config error that says
+// so (exit 2 on every rank), and nothing is written, rather than a silent exit 0.
+TEST_F(MpiCli, ResumingAFinishedRunIsAnError) {
+  auto r = mpirun(2, "--set train.steps=4");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto before = loss_texts(path("out/metrics.jsonl"));
+  for (int steps : {4, 3}) {
+    r = mpirun(2, "--set train.steps=" + std::to_string(steps) +
+                      " --set checkpoint.resume=" + quoted("auto"));
+    EXPECT_EQ(r.code, 2) << r.output;
+    EXPECT_EQ(count(r.output, "[train] steps = " + std::to_string(steps) +
+                                  ", but the checkpoint to resume from"),
+              1)
+        << r.output;
+    EXPECT_EQ(count(r.output, "is at step 4: nothing left to train (set train.steps above 4)"), 1);
+    EXPECT_EQ(loss_texts(path("out/metrics.jsonl")), before);
+  }
+  r = mpirun(2, "--set train.steps=6 --set checkpoint.resume=" + quoted("auto"));
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(loss_texts(path("out/metrics.jsonl")).size(), 6u);
 }
 
 }  // namespace

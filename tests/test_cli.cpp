@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -173,6 +174,36 @@ TEST_F(Cli, GenerateRejectsBadCheckpoints) {
   EXPECT_EQ(r.output,
             "trainer: checkpoint error: " + path("ck/checkpoints/step_00000001/state.h5") +
                 ": cannot open as an HDF5 file\n");
+}
+
+// A log redirected to a file shows each step as it happens: step 5's line is in the file within
+// a second of step 5's metrics record, while the run goes on (stdout is line-buffered), and
+// says where the run stands (step/total, elapsed, ETA); the record carries the wall clock and
+// the tokens so far.
+TEST_F(Cli, RedirectedLogIsLiveAndSaysWhereTheRunStands) {
+  prepare_data();
+  const std::string config = write_config("live.toml", "live", 100000);
+  const std::string log = path("live.log"), metrics = path("live/metrics.jsonl");
+  const Result r = test::run_command(
+      "(" + test::trainer_bin() + " train " + config + " --set train.log_every=1 >" + log +
+      " 2>&1 & pid=$!; for i in $(seq 1 1000); do grep -q '\"step\":5,' " + metrics +
+      " 2>/dev/null && break; sleep 0.01; done; sleep 1; cp " + log + " " + log +
+      ".at5; kill $pid 2>/dev/null && echo still-running; wait $pid)");
+  EXPECT_NE(r.output.find("still-running"), std::string::npos) << "the run ended too soon";
+  std::ifstream in(log + ".at5");
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("step      5/100000 | loss"), std::string::npos) << text << r.output;
+  EXPECT_NE(text.find(" elapsed, ETA "), std::string::npos) << text;
+  std::ifstream m(metrics);
+  double last_time = 0;
+  for (std::string line; std::getline(m, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (!j.contains("loss")) continue;
+    EXPECT_EQ(j["tokens"], (int64_t(j["step"]) + 1) * 4 * 2 * 32) << line;  // B x accum x T
+    EXPECT_GE(double(j["time"]), last_time);
+    EXPECT_GT(double(j["time"]), 1.7e9);  // seconds since 1970: after 2023
+    last_time = j["time"];
+  }
 }
 
 }  // namespace

@@ -382,6 +382,10 @@ Config checkpoint_config(const std::string& state_file) {
   }
 }
 
+int64_t checkpoint_step(const std::string& state_file) {
+  return H5File::open_read(state_file).attr_int("step");
+}
+
 void verify_checkpoint(const std::string& state_file, const GPTConfig& model) {
   H5File f = H5File::open_read(state_file);
   check_version(f, state_file);

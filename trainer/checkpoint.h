@@ -104,6 +104,8 @@ std::string resolve_checkpoint(const std::string& path);
 
 // The config the checkpoint was trained with (to build a matching model).
 Config checkpoint_config(const std::string& state_file);
+// The optimizer steps a checkpoint holds (its `step` attribute).
+int64_t checkpoint_step(const std::string& state_file);
 
 // Reads every tensor of a checkpoint (HDF5 verifies each chunk's Fletcher32 checksum) after its
 // format version, config hash and model dimensions. Throws CheckpointError naming what is wrong.

@@ -52,6 +52,9 @@ std::string version_string() {
 
 int main(int argc, char** argv) {
   trainer::ensure_fast_blas(argv);
+  // Line by line also into a file or a pipe (sbatch --output, | tee): a log that shows each
+  // step as it happens and loses nothing to a SIGKILL.
+  std::setvbuf(stdout, nullptr, _IOLBF, 1 << 16);
   CLI::App app{"trainer: trains GPT-2 language models from one TOML config", "trainer"};
   app.set_version_flag("--version", version_string());
   app.require_subcommand(1);

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "io/errors.h"
 
 namespace trainer {
@@ -11,8 +13,18 @@ MetricsLog::MetricsLog(const std::string& path, bool append)
   if (!out_) throw ConfigError(path + ": cannot write metrics (check [run] out_dir)");
 }
 
+namespace {
+// h:mm:ss
+std::string clock_time(double seconds) {
+  const int64_t s = std::max<int64_t>(0, int64_t(seconds + 0.5));
+  return fmt::format("{}:{:02d}:{:02d}", s / 3600, s / 60 % 60, s % 60);
+}
+}  // namespace
+
 void MetricsLog::step(const StepStats& s, bool print) {
   nlohmann::json j = {{"step", s.step},
+                      {"time", s.time},
+                      {"tokens", s.tokens},
                       {"loss", s.loss},
                       {"lr", s.lr},
                       {"grad_norm", s.grad_norm},
@@ -43,9 +55,10 @@ void MetricsLog::step(const StepStats& s, bool print) {
   out_.flush();
   if (print)
     fmt::print(
-        "step {:6d} | loss {:.4f} | lr {:.2e} | norm {:.3f} | {:7.1f} ms (data {:.1f} {} opt "
-        "{:.1f} comm {:.1f} pipe {:.1f}) | {:.2f} MB sent{} | {:7.0f} tok/s | MFU {:4.1f}%{}\n",
-        s.step, s.loss, s.lr, s.grad_norm, s.total_s * 1e3, s.data_s * 1e3,
+        "step {:6d}/{} | loss {:.4f} | lr {:.2e} | norm {:.3f} | {:7.1f} ms (data {:.1f} {} opt "
+        "{:.1f} comm {:.1f} pipe {:.1f}) | {:.2f} MB sent{} | {:7.0f} tok/s | MFU {:4.1f}% | {} "
+        "elapsed, ETA {}{}\n",
+        s.step, s.total_steps, s.loss, s.lr, s.grad_norm, s.total_s * 1e3, s.data_s * 1e3,
         s.phases_timed ? fmt::format("fwd {:.1f} bwd {:.1f}", s.forward_s * 1e3, s.backward_s * 1e3)
                        : std::string("fwd/bwd untimed"),
         s.optimizer_s * 1e3, s.comm_s * 1e3, s.pipe_wait_s * 1e3, double(s.bytes_sent) / 1e6,
@@ -53,7 +66,7 @@ void MetricsLog::step(const StepStats& s, bool print) {
             ? fmt::format(" (compressed buckets {:.2f} MB as fp32, {:.1f} ms)",
                           double(s.bytes_uncompressed) / 1e6, s.compress_s * 1e3)
             : "",
-        s.tokens_per_s, 100 * s.mfu,
+        s.tokens_per_s, 100 * s.mfu, clock_time(s.elapsed_s), clock_time(s.eta_s),
         !s.bad.empty() ? fmt::format(" | SKIPPED ({})", s.bad)
         : s.skipped ? fmt::format(" | SKIPPED (non-finite gradients, loss scale {})", s.loss_scale)
                     : "");

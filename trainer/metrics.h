@@ -10,7 +10,10 @@
 namespace trainer {
 
 struct StepStats {
-  int64_t step = 0;
+  int64_t step = 0, total_steps = 0;
+  double time = 0;                  // wall clock when the step ended, seconds since the Unix epoch
+  int64_t tokens = 0;               // tokens trained on so far, this step's included
+  double elapsed_s = 0, eta_s = 0;  // since this process started training; the rest, estimated
   double loss = 0, lr = 0, grad_norm = 0;
   bool skipped = false;         // non-finite loss or gradient norm: no update applied
   double loss_scale = 1;        // the (fp16) loss scale the step used

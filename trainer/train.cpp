@@ -597,7 +597,14 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   std::unique_ptr<Kernels> kernels;
   if (auto failed = agree_on_setup(world, [&] {
         omp_set_num_threads(threads_per_rank(cfg, world));
-        if (!resume.empty()) checkpoint_config(resume);  // a readable checkpoint of ours
+        if (resume.empty()) return;
+        checkpoint_config(resume);  // a readable checkpoint of ours
+        const int64_t at = checkpoint_step(resume);
+        if (at >= cfg.train.steps)
+          throw ConfigError(fmt::format(
+              "{}: [train] steps = {}, but the checkpoint to resume from ({}) is at step {}: "
+              "nothing left to train (set train.steps above {})",
+              config_path, cfg.train.steps, resume, at, at));
       }))
     return *failed;
   if (auto failed = agree_on_setup(world, [&] {
@@ -780,6 +787,8 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     return at;
   };
 
+  const auto training_start = Clock::now();
+  const int64_t first_step = step;
   while (step < cfg.train.steps) {
     world.set_step(step);
     if (cfg.train.val_every > 0 && step % cfg.train.val_every == 0) evaluate(step);
@@ -789,6 +798,16 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     StepStats stats;
     try {
       stats = train_step(run, step, time_due);
+      // Where the run stands: the clock, the tokens so far, and the time to the end at this
+      // process's pace so far (evaluations, samples and checkpoints included).
+      stats.total_steps = cfg.train.steps;
+      stats.time =
+          std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+              .count();
+      stats.tokens = (run.samples_at(step + 1) - run.data_skipped) * cfg.model.seq_len;
+      stats.elapsed_s = seconds_since(training_start);
+      stats.eta_s = stats.elapsed_s / double(step + 1 - first_step) *
+                    double(std::max<int64_t>(0, cfg.train.steps - step - 1));
       if (stats.rollback) {
         if (leader) log->step(stats, true);
         step = roll_back(step);
