@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Trainer vs PyTorch on the DESIGN.md workloads, on the same machine, in one run.
+# Trainer vs PyTorch on the W-S and W-M workloads, on the same machine, in one run.
 #
 #   bench/run.sh [W-S] [W-M] [--steps N] [--warmup N] [--repeats R] [--threads N]
 #

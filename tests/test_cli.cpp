@@ -206,5 +206,43 @@ TEST_F(Cli, RedirectedLogIsLiveAndSaysWhereTheRunStands) {
   }
 }
 
+// A model whose vocabulary is not the 256 bytes (no tokenizer for it yet): its samples and
+// generate print token ids, never bytes of id & 0xFF, and a text prompt for it is an error.
+TEST_F(Cli, NonByteVocabularyPrintsTokenIds) {
+  prepare_data();
+  const std::string config = write_config("v512.toml", "v512", 2);
+  Result r = run("train " + config +
+                 " --set model.vocab_size=512 --set train.sample_every=1 --set train.val_every=0");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("step      0 | sample (token ids after token 0, no tokenizer yet): "),
+            std::string::npos)
+      << r.output;
+  auto all_ids = [](const std::string& line, int vocab) {
+    std::istringstream in(line);
+    int n = 0;
+    for (std::string word; in >> word; n++)
+      if (word.find_first_not_of("0123456789") != std::string::npos || std::stoi(word) >= vocab)
+        return -1;
+    return n;
+  };
+  std::ifstream m(path("v512/metrics.jsonl"));
+  int samples = 0;
+  for (std::string line; std::getline(m, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (!j.contains("sample")) continue;
+    samples++;
+    EXPECT_EQ(all_ids(j["sample"], 512), 20) << line;  // sample_tokens = 20
+  }
+  EXPECT_EQ(samples, 3);
+  r = run("generate --checkpoint " + path("v512") + " --tokens 12 2>/dev/null");
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(all_ids(r.output, 512), 12) << r.output;
+  r = run("generate --checkpoint " + path("v512") + " --prompt Hello");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("has a vocabulary of 512 tokens, not the 256 bytes"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
+}
+
 }  // namespace
 }  // namespace trainer

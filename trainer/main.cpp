@@ -22,18 +22,32 @@
 
 namespace {
 
-int generate(const std::string& checkpoint, const std::string& prompt, int tokens,
-             trainer::SampleOptions opts) {
+// prompt_given: --prompt was on the command line (a text prompt needs the byte vocabulary).
+int generate(const std::string& checkpoint, const std::string& prompt, bool prompt_given,
+             int tokens, trainer::SampleOptions opts) {
   using namespace trainer;
   const std::string state = resolve_checkpoint(checkpoint);
   const Config cfg = checkpoint_config(state);
+  const bool bytes = is_byte_vocabulary(cfg.model.vocab_size);
+  if (!bytes && prompt_given)
+    throw ConfigError(fmt::format(
+        "--prompt: the model in {} has a vocabulary of {} tokens, not the 256 bytes, and this "
+        "trainer has no tokenizer for it yet: it takes no text (without --prompt it samples from "
+        "token 0 and prints token ids)",
+        state, cfg.model.vocab_size));
   auto kernels = make_cpu_kernels();
   GPT model(cfg.model, *kernels, DType::f32, 1, cfg.model.seq_len);
   load_checkpoint(state, model, nullptr);
   opts.tokens = tokens;
-  const std::vector<int32_t> out =
-      sample_tokens(model, cfg.model.seq_len, byte_encode(prompt), opts);
-  fmt::print("{}{}\n", prompt, byte_decode(out));
+  const std::vector<int32_t> start = bytes ? byte_encode(prompt) : std::vector<int32_t>{0};
+  const std::vector<int32_t> out = sample_tokens(model, cfg.model.seq_len, start, opts);
+  if (bytes) {
+    fmt::print("{}{}\n", prompt, byte_decode(out));
+  } else {
+    fmt::print(stderr, "token ids (a vocabulary of {} tokens, no tokenizer yet), after token 0:\n",
+               cfg.model.vocab_size);
+    fmt::print("{}\n", ids_text(out));
+  }
   return 0;
 }
 
@@ -71,7 +85,8 @@ int main(int argc, char** argv) {
   trainer::SampleOptions sample;
   auto* gen = app.add_subcommand("generate", "sample text from a saved checkpoint");
   gen->add_option("--checkpoint", checkpoint, "checkpoint or run directory")->required();
-  gen->add_option("--prompt", prompt, "text to continue")->capture_default_str();
+  auto* prompt_option =
+      gen->add_option("--prompt", prompt, "text to continue")->capture_default_str();
   gen->add_option("--tokens", tokens, "tokens to generate")->check(CLI::Range(1, 1 << 20));
   gen->add_option("--temperature", sample.temperature, "softmax temperature")
       ->check(CLI::Range(1e-3, 100.0));
@@ -113,7 +128,7 @@ int main(int argc, char** argv) {
     }
   }
   try {
-    if (*gen) return generate(checkpoint, prompt, tokens, sample);
+    if (*gen) return generate(checkpoint, prompt, prompt_option->count() > 0, tokens, sample);
     if (*pre) return trainer::prepare(prep);
   } catch (...) {
     return trainer::report_error(std::current_exception());

@@ -452,7 +452,10 @@ std::string sample_text(Run& run, int64_t step) {
   auto next_logits = [&](const int32_t* context, int T, std::vector<float>& logits) {
     run.pipe.next_logits(context, T, logits);
   };
-  return byte_decode(sample_tokens(next_logits, run.cfg.model.vocab_size, run.cfg.model.seq_len,
+  const int V = run.cfg.model.vocab_size;
+  if (!is_byte_vocabulary(V))  // no tokenizer for it yet: token ids, from token 0
+    return ids_text(sample_tokens(next_logits, V, run.cfg.model.seq_len, {0}, opts));
+  return byte_decode(sample_tokens(next_logits, V, run.cfg.model.seq_len,
                                    byte_encode(run.cfg.train.sample_prompt), opts));
 }
 
@@ -685,7 +688,10 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   auto sample = [&](int64_t at) {
     const std::string text = sample_text(run, at);
     if (!leader) return;
-    fmt::print("step {:6d} | sample:\n{}{}\n---\n", at, cfg.train.sample_prompt, text);
+    if (is_byte_vocabulary(cfg.model.vocab_size))
+      fmt::print("step {:6d} | sample:\n{}{}\n---\n", at, cfg.train.sample_prompt, text);
+    else
+      fmt::print("step {:6d} | sample (token ids after token 0, no tokenizer yet): {}\n", at, text);
     log->event({{"step", at}, {"sample", text}});
   };
   // A finished write, as every rank saw it: logged by rank 0; false if it failed.
