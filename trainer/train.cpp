@@ -238,6 +238,10 @@ struct Run {
   int64_t samples_at(int64_t step) const {
     return data_samples + (step - data_step) * samples_per_step();
   }
+  // Tokens trained on before `step` (the samples rollbacks skipped were not trained on).
+  int64_t tokens_at(int64_t step) const {
+    return (samples_at(step) - data_skipped) * cfg.model.seq_len;
+  }
   void start_data(int64_t step, int64_t samples) {
     loader.reset();
     data_step = step;
@@ -459,8 +463,9 @@ std::string sample_text(Run& run, int64_t step) {
                                    byte_encode(run.cfg.train.sample_prompt), opts));
 }
 
-double megabytes(int64_t elems) {
-  return double(elems) * 4 / (1 << 20);
+// MB of n elements of `bytes` each (fp32 unless said).
+double megabytes(int64_t n, size_t bytes = 4) {
+  return double(n) * double(bytes) / (1 << 20);
 }
 
 // This process's peak resident memory (VmHWM), in MB; 0 where /proc does not tell.
@@ -527,17 +532,16 @@ void print_start(const Run& run) {
     fmt::print("  ... {} more ranks on {} nodes in all\n", dims.world() - kRanksListed,
                run.world.node_of(dims.world() - 1) + 1);
   const int64_t params = run.model.table().total;
-  const double param_bytes = double(dtype_size(run.model.params().dtype));
-  const double grad_bytes = double(dtype_size(run.model.grads().dtype));
+  const size_t grad_bytes = dtype_size(run.model.grads().dtype);
   fmt::print(
       "memory per rank (rank 0): params {:.2f} MB, grads {:.2f} MB, optimizer state {:.2f} MB"
       "{}\n",
-      megabytes(params) * param_bytes / 4, megabytes(params) * grad_bytes / 4,
+      megabytes(params, dtype_size(run.model.params().dtype)), megabytes(params, grad_bytes),
       megabytes(2 * run.optimizer.state_elems()),
-      cfg.parallel.zero ? fmt::format(" (ZeRO-1: 1/{} of {:.2f} MB, + {:.2f} MB gradient shard)",
-                                      dims.dp(), megabytes(2 * params),
-                                      megabytes(run.reducer.shard_elems()) * grad_bytes / 4)
-                        : "");
+      cfg.parallel.zero
+          ? fmt::format(" (ZeRO-1: 1/{} of {:.2f} MB, + {:.2f} MB gradient shard)", dims.dp(),
+                        megabytes(2 * params), megabytes(run.reducer.shard_elems(), grad_bytes))
+          : "");
   fmt::print("MFU peak: {:.1f} GFLOP/s per rank ({}), {:.1f} MFLOP/token\n", run.peak_flops / 1e9,
              cfg.run.peak_tflops > 0   ? "configured"
              : cfg.run.device == "cpu" ? "measured sgemm"
@@ -724,7 +728,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     take_snapshot(run.model, &run.optimizer, run.writes_checkpoint(), snap);
     const int64_t samples = run.samples_at(at);
     snap.state = {at,
-                  (samples - run.data_skipped) * cfg.model.seq_len,
+                  run.tokens_at(at),
                   samples,
                   run.data_skipped,
                   run.scaler.state(),
@@ -810,7 +814,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
       stats.time =
           std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
               .count();
-      stats.tokens = (run.samples_at(step + 1) - run.data_skipped) * cfg.model.seq_len;
+      stats.tokens = run.tokens_at(step + 1);
       stats.elapsed_s = seconds_since(training_start);
       stats.eta_s = stats.elapsed_s / double(step + 1 - first_step) *
                     double(std::max<int64_t>(0, cfg.train.steps - step - 1));
