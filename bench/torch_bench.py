@@ -98,9 +98,10 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
-def flop_params(model, vocab, d_model):
-    """Parameters as PaLM/nanoGPT count them: no wpe, tied head once, unpadded vocab."""
-    n = sum(p.numel() for p in model.parameters())  # the tied weight appears once
+def matmul_params(model, vocab, d_model):
+    """The weights of matrix multiplies, as trainer counts them (model/param_table.h): the
+    blocks' 2-D weights and the tied head once, its vocab unpadded."""
+    n = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2)
     n -= model.wpe.weight.numel()
     n -= (model.wte.weight.shape[0] - vocab) * d_model
     return n
@@ -181,8 +182,8 @@ def main():
 
     torch_peak = matmul_peak()
     peak = args.peak_gflops * 1e9 if args.peak_gflops else torch_peak
-    n_params = flop_params(model, VOCAB, C)
-    flops_per_token = 6.0 * n_params + 12.0 * L * C * T
+    n_params = matmul_params(model, VOCAB, C)
+    flops_per_token = 6.0 * n_params + 6.0 * L * C * T  # causal attention, as trainer counts
 
     times, fwd, bwd, upd = [], [], [], []
     for step in range(warmup + steps):
@@ -219,7 +220,7 @@ def main():
         "mfu": flops_per_token * tokens_per_s / peak,
         "peak_gflops": peak / 1e9,
         "flops_per_token": flops_per_token,
-        "params": n_params,
+        "matmul_params": n_params,
         "threads": torch.get_num_threads(),
         "blas_core": openblas_core(blas_lib),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,

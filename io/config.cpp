@@ -236,16 +236,16 @@ Config parse_config(const std::string& text, const std::string& origin,
   Origins origins;
   for (const auto& item : overrides) apply_override(root, item, origins);
 
-  static const std::set<std::string> sections = {"run",        "model",    "data",      "train",
-                                                 "optim",      "parallel", "precision", "comm",
-                                                 "checkpoint", "faults"};
+  static const std::set<std::string> sections = {"run",   "init",       "model",    "data",
+                                                 "train", "optim",      "parallel", "precision",
+                                                 "comm",  "checkpoint", "faults"};
   for (auto& [k, v] : root)
     if (!sections.count(std::string(k.str()))) {
       std::string at = where(k.source(), origin);
       for (const auto& [key, o] : origins)
         if (key.starts_with(std::string(k.str()) + ".")) at = o;
       throw ConfigError(fmt::format(
-          "{}: unknown section [{}] (expected run, model, data, train, optim, parallel, "
+          "{}: unknown section [{}] (expected run, init, model, data, train, optim, parallel, "
           "precision, comm.compression, checkpoint or faults)",
           at, k.str()));
     }
@@ -262,10 +262,13 @@ Config parse_config(const std::string& text, const std::string& origin,
 
   Config c;
   bool grad_accum_set = false;
+  std::string overwrite_at;
   {
     SectionReader r(root, "run", origin, origins);
     r.field("name", c.run.name);
     r.field("out_dir", c.run.out_dir);
+    r.field("overwrite", c.run.overwrite);
+    overwrite_at = r.origin("overwrite");
     r.field("seed", c.run.seed);
     r.field("device", c.run.device, one_of({"cpu", "cuda"}));
     r.field("gpu_memory_fraction", c.run.gpu_memory_fraction, in_range(0.01, 1.0));
@@ -273,6 +276,11 @@ Config parse_config(const std::string& text, const std::string& origin,
     r.field("threads", c.run.threads, in_range(0, 1024));
     r.field("peak_tflops", c.run.peak_tflops, at_least(0));
     r.field("phase_timing", c.run.phase_timing);
+    r.finish();
+  }
+  {
+    SectionReader r(root, "init", origin, origins);
+    r.field("from", c.init.from);
     r.finish();
   }
   {
@@ -416,6 +424,11 @@ Config parse_config(const std::string& text, const std::string& origin,
       if (!v.empty()) return std::nullopt;
       return "expected \"none\", \"auto\" or a checkpoint path, found \"\"";
     });
+    if (c.run.overwrite && k.resume != "none")
+      throw ConfigError(fmt::format(
+          "{}: run.overwrite = true removes the run in out_dir, but checkpoint.resume = \"{}\" "
+          "continues from a checkpoint: overwrite is for fresh runs (resume = \"none\")",
+          overwrite_at, k.resume));
     r.finish();
   }
   {
@@ -450,6 +463,7 @@ std::string config_to_toml(const Config& c) {
   toml::table root{
       {"run", toml::table{{"name", c.run.name},
                           {"out_dir", c.run.out_dir},
+                          {"overwrite", c.run.overwrite},
                           {"seed", int64_t(c.run.seed)},
                           {"device", c.run.device},
                           {"gpu_memory_fraction", c.run.gpu_memory_fraction},
@@ -457,6 +471,7 @@ std::string config_to_toml(const Config& c) {
                           {"threads", c.run.threads},
                           {"peak_tflops", c.run.peak_tflops},
                           {"phase_timing", c.run.phase_timing}}},
+      {"init", toml::table{{"from", c.init.from}}},
       {"model", toml::table{{"vocab_size", c.model.vocab_size},
                             {"vocab_multiple", c.model.vocab_multiple},
                             {"seq_len", c.model.seq_len},

@@ -15,12 +15,15 @@ namespace trainer {
 struct RunConfig {
   std::string name = "default";
   std::string out_dir = "runs/default";  // metrics.jsonl, config.toml, checkpoints/
+  // A fresh run into an out_dir that holds another run's files is an error unless this removes
+  // them first (trainer/run_dir.h).
+  bool overwrite = false;
   uint64_t seed = 1337;                  // init and data order
   std::string device = "cpu";            // cpu | cuda (one GPU per rank, by node-local rank)
   double gpu_memory_fraction = 0.9;      // of a GPU's free memory, reserved at start-up
   std::string gpu_collectives = "auto";  // nccl | mpi (staged through host memory) | auto
   int threads = 0;                       // OpenMP/OpenBLAS threads; 0 = all cores
-  double peak_tflops = 0;                // MFU denominator; 0 = measure sgemm at start-up
+  double peak_tflops = 0;                // MFU peak per rank; 0 = the data sheet, or measured (CPU)
   bool phase_timing =
       false;  // a GPU: wait after each micro-batch's forward and backward to time them
 };
@@ -111,8 +114,10 @@ struct CheckpointConfig {
   int keep_last = 0;         // older complete checkpoints are deleted; 0 = keep all
   bool async = true;         // a writer thread does the I/O while training goes on
   std::string dir;           // "" = <run.out_dir>/checkpoints
-  // "none": a fresh start; "auto": the newest checkpoint in dir that verifies, if any; else a
-  // checkpoint path (step directory, run directory or state.h5).
+  // "none": a fresh start (into an out_dir without another run, unless run.overwrite); "auto":
+  // the checkpoint `latest` names in dir, or the newest older one when it does not verify, or a
+  // fresh start when there is none; else a checkpoint path (step directory, run directory or
+  // state.h5).
   std::string resume = "none";
 };
 
@@ -126,8 +131,18 @@ struct FaultsConfig {
   double checkpoint_timeout_s = 0;     // the same for waiting on a checkpoint write
 };
 
+// [init]: where a fresh run's weights come from.
+struct InitConfig {
+  // "" = random (GPT-2's init from run.seed); else a checkpoint (step directory, run directory
+  // or state.h5) whose weights a fresh run starts from, in any layout or precision: a warm start
+  // or fine-tuning. The optimizer state, the step, the schedule and the data order start fresh.
+  // A run that resumes from a checkpoint of its own ignores it.
+  std::string from;
+};
+
 struct Config {
   RunConfig run;
+  InitConfig init;
   GPTConfig model;
   DataConfig data;
   TrainConfig train;

@@ -1,6 +1,7 @@
 #include "io/dataset.h"
 
 #include <fmt/format.h>
+#include <glob.h>
 
 #include <chrono>
 #include <random>
@@ -9,8 +10,26 @@
 
 namespace trainer {
 
-Dataset::Dataset(const std::vector<std::string>& paths, int vocab_size, int T) : T_(T) {
-  for (const auto& p : paths) {
+std::vector<std::string> expand_shard_paths(const std::vector<std::string>& paths) {
+  std::vector<std::string> out;
+  for (const std::string& p : paths) {
+    if (p.find_first_of("*?[") == std::string::npos) {
+      out.push_back(p);
+      continue;
+    }
+    glob_t g{};
+    const int rc = glob(p.c_str(), GLOB_ERR, nullptr, &g);
+    std::vector<std::string> matched(g.gl_pathv, g.gl_pathv + g.gl_pathc);  // sorted by glob
+    globfree(&g);
+    if (rc != 0 || matched.empty())
+      throw DataError(fmt::format("{}: no token shard matches this pattern", p));
+    out.insert(out.end(), matched.begin(), matched.end());
+  }
+  return out;
+}
+
+Dataset::Dataset(const std::vector<std::string>& patterns, int vocab_size, int T) : T_(T) {
+  for (const auto& p : expand_shard_paths(patterns)) {
     shards_.emplace_back(p, vocab_size);
     const TokenShard& s = shards_.back();
     const int64_t n = (s.size() - 1) / T;

@@ -15,8 +15,13 @@
 
 namespace trainer {
 
+// Shard paths with glob patterns ("fineweb_train_*.bin") expanded, each in sorted order;
+// a pattern that matches nothing is a DataError.
+std::vector<std::string> expand_shard_paths(const std::vector<std::string>& paths);
+
 class Dataset {
  public:
+  // `paths`: token shards, in order; glob patterns are expanded (expand_shard_paths).
   Dataset(const std::vector<std::string>& paths, int vocab_size, int T);
 
   int64_t windows() const { return int64_t(starts_.size()); }

@@ -62,8 +62,17 @@ class Kernels {
     int64_t reserved = 0, peak = 0;
   };
   virtual MemoryUse memory() const { return {}; }
-  // Peak dense matrix-multiply FLOP/s in `dtype` (the MFU denominator), or 0 when unknown.
+  // The MFU denominator: peak dense matrix-multiply FLOP/s in `dtype`, or 0 when unknown. A GPU
+  // answers its data sheet's dense peak, or the peak set below. The CPU answers the best rate
+  // it has been seen to reach (kernels/flop_meter.h): the higher of its floor (the start-up
+  // measurement or the peak set below) and the best matmul or attention call so far, so that
+  // the model's FLOP/s can never exceed it.
   virtual double peak_flops(DType) const { return 0; }
+  // A peak configured or measured elsewhere: replaces a GPU's data sheet; the CPU's floor.
+  virtual void set_peak_flops(double /*flops_per_s*/) {}
+  // Measures the peak where the backend can (the CPU: the best of several short sgemm bursts),
+  // makes it the floor and returns it; 0 where it cannot.
+  virtual double measure_peak_flops() { return 0; }
   // fp32 host values from and to a buffer of any dtype (16-bit and f64 converted on the way).
   void download_f32(float* dst, DPtr src, int64_t elems) {
     if (src.dtype == DType::f32) return copy_to_host(dst, src, elems);

@@ -163,11 +163,16 @@ ParamTable gpt2_param_table(const GPTConfig& cfg, const ModelShard& shard, int64
   return table;
 }
 
-int64_t gpt2_flop_params(const GPTConfig& cfg) {
+int64_t gpt2_matmul_params(const GPTConfig& cfg) {
   int64_t n = 0;
   for (const auto& p : gpt2_param_table(cfg).params)
-    if (p.name != "wpe.weight") n += p.logical_numel();
+    if (p.kind == ParamKind::matrix || p.name == "wte.weight") n += p.logical_numel();
   return n;
+}
+
+double gpt2_flops_per_token(const GPTConfig& cfg) {
+  return 6.0 * double(gpt2_matmul_params(cfg)) +
+         6.0 * cfg.n_layer * cfg.d_model * double(cfg.seq_len);
 }
 
 }  // namespace trainer

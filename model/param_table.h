@@ -99,8 +99,15 @@ inline ParamTable gpt2_param_table(const GPTConfig& cfg) {
   return gpt2_param_table(cfg, ModelShard::whole(cfg));
 }
 
-// Parameters in the model proper, as PaLM/nanoGPT count them for FLOPs: without the position
-// embedding, the tied head counted once, the vocab unpadded.
-int64_t gpt2_flop_params(const GPTConfig& cfg);
+// The weights that take part in matrix multiplies (the blocks' four matrices and the tied
+// head, its vocab unpadded): 2 FLOPs each per token forward, 4 backward.
+int64_t gpt2_matmul_params(const GPTConfig& cfg);
+
+// Model FLOPs per token trained (forward and backward), the MFU numerator: 6 per matmul weight
+// and 6 L C T for causal attention (QK^T and AV over the lower triangle; PaLM and nanoGPT count
+// the full square, 12 L C T, which no causal kernel executes). Every FLOP counted here is
+// executed by a matmul or attention call, which is what bounds MFU by 100% on the CPU
+// (kernels/flop_meter.h).
+double gpt2_flops_per_token(const GPTConfig& cfg);
 
 }  // namespace trainer

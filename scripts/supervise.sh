@@ -2,7 +2,8 @@
 # Runs a training command and relaunches it after a failure, so that a run with
 # `--set checkpoint.resume=auto` continues from its newest checkpoint:
 #
-#   scripts/supervise.sh [--retries N] [--delay SECONDS] [--log FILE] -- COMMAND [ARGS...]
+#   scripts/supervise.sh [--retries N] [--delay SECONDS] [--grace SECONDS] [--log FILE] \
+#       -- COMMAND [ARGS...]
 #   scripts/supervise.sh --retries 5 -- mpirun -np 4 build/trainer train cfg.toml \
 #       --set checkpoint.resume=auto
 #
@@ -15,15 +16,27 @@
 # Every restart counts against --retries (default 3, so at most 4 attempts); when it is
 # spent the supervisor exits with the last attempt's code.
 #
-# SIGTERM, SIGUSR1 and SIGINT sent to the supervisor are forwarded to the command; it then
-# does not restart and exits with the command's code (75 after a checkpoint, so that Slurm
-# or whoever sent the signal can requeue the job). Open MPI's mpirun forwards such a signal
-# to the ranks but reports its own exit code (1) rather than theirs.
+# The trainer's code is read from the run's status (trainer/run_dir.h), not only from the
+# command's exit: the supervisor points TRAINER_STATUS_FILE at a file of its own (unless it is
+# set already), and the trainer's rank 0 writes the run's final state there once every rank
+# has finished, checkpoint included. The command runs in a session of its own, and after it
+# exits the supervisor waits (at most --grace seconds, default 120) until no process of that
+# session is left: a launcher that returns before its ranks (mpirun given SIGTERM exits 1 at
+# once while its ranks still write their checkpoint) then cannot make the supervisor report
+# or restart anything while they run. A status that is final gives the code; a run that left
+# "running" (a crash) or no status at all (bad input, not the trainer) leaves the command's.
+#
+# SIGTERM and SIGUSR1 sent to the supervisor are forwarded to the command as SIGUSR1, which
+# the trainer treats like SIGTERM (finish the step, checkpoint, exit 75) and which Open MPI's
+# mpirun and Slurm's srun pass on to every rank while waiting for them (on SIGTERM, mpirun
+# exits at once with its own code 1). SIGINT is forwarded as SIGINT. After a forwarded signal
+# the supervisor does not restart; it exits with the trainer's code (75 after a checkpoint, so
+# that Slurm or whoever sent the signal can requeue the job).
 #
 # The command sees TRAINER_SUPERVISE_ATTEMPT=<k> (1-based) in its environment.
 set -euo pipefail
 
-usage="usage: supervise.sh [--retries N] [--delay SECONDS] [--log FILE] -- COMMAND [ARGS...]"
+usage="usage: supervise.sh [--retries N] [--delay SECONDS] [--grace SECONDS] [--log FILE] -- COMMAND [ARGS...]"
 
 die_usage() {
   printf 'supervise: %s; %s\n' "$1" "$usage" >&2
@@ -32,16 +45,17 @@ die_usage() {
 
 retries=3
 delay=5
+grace=120
 log=""
 
 while (($# > 0)); do
   case "$1" in
-    --retries | --delay | --log)
+    --retries | --delay | --grace | --log)
       (($# >= 2)) || die_usage "$1 needs a value"
       opt=$1 val=$2
       shift 2
       ;;
-    --retries=* | --delay=* | --log=*)
+    --retries=* | --delay=* | --grace=* | --log=*)
       opt=${1%%=*} val=${1#*=}
       shift
       ;;
@@ -63,6 +77,10 @@ while (($# > 0)); do
     --delay)
       [[ $val =~ ^[0-9]+([.][0-9]+)?$ ]] || die_usage "--delay wants seconds >= 0, got '$val'"
       delay=$val
+      ;;
+    --grace)
+      [[ $val =~ ^[0-9]+$ ]] || die_usage "--grace wants whole seconds >= 0, got '$val'"
+      grace=$((10#$val))
       ;;
     --log)
       [[ -n $val ]] || die_usage "--log wants a file name"
@@ -112,10 +130,12 @@ trapped=0     # set by a trap: `wait` returned early and must be repeated
 on_signal() {
   signalled=$1
   trapped=1
+  local forward=USR1  # TERM too: see the header
+  [[ $1 == INT ]] && forward=INT
   if [[ -n $child_pid ]]; then
-    kill -s "$1" "$child_pid" 2>/dev/null || true
+    kill -s "$forward" "$child_pid" 2>/dev/null || true
   else
-    pending=$1
+    pending=$forward
   fi
   if [[ -n $sleep_pid ]]; then
     kill "$sleep_pid" 2>/dev/null || true
@@ -141,6 +161,38 @@ wait_child() {
   done
 }
 
+# The run's status file (trainer/run_dir.h): the trainer's own if set, else one of ours.
+status_dir=""
+if [[ -z ${TRAINER_STATUS_FILE:-} ]]; then
+  status_dir=$(mktemp -d)
+  trap 'rm -rf "$status_dir"' EXIT
+  export TRAINER_STATUS_FILE=$status_dir/status.json
+fi
+
+# Waits (at most --grace seconds) until no process of session $1 is left: the ranks a launcher
+# left behind finish their checkpoint and their status first.
+wait_session() {
+  local i
+  for ((i = 0; i < grace * 10; i++)); do
+    pgrep -s "$1" >/dev/null 2>&1 || return 0
+    sleep 0.1
+  done
+  say "processes of attempt $k still running after --grace $grace s"
+}
+
+# Sets status_code and status_text from a final status ("" when there is none).
+read_status() {
+  status_code="" status_text=""
+  [[ -f $TRAINER_STATUS_FILE ]] || return 0
+  local line
+  line=$(<"$TRAINER_STATUS_FILE")
+  [[ $line =~ \"state\":\"(finished|stopped|failed)\" ]] || return 0
+  status_text=${BASH_REMATCH[1]}
+  [[ $line =~ \"code\":([0-9]+) ]] && status_code=${BASH_REMATCH[1]}
+  if [[ $line =~ \"reason\":\"([^\"]*)\" ]]; then status_text+=": ${BASH_REMATCH[1]}"; fi
+  return 0
+}
+
 attempts=$((retries + 1))
 rc=0
 for ((k = 1; k <= attempts; k++)); do
@@ -151,11 +203,14 @@ for ((k = 1; k <= attempts; k++)); do
     exit "$rc"
   fi
   export TRAINER_SUPERVISE_ATTEMPT=$k
+  rm -f "$TRAINER_STATUS_FILE"
   # Asynchronous commands of a non-interactive shell start with SIGINT and SIGQUIT ignored,
-  # which would make a forwarded SIGINT a no-op: restore the defaults before exec.
+  # which would make a forwarded SIGINT a no-op: restore the defaults before exec. setsid
+  # makes the command the leader of a new session (its pid is the session id) that its
+  # local processes keep even when it exits before them.
   (
     trap - INT QUIT
-    exec "$@"
+    exec setsid "$@"
   ) &
   child_pid=$!
   if [[ -n $pending ]]; then
@@ -163,8 +218,15 @@ for ((k = 1; k <= attempts; k++)); do
     pending=""
   fi
   wait_child "$child_pid"
+  wait_session "$child_pid"
   child_pid=""
+  read_status
   what="attempt $k/$attempts exited with $(describe "$rc")"
+  if [[ -n $status_code ]] && ((status_code != rc)); then
+    what="attempt $k/$attempts: the command exited with $rc; the trainer's status: $(describe "$status_code")"
+    rc=$status_code
+  fi
+  [[ -n $status_text ]] && say "attempt $k/$attempts: trainer status $status_text"
 
   if ((rc == 0)); then
     say "$what; done"

@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <string>
 #include <vector>
@@ -144,6 +145,67 @@ TEST_F(MpiCli, SigtermCheckpointsAndExitsForRequeue) {
       << resumed.output;
 }
 
+// Requeue through a real mpirun under scripts/supervise.sh (steps of about 2 ms, so that the
+// signals land mid-run even when the ranks starve the polling shell of CPU). SIGTERM to the
+// supervisor reaches the ranks (as USR1, which mpirun passes on and waits for), and the supervisor
+// returns the trainer's 75 only once the checkpoint is written and no rank is left. SIGTERM
+// straight to mpirun makes it exit 1 at once while its ranks still write their checkpoint: the
+// supervisor waits for them, takes the code from the run's status file, restarts, and the run
+// finishes bitwise equal to an uninterrupted one.
+TEST_F(MpiCli, RequeueThroughMpirunUnderTheSupervisor) {
+  const std::string common =
+      "--set train.steps=2000 --set train.micro_batch=16 --set model.d_model=32 "
+      "--set parallel.dp=2 --set train.log_every=100000 ";
+  ASSERT_EQ(mpirun(2, common + "--set run.out_dir=" + quoted(path("full"))).code, 0);
+  auto supervised = [&](const std::string& out) {
+    return "timeout 120 " + test::source_dir() + "/scripts/supervise.sh --retries 1 --delay 0 -- " +
+           test::mpiexec() + " -q --allow-run-as-root --oversubscribe -np 2 " +
+           test::trainer_bin() + " train " + path("run.toml") + " " + common +
+           "--set checkpoint.resume=" + quoted("auto") + " --set run.out_dir=" + quoted(out);
+  };
+  auto status = [&](const std::string& out) {
+    std::ifstream in(out + "/status.json");
+    return nlohmann::json::parse(in);
+  };
+
+  // SIGTERM to the supervisor.
+  auto r = test::run_command("(exec " + supervised(path("out")) + ") & s=$!; " + wait_for_step(20) +
+                             "kill -TERM $s; wait $s; rc=$?; echo \"ranks " + "left: $(pgrep -fc " +
+                             ranks_pattern() + ")\"; exit $rc");
+  EXPECT_EQ(r.code, 75) << r.output;
+  EXPECT_EQ(count(r.output,
+                  "attempt 1/2 exited with 75 (stopped after checkpoint) after SIGTERM; "
+                  "not restarting"),
+            1)
+      << r.output;
+  EXPECT_EQ(count(r.output, "ranks left: 0"), 1) << r.output;
+  const std::string name = latest_of(path("out/checkpoints"));
+  ASSERT_TRUE(name.starts_with("step_")) << r.output;
+  const int64_t stopped = std::stoll(name.substr(5));
+  EXPECT_GT(stopped, 20);
+  const nlohmann::json st = status(path("out"));
+  EXPECT_EQ(st["state"], "stopped") << st;
+  EXPECT_EQ(st["code"], 75) << st;
+  EXPECT_EQ(st["step"], stopped) << st;
+
+  // SIGTERM straight to mpirun, which returns before its ranks.
+  const std::string out2 = path("out2");
+  r = test::run_command("(exec " + supervised(out2) + ") & s=$!; " +
+                        "for i in $(seq 1 3000); do grep -q '\"step\":20,' " + out2 +
+                        "/metrics.jsonl 2>/dev/null && break; sleep 0.02; done; pkill -TERM -f '^" +
+                        test::mpiexec() + " -q .*" + path("run.toml") + "'; wait $s");
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(
+      count(r.output, "the trainer's status: 75 (stopped after checkpoint); restarting in 0 s"), 1)
+      << r.output;
+  EXPECT_EQ(count(r.output, "attempt 2/2 exited with 0; done"), 1) << r.output;
+  EXPECT_EQ(status(out2)["state"], "finished");
+  GPTConfig model = cli_model();
+  model.d_model = 32;
+  expect_same_tensors(path("full/checkpoints/step_00002000/state.h5"),
+                      out2 + "/checkpoints/step_00002000/state.h5", model);
+}
+
 }  // namespace
 }  // namespace trainer
 
@@ -178,7 +240,9 @@ TEST_F(MpiCli, AutoResumeSkipsADamagedNewestCheckpoint) {
                                   " at step 6"),
               1)
         << r.output;
-    fs::remove_all(path("out/checkpoints/step_00000008"));  // what that resumed run wrote
+    // Undo what that resumed run wrote: its checkpoint, and `latest` moved to it.
+    fs::remove_all(path("out/checkpoints/step_00000008"));
+    std::ofstream(path("out/checkpoints/latest")) << "step_00000012\n";
   }
 }
 

@@ -1,7 +1,14 @@
 // Config parsing: typed sections with defaults, and one clear error per kind of bad input.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+
+#include "comm/parallel_dims.h"
 #include "io/config.h"
+#include "test_util.h"
 
 namespace trainer {
 namespace {
@@ -49,7 +56,7 @@ TEST(Config, UnknownKeyNamesFileLineColumnAndKey) {
 
 TEST(Config, UnknownSection) {
   EXPECT_EQ(error_of("[modle]\nn_layer = 2\n"),
-            "run.toml:1:2: unknown section [modle] (expected run, model, data, train, optim, "
+            "run.toml:1:2: unknown section [modle] (expected run, init, model, data, train, optim, "
             "parallel, precision, comm.compression, checkpoint or faults)");
 }
 
@@ -104,9 +111,10 @@ TEST(Config, OverridesUseTheSameRules) {
   EXPECT_EQ(error_of("", {"model.n_layers=2"}),
             "--set model.n_layers=2: [model] n_layers: unknown key");
   EXPECT_EQ(error_of("", {"nolayers"}), "--set nolayers: expected section.key=value");
-  EXPECT_EQ(error_of("", {"modle.n_layer=2"}),
-            "--set modle.n_layer=2: unknown section [modle] (expected run, model, data, train, "
-            "optim, parallel, precision, comm.compression, checkpoint or faults)");
+  EXPECT_EQ(
+      error_of("", {"modle.n_layer=2"}),
+      "--set modle.n_layer=2: unknown section [modle] (expected run, init, model, data, train, "
+      "optim, parallel, precision, comm.compression, checkpoint or faults)");
   EXPECT_EQ(error_of("[model]\nd_model = 64\n", {"model.n_head=5"}),
             "--set model.n_head=5: [model] n_head: n_head = 5 must divide d_model = 64");
 }
@@ -120,6 +128,31 @@ TEST(Config, ResolvedConfigRoundTrips) {
   EXPECT_DOUBLE_EQ(back.optim.lr, 0.01);
   EXPECT_EQ(back.train.sample_prompt, "Once upon");
   EXPECT_EQ(config_to_toml(back), config_to_toml(c));
+}
+
+// Every config shipped in configs/ parses, validates, and lays out on the world its comment
+// asks for (dp x tp x pp ranks); where the comment states the global batch ("= N tokens per
+// step"), the batch keys give exactly that.
+TEST(Config, EveryShippedConfigValidates) {
+  int checked = 0;
+  for (const auto& e : std::filesystem::directory_iterator(test::source_dir() + "/configs")) {
+    if (e.path().extension() != ".toml") continue;
+    SCOPED_TRACE(e.path().string());
+    const Config c = load_config(e.path().string());
+    const int dp = std::max(c.parallel.dp, 1);
+    EXPECT_NO_THROW(ParallelDims::make(dp * c.parallel.tp * c.parallel.pp, c.parallel.dp,
+                                       c.parallel.tp, c.parallel.pp, c.parallel.order, c.model));
+    std::ifstream in(e.path());
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::smatch m;
+    if (std::regex_search(text, m, std::regex(R"(= ([0-9,]+) tokens per step)"))) {
+      const std::string digits = std::regex_replace(m[1].str(), std::regex(","), "");
+      EXPECT_EQ(int64_t(c.train.micro_batch) * c.model.seq_len * dp * c.train.grad_accum,
+                std::stoll(digits));
+    }
+    checked++;
+  }
+  EXPECT_GE(checked, 4);  // tiny, GPT-2 124M, 350M and 1.5B
 }
 
 TEST(Config, MissingFile) {

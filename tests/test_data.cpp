@@ -159,6 +159,23 @@ TEST_F(DataTest, WindowsAndTheirTargets) {
   EXPECT_THROW(Dataset({path("w.bin")}, 256, 200), DataError);
 }
 
+// data.train may name shards by glob pattern (llm.c writes 100 of them): expanded in sorted
+// order, so shard_10 follows shard_09; a pattern that matches nothing is a data error.
+TEST_F(DataTest, ShardPatternsExpandInSortedOrder) {
+  for (const char* name : {"shard_10.bin", "shard_09.bin", "shard_00.bin", "other.bin"})
+    write_token_shard(path(name), ramp(21, 256), 256);
+  EXPECT_EQ(expand_shard_paths({path("shard_*.bin"), path("other.bin")}),
+            (std::vector<std::string>{path("shard_00.bin"), path("shard_09.bin"),
+                                      path("shard_10.bin"), path("other.bin")}));
+  EXPECT_EQ(Dataset({path("shard_*.bin")}, 256, 10).windows(), 3 * 2);
+  try {
+    Dataset({path("val_*.bin")}, 256, 10);
+    FAIL();
+  } catch (const DataError& e) {
+    EXPECT_EQ(std::string(e.what()), path("val_*.bin") + ": no token shard matches this pattern");
+  }
+}
+
 TEST_F(DataTest, SampleOrderIsAPermutationPerEpochAndPureInSeed) {
   SampleOrder a(50, 1), b(50, 1), c(50, 2);
   std::set<int64_t> epoch0, epoch1;

@@ -4,6 +4,7 @@
 // values that cancel to near zero.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 
 #include "test_util.h"
@@ -362,6 +363,42 @@ TEST(Kernels, AdamWMatchesReference) {
   EXPECT_TRUE(all_close(d.download<float>(pd, n), pw, kRtol, kAtol));
   EXPECT_TRUE(all_close(d.download<float>(md, n), mw, kRtol, kAtol));
   EXPECT_TRUE(all_close(d.download<float>(vd, n), vw, kRtol, 1e-7));
+}
+
+// The CPU's MFU peak is the best rate it has been seen to reach: a floor (configured or
+// measured by bursts) that its own matmul and attention calls raise and nothing lowers. The
+// rate a caller measures around a call (which includes the call's own timing) can never
+// exceed it.
+TEST(Kernels, CpuPeakIsTheBestRateSeen) {
+  Device d;
+  EXPECT_EQ(d.k->peak_flops(DType::f32), 0.0);  // nothing measured or seen yet
+  d.k->set_peak_flops(1e3);
+  EXPECT_EQ(d.k->peak_flops(DType::f32), 1e3);
+  const int N = 256, IC = 256, OC = 256;
+  DPtr out = d.upload(std::vector<float>(N * OC)), x = d.upload(random_vector(N * IC, 1)),
+       w = d.upload(random_vector(OC * IC, 2));
+  const auto t0 = std::chrono::steady_clock::now();
+  d.k->matmul_forward(out, x, w, DPtr{}, N, IC, OC);
+  const double seen = 2.0 * N * IC * OC /
+                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_GE(d.k->peak_flops(DType::f32), seen);
+  const double after_matmul = d.k->peak_flops(DType::f32);
+  d.k->set_peak_flops(1.0);  // a lower floor does not lower it
+  EXPECT_EQ(d.k->peak_flops(DType::f32), after_matmul);
+  // Attention counts the causal half: the rate it reports is at least the caller's rate for it.
+  const int B = 2, T = 128, C = 64, NH = 4;
+  DPtr qkv = d.upload(random_vector(B * T * 3 * C, 3)), y = d.upload(std::vector<float>(B * T * C)),
+       att = d.upload(std::vector<float>(B * NH * T * T));
+  Device fresh;
+  const auto t1 = std::chrono::steady_clock::now();
+  fresh.k->attention_forward(y, att, qkv, B, T, C, NH);
+  const double attention_rate =
+      2.0 * 2.0 * B * C * (T * (T + 1) / 2.0) /
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+  EXPECT_GE(fresh.k->peak_flops(DType::f32), attention_rate);
+  const double measured = fresh.k->measure_peak_flops();
+  EXPECT_GT(measured, 1e8);  // any CPU that runs this sgemm does more than 0.1 GFLOP/s
+  EXPECT_GE(fresh.k->peak_flops(DType::f32), measured);
 }
 
 }  // namespace

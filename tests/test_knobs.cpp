@@ -271,6 +271,27 @@ TEST_F(MpiCli, PeakAndThreadsReachTheRun) {
   EXPECT_NE(two_log.find("MFU peak: 2000.0 GFLOP/s per rank (configured)"), std::string::npos);
 }
 
+// MFU cannot exceed 100%, however wrong the start-up peak: here it is set to 1 MFLOP/s, as a
+// start-up measurement disturbed a thousandfold would give (MFU was 10^5 % before). The model's
+// own matmuls raise every rank's peak, the step records carry the world's peak, and MFU stays
+// at or below 1 on one rank and on two unequal pipeline stages.
+TEST_F(MpiCli, MfuCannotExceedOneWhenTheStartUpPeakIsWrong) {
+  for (const auto& [ranks, layout] :
+       {std::pair{1, std::string()}, std::pair{2, std::string("--set parallel.pp=2 ")}}) {
+    const std::string out = path("out" + std::to_string(ranks));
+    const auto r = mpirun(ranks, "--set train.steps=3 --set run.peak_tflops=1e-6 " + layout +
+                                     "--set run.out_dir=" + quoted(out));
+    ASSERT_EQ(r.code, 0) << r.output;
+    const auto steps = step_records(out);
+    ASSERT_EQ(steps.size(), 3u);
+    for (const auto& j : steps) {
+      EXPECT_GT(double(j["mfu"]), 0.0) << j;
+      EXPECT_LE(double(j["mfu"]), 1.0) << j;
+      EXPECT_GT(double(j["peak_flops"]), ranks * 1e6) << j;  // raised above the floor
+    }
+  }
+}
+
 // The learning rate the optimizer applies: Adam's first update moves every parameter by the
 // step's learning rate (m / sqrt(v) = sign(g)), so the biases, which start at zero and are not
 // decayed, end the first step at +-lr(0) = lr / warmup_steps. And which parameters weight decay
@@ -347,9 +368,10 @@ TEST_F(MpiCli, LoggingValidationAndSamplingFollowTheirIntervals) {
 
   auto val_loss = [&](int batches) {
     const std::string o = path("val" + std::to_string(batches));
-    const auto v =
-        mpirun(1, "--set train.steps=1 --set train.val_every=1 --set train.val_batches=" +
-                      std::to_string(batches) + " --set run.out_dir=" + quoted(o));
+    const auto v = mpirun(1,
+                          "--set train.steps=1 --set train.val_every=1 --set run.overwrite=true "
+                          "--set train.val_batches=" +
+                              std::to_string(batches) + " --set run.out_dir=" + quoted(o));
     EXPECT_EQ(v.code, 0) << v.output;
     std::ifstream in(o + "/metrics.jsonl");
     std::string line;
@@ -419,7 +441,7 @@ TEST_F(MpiCli, HungCheckpointWritesEndTheJobAfterTheTimeout) {
     const auto t0 = std::chrono::steady_clock::now();
     const auto r = mpirun(2,
                           "--set train.steps=6 --set checkpoint.every_steps=2 "
-                          "--set faults.checkpoint_timeout_s=1 " +
+                          "--set faults.checkpoint_timeout_s=1 --set run.overwrite=true " +
                               set,
                           std::string(funneled ? "TRAINER_MPI_THREAD_LEVEL=funneled " : "") +
                               "TRAINER_TEST_WRITE_DELAY=2,40 ");

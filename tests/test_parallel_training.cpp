@@ -269,7 +269,7 @@ TEST_F(MpiCli, BadInputOfOtherKindsUnderMpirun) {
 // ZeRO-1 divides the optimizer state per rank by dp; the start-up report says so.
 TEST_F(MpiCli, ZeroOneShardsTheOptimizerState) {
   auto state_mb = [&](const std::string& settings) {
-    const auto r = mpirun(2, "--set parallel.dp=2 " + settings);
+    const auto r = mpirun(2, "--set parallel.dp=2 --set run.overwrite=true " + settings);
     EXPECT_EQ(r.code, 0) << r.output;
     const size_t at = r.output.find("optimizer state ");
     EXPECT_NE(at, std::string::npos) << r.output;

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Control-flow test of scripts/supervise.sh with small shell commands standing in for the
 # trainer (no build needed): retries, exit codes 0/2/75, signal names, signal forwarding,
-# the attempt variable, --log and argument errors. Prints PASS/FAIL per case; exits 1 if
+# the attempt variable, --log, the run's status file and the wait for what a launcher leaves
+# behind, and argument errors. Prints PASS/FAIL per case; exits 1 if
 # any case failed. Runs in a few seconds.
 # The child commands are single-quoted on purpose: they expand in the child.
 # shellcheck disable=SC2016
@@ -216,6 +217,54 @@ else
   else pass $name; fi
 fi
 
+# --- the trainer's status decides, not the launcher's code -------------------------------
+# A launcher that exits 1 while the run's status (written by "rank 0" in $TRAINER_STATUS_FILE)
+# says it stopped after a checkpoint: restarted as a 75, and the status is reported.
+name=status_overrides_launcher_code
+c="$tmp/$name"
+run_sup --retries 1 --delay 0 -- bash -c 'echo x >>"$1"
+  echo "{\"code\":75,\"reason\":\"stopped by a signal\",\"state\":\"stopped\",\"step\":4}" >"$TRAINER_STATUS_FILE"
+  exit 1' _ "$c"
+if [[ $rc != 75 ]]; then fail $name "exit $rc, want 75"
+elif [[ $(count "$c") != 2 ]]; then fail $name "$(count "$c") attempts, want 2"
+elif ! has "attempt 1/2: trainer status stopped: stopped by a signal" ||
+  ! has "attempt 1/2: the command exited with 1; the trainer's status: 75 (stopped after checkpoint); restarting in 0 s"; then
+  fail $name "messages"
+else pass $name; fi
+
+# A status left "running" (a crash) leaves the launcher's code.
+name=running_status_is_a_crash
+c="$tmp/$name"
+run_sup --retries 0 --delay 0 -- bash -c 'echo x >>"$1"
+  echo "{\"code\":null,\"state\":\"running\",\"step\":4}" >"$TRAINER_STATUS_FILE"; exit 9' _ "$c"
+if [[ $rc != 9 ]]; then fail $name "exit $rc, want 9"
+elif has "trainer status"; then fail $name "reported a status"
+else pass $name; fi
+
+# The launcher returns before its "ranks": the supervisor waits for every process of the
+# command's session, and only then reads the status they wrote.
+name=waits_for_processes_the_launcher_left
+c="$tmp/$name"
+start=$SECONDS
+run_sup --retries 0 --delay 0 -- bash -c 'echo x >>"$1"
+  (sleep 1; echo "{\"code\":0,\"state\":\"finished\",\"step\":8}" >"$TRAINER_STATUS_FILE") &
+  exit 1' _ "$c"
+if [[ $rc != 0 ]]; then fail $name "exit $rc, want 0"
+elif ((SECONDS - start < 1)); then fail $name "did not wait"
+elif ! has "the trainer's status: 0; done"; then fail $name "message"
+else pass $name; fi
+
+# ... but not longer than --grace.
+name=grace_bounds_the_wait
+c="$tmp/$name"
+start=$SECONDS
+run_sup --retries 0 --delay 0 --grace 1 -- bash -c 'echo x >>"$1"; (exec sleep 30) & exit 1' _ "$c"
+if [[ $rc != 1 ]]; then fail $name "exit $rc, want 1"
+elif ((SECONDS - start > 5)); then fail $name "took $((SECONDS - start)) s"
+elif ! has "processes of attempt 1 still running after --grace 1 s"; then fail $name "message"
+else pass $name; fi
+pkill -f "^sleep 30$" 2>/dev/null || true
+
 # --- argument errors: one line on stderr, exit 2 -------------------------------------------
 bad_usage() {
   local name=$1
@@ -231,6 +280,7 @@ bad_usage usage_no_command --retries 1 --
 bad_usage usage_unknown_option --bogus -- true
 bad_usage usage_bad_retries --retries x -- true
 bad_usage usage_negative_delay --delay -1 -- true
+bad_usage usage_bad_grace --grace 1.5 -- true
 bad_usage usage_missing_value --log
 bad_usage usage_command_not_found -- /nonexistent/trainer
 

@@ -1,6 +1,7 @@
 #include "trainer/checkpoint.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <chrono>
@@ -403,7 +404,29 @@ void verify_checkpoint(const std::string& state_file, const GPTConfig& model) {
 
 std::string newest_valid_checkpoint(const std::string& dir, const GPTConfig& model,
                                     std::vector<std::string>& rejected) {
-  for (const std::string& name : complete_checkpoints(dir)) {
+  std::vector<std::string> candidates = complete_checkpoints(dir);
+  // `latest` moves only once a checkpoint is complete: the run's newest is the one it names.
+  // Newer directories are not this run's (or their write did not finish); older ones are the
+  // fall-back when it does not verify.
+  std::string latest;
+  if (std::ifstream in(fs::path(dir) / "latest"); in >> latest) {
+    std::vector<std::string> ordered;
+    if (std::find(candidates.begin(), candidates.end(), latest) != candidates.end())
+      ordered.push_back(latest);
+    else
+      rejected.push_back(fmt::format("{}: `latest` names {}, which is not a complete checkpoint",
+                                     (fs::path(dir) / "latest").string(), latest));
+    for (const std::string& name : candidates)
+      if (name < latest)
+        ordered.push_back(name);
+      else if (name > latest)
+        rejected.push_back(
+            fmt::format("{}: newer than `latest` ({}): not this run's checkpoint, "
+                        "or its write did not finish",
+                        (fs::path(dir) / name).string(), latest));
+    candidates = std::move(ordered);
+  }
+  for (const std::string& name : candidates) {
     const std::string state = (fs::path(dir) / name / "state.h5").string();
     try {
       verify_checkpoint(state, model);
@@ -415,39 +438,88 @@ std::string newest_valid_checkpoint(const std::string& dir, const GPTConfig& mod
   return "";
 }
 
+namespace {
+
+// This rank's elements of a group of tensors ("params/", "optim/m/"), in the flat layout of its
+// parameters. Each rank reads only the boxes of its slices (the values arrive in local order).
+std::vector<float> read_local(const H5File& f, const GPT& model, const std::string& group) {
+  const ParamTable full = gpt2_param_table(model.config());
+  std::vector<float> flat(model.table().total, 0.0f);
+  for (const ParamInfo& p : model.table().params) {
+    std::vector<Box> boxes;
+    append_boxes(p, 0, p.local_numel(), boxes);
+    f.read_part(group + p.name, full.at(p.name).shape, boxes, flat.data() + p.offset);
+  }
+  return flat;
+}
+
+// flat (read_local's layout) -> a state buffer indexed by the optimizer's segments.
+void upload_state(Kernels& k, const AdamW& optimizer, const std::vector<float>& flat, DPtr state) {
+  std::vector<float> host(optimizer.state_elems(), 0.0f);
+  for (const AdamW::Segment& s : optimizer.segments())
+    std::copy(flat.begin() + s.offset, flat.begin() + s.offset + s.count,
+              host.begin() + s.state_offset);
+  k.upload_f32(state, host.data(), optimizer.state_elems());
+}
+
+// The weights into the model and, when it computes in 16 bits, the fp32 master.
+void load_params(const H5File& f, GPT& model, AdamW* optimizer) {
+  const std::vector<float> params = read_local(f, model, "params/");
+  model.kernels().upload_f32(model.params(), params.data(), model.table().total);
+  if (optimizer && optimizer->master())
+    upload_state(model.kernels(), *optimizer, params, optimizer->master());
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  return fmt::format("[{}]", fmt::join(shape, ", "));
+}
+
+}  // namespace
+
+void check_weights(const std::string& state_file, const GPTConfig& model) {
+  H5File f = H5File::open_read(state_file);
+  check_version(f, state_file);
+  const int64_t n_layer = f.attr_int("n_layer"), n_head = f.attr_int("n_head");
+  for (const ParamInfo& p : gpt2_param_table(model).params) {
+    if (!f.exists("params/" + p.name))
+      throw CheckpointError(
+          fmt::format("{}: no tensor params/{}, which this model needs ({}; "
+                      "the checkpoint's model has n_layer = {})",
+                      state_file, p.name, shape_text(p.shape), n_layer));
+    const std::vector<int64_t> shape = f.shape("params/" + p.name);
+    if (shape != p.shape)
+      throw CheckpointError(fmt::format("{}: params/{} has shape {}, this model's is {}",
+                                        state_file, p.name, shape_text(shape),
+                                        shape_text(p.shape)));
+  }
+  // A deeper model's blocks would be silently dropped.
+  const std::string extra = "params/h." + std::to_string(model.n_layer) + ".ln1.weight";
+  if (f.exists(extra))
+    throw CheckpointError(
+        fmt::format("{}: {} has no place in this model (n_layer = {} there, {} here)", state_file,
+                    extra, n_layer, model.n_layer));
+  if (n_head != model.n_head)  // the same shapes, another model
+    throw CheckpointError(
+        fmt::format("{}: checkpoint is for a model with n_head = {}, this "
+                    "model has n_head = {}",
+                    state_file, n_head, model.n_head));
+}
+
+void load_weights(const std::string& state_file, GPT& model, AdamW* optimizer) {
+  check_weights(state_file, model.config());
+  H5File f = H5File::open_read(state_file);
+  load_params(f, model, optimizer);
+}
+
 TrainState load_checkpoint(const std::string& state_file, GPT& model, AdamW* optimizer,
                            std::vector<float>* comm_state, int rank) {
   H5File f = H5File::open_read(state_file);
   check_version(f, state_file);
   check_dims(f, state_file, model.config());
-  const ParamTable full = gpt2_param_table(model.config());
-  const int64_t total = model.table().total;
-  Kernels& k = model.kernels();
-  // This rank's elements of a group of tensors, in the flat layout of its parameters.
-  // Each rank reads only the boxes of its slices (the values arrive in local order).
-  auto local = [&](const std::string& group) {
-    std::vector<float> flat(total, 0.0f);
-    for (const ParamInfo& p : model.table().params) {
-      std::vector<Box> boxes;
-      append_boxes(p, 0, p.local_numel(), boxes);
-      f.read_part(group + p.name, full.at(p.name).shape, boxes, flat.data() + p.offset);
-    }
-    return flat;
-  };
-  // flat -> a state buffer indexed by the optimizer's segments.
-  auto to_state = [&](const std::vector<float>& flat, DPtr state) {
-    std::vector<float> host(optimizer->state_elems(), 0.0f);
-    for (const AdamW::Segment& s : optimizer->segments())
-      std::copy(flat.begin() + s.offset, flat.begin() + s.offset + s.count,
-                host.begin() + s.state_offset);
-    k.upload_f32(state, host.data(), optimizer->state_elems());
-  };
-  const std::vector<float> params = local("params/");
-  k.upload_f32(model.params(), params.data(), total);
+  load_params(f, model, optimizer);
   if (optimizer) {
-    if (optimizer->master()) to_state(params, optimizer->master());
-    to_state(local("optim/m/"), optimizer->m());
-    to_state(local("optim/v/"), optimizer->v());
+    upload_state(model.kernels(), *optimizer, read_local(f, model, "optim/m/"), optimizer->m());
+    upload_state(model.kernels(), *optimizer, read_local(f, model, "optim/v/"), optimizer->v());
   }
   if (comm_state) *comm_state = comm_state_of(f, rank);
   TrainState s;

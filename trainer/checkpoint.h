@@ -111,10 +111,20 @@ int64_t checkpoint_step(const std::string& state_file);
 // format version, config hash and model dimensions. Throws CheckpointError naming what is wrong.
 void verify_checkpoint(const std::string& state_file, const GPTConfig& model);
 
-// The state.h5 of the newest checkpoint under dir that verifies ("" if none); each newer one
-// that does not is reported in `rejected` ("<path>: <why>").
+// The state.h5 of the checkpoint to resume under dir ("" if none): the one `latest` names when
+// it verifies, else the newest older one that does (all of them when there is no `latest`).
+// Each one passed over is reported in `rejected` ("<path>: <why>"), those newer than `latest`
+// included.
 std::string newest_valid_checkpoint(const std::string& dir, const GPTConfig& model,
                                     std::vector<std::string>& rejected);
+
+// A warm start ([init] from): the checkpoint's weights fit this model, tensor by tensor. Throws
+// CheckpointError naming the first tensor missing from it, of another shape or left over.
+void check_weights(const std::string& state_file, const GPTConfig& model);
+// Loads only the weights of a checkpoint saved in any layout and precision into this rank's
+// shard (and the fp32 master of a 16-bit model), after check_weights; the optimizer's moments
+// stay as they are.
+void load_weights(const std::string& state_file, GPT& model, AdamW* optimizer);
 
 // Loads a checkpoint saved in any parallel layout into this rank's shard, after checking that
 // its model matches: the rank's slice of every parameter (into the fp32 master weights too,

@@ -44,7 +44,8 @@ void MetricsLog::step(const StepStats& s, bool print) {
                       {"pipe_wait_ms", s.pipe_wait_s * 1e3},
                       {"bubble", s.bubble},
                       {"tokens_per_s", s.tokens_per_s},
-                      {"mfu", s.mfu}};
+                      {"mfu", s.mfu},
+                      {"peak_flops", s.peak_flops}};
   if (s.phases_timed) {
     j["forward_ms"] = s.forward_s * 1e3;
     j["backward_ms"] = s.backward_s * 1e3;

@@ -25,7 +25,8 @@ struct StepStats {
   // Seconds per phase: waiting for data, forward, backward, norm + optimizer, and the total.
   double data_s = 0, forward_s = 0, backward_s = 0, optimizer_s = 0, total_s = 0;
   bool phases_timed = true;  // forward_s and backward_s measured (else not reported)
-  double tokens_per_s = 0, mfu = 0;
+  // Model FLOP/s over the world's peak (the sum of every rank's kernels' peak_flops).
+  double tokens_per_s = 0, mfu = 0, peak_flops = 0;
   // Communication: time blocked on collectives that compute did not hide (data-parallel buckets
   // still in flight after backward, tensor-parallel all-reduces, the tied-embedding sync, ZeRO's
   // gather), bytes this rank sent, and the time its pipeline stage waited for its neighbours

@@ -33,9 +33,9 @@
 #include "trainer/loss_scaler.h"
 #include "trainer/lr_schedule.h"
 #include "trainer/metrics.h"
-#include "trainer/peak_flops.h"
 #include "trainer/pipeline.h"
 #include "trainer/report_error.h"
+#include "trainer/run_dir.h"
 #include "trainer/sampler.h"
 #include "trainer/step_guard.h"
 
@@ -187,8 +187,7 @@ struct Run {
   CheckpointWriter writer;
   std::pair<int64_t, int> inject_inf = injected_overflow();
   std::multiset<int64_t> inject_nan = injected_nan_steps();
-  double flops_per_token;  // 6N + 12 L C T, as PaLM/nanoGPT count them
-  double peak_flops = 0;   // per rank
+  double flops_per_token;  // model FLOPs, forward and backward (gpt2_flops_per_token)
 
   static GPTOptions model_options(const Config& c, const RankCoords& me, const ParallelDims& dims,
                                   Communicator* tp) {
@@ -284,8 +283,7 @@ struct Run {
                [&w, limit = c.faults.checkpoint_timeout_s](int64_t step) {
                  end_hung_checkpoint(w, limit, step);
                }),
-        flops_per_token(6.0 * double(gpt2_flop_params(c.model)) +
-                        12.0 * c.model.n_layer * c.model.d_model * c.model.seq_len) {
+        flops_per_token(gpt2_flops_per_token(c.model)) {
     // Backward reports the gradients it has finished; the reducer starts their buckets.
     model.set_grads_ready_hook(
         [this](int64_t frontier, int layers_left) { reducer.ready(frontier, layers_left); });
@@ -390,14 +388,16 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   // data-parallel replica, each gradient element once.
   const bool zero = cfg.parallel.zero == 1;
   const DPtr grads = run.optimizer.grads();
-  double sums[4] = {0, 0, double(stop_requested), double(checkpoint_due)};
+  // The fifth sum is the world's peak FLOP/s: each rank's, this step's matmuls included.
+  double sums[5] = {0, 0, double(stop_requested), double(checkpoint_due),
+                    run.kernels->peak_flops(compute_dtype(cfg.precision))};
   if (run.model.shard().last_stage() && run.me.tp == 0) sums[0] = loss_sum / M / dp;
   if (auto it = run.inject_nan.find(step); it != run.inject_nan.end()) {
     run.inject_nan.erase(it);
     if (run.world.rank() == 0) sums[0] = NAN;
   }
   if (zero || run.replica_leader()) sums[1] = run.kernels->sum_squares(grads, run.norm_ranges);
-  run.world.comm().all_reduce(host_ptr(sums), 4, ReduceOp::sum);
+  run.world.comm().all_reduce(host_ptr(sums), 5, ReduceOp::sum);
   s.stop = sums[2] > 0;  // a signal reached some rank: every rank stops after this step
   s.checkpoint_due = sums[3] > 0;
   s.loss = sums[0];
@@ -433,9 +433,8 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   s.bubble = s.pipe_wait_s / s.total_s;
   const double tokens = double(B) * T * M * dp;
   s.tokens_per_s = tokens / s.total_s;
-  s.mfu = run.peak_flops > 0
-              ? run.flops_per_token * s.tokens_per_s / (run.peak_flops * run.world.size())
-              : 0;
+  s.peak_flops = sums[4];
+  s.mfu = s.peak_flops > 0 ? run.flops_per_token * s.tokens_per_s / s.peak_flops : 0;
   return s;
 }
 
@@ -542,11 +541,13 @@ void print_start(const Run& run) {
           ? fmt::format(" (ZeRO-1: 1/{} of {:.2f} MB, + {:.2f} MB gradient shard)", dims.dp(),
                         megabytes(2 * params), megabytes(run.reducer.shard_elems(), grad_bytes))
           : "");
-  fmt::print("MFU peak: {:.1f} GFLOP/s per rank ({}), {:.1f} MFLOP/token\n", run.peak_flops / 1e9,
-             cfg.run.peak_tflops > 0   ? "configured"
-             : cfg.run.device == "cpu" ? "measured sgemm"
-             : run.peak_flops > 0      ? "the GPU's data sheet"
-                                       : "unknown GPU: set [run] peak_tflops",
+  const double peak = run.kernels->peak_flops(compute_dtype(cfg.precision));
+  fmt::print("MFU peak: {:.1f} GFLOP/s per rank ({}), {:.1f} MFLOP/token\n", peak / 1e9,
+             cfg.run.peak_tflops > 0 ? "configured"
+             : cfg.run.device == "cpu"
+                 ? "best of 12 sgemm bursts; raised by any faster matmul or attention call"
+             : peak > 0 ? "the GPU's data sheet"
+                        : "unknown GPU: set [run] peak_tflops",
              run.flops_per_token / 1e6);
 }
 
@@ -590,15 +591,23 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   // Inputs are validated (config, layout, data files) before anything is written.
   Config cfg;
   std::unique_ptr<Run> run_ptr;
-  std::string resume;
-  // Rank 0 alone picks the checkpoint to resume from (reading it back whole) and tells the
-  // others, so that every rank resumes from the same one.
+  std::string resume, init;
+  // Rank 0 alone picks the checkpoint to resume from (reading it back whole), or for a fresh
+  // start the one to take the weights from, and tells the others, so that every rank starts
+  // from the same one.
   if (auto failed = agree_on_setup(world, [&] {
         cfg = load_config(config_path, overrides);
-        if (world.rank() == 0) resume = resume_file(cfg, true);
+        if (world.rank() != 0) return;
+        check_fresh_run_dir(cfg, config_path);
+        resume = resume_file(cfg, true);
+        if (resume.empty() && !cfg.init.from.empty()) {
+          init = resolve_checkpoint(cfg.init.from);
+          check_weights(init, cfg.model);
+        }
       }))
     return *failed;
   broadcast_string(world.comm(), resume, 0);
+  broadcast_string(world.comm(), init, 0);
   // Each stage that holds a collective is entered by every rank or by none.
   GpuPlacement placement;
   std::unique_ptr<Kernels> kernels;
@@ -631,20 +640,20 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   const bool leader = world.rank() == 0;
   const std::string ckpt_dir = checkpoint_dir(cfg);
 
-  // One rank measures the sgemm peak while the others wait, so that they do not compete.
+  // The MFU peak: configured, a GPU's data sheet, or measured on the CPU by one rank while the
+  // others wait, so that they do not compete, and taken by all.
   double peak = cfg.run.peak_tflops * 1e12;
-  if (peak <= 0 && cfg.run.device == "cuda")  // every rank has the same GPU model
-    peak = run.kernels->peak_flops(compute_dtype(cfg.precision));
-  else if (peak <= 0) {
-    if (leader) peak = measure_sgemm_flops();
+  if (peak <= 0 && cfg.run.device == "cpu") {
+    if (leader) peak = run.kernels->measure_peak_flops();
     world.comm().broadcast(host_ptr(&peak), 1, 0);
   }
-  run.peak_flops = peak;
+  if (peak > 0) run.kernels->set_peak_flops(peak);
   world.set_collective_timeout(cfg.faults.collective_timeout_s);  // not over the measurement
 
   namespace fs = std::filesystem;
   std::optional<MetricsLog> log;
   if (leader) {
+    if (cfg.run.overwrite) remove_run_files(cfg);
     fs::create_directories(cfg.run.out_dir);
     write_file_atomic((fs::path(cfg.run.out_dir) / "config.toml").string(), config_to_toml(cfg));
     log.emplace((fs::path(cfg.run.out_dir) / "metrics.jsonl").string(), !resume.empty());
@@ -665,6 +674,16 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     run.model.init_parameters(cfg.run.seed);
   }
   int64_t step = 0;
+  if (!init.empty()) {  // a warm start: the weights only, checked by rank 0 above
+    load_weights(init, run.model, &run.optimizer);
+    if (leader) {
+      fmt::print(
+          "initialized from {} (weights of step {}; optimizer state, step, schedule and data "
+          "order start fresh)\n",
+          init, checkpoint_step(init));
+      log->event({{"step", 0}, {"init_from", init}});
+    }
+  }
   if (resume.empty()) {
     run.start_data(0, 0);
   } else {
@@ -675,6 +694,21 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
       log->event({{"step", step}, {"resumed_from", resume}});
     }
   }
+  // The launcher's view of the run (trainer/run_dir.h): running until every rank has finished.
+  auto set_status = [&](const RunStatus& status) {
+    if (!leader) return;
+    try {
+      write_run_status(cfg, status);
+    } catch (const std::exception& e) {  // the exit code still tells
+      fmt::print(stderr, "trainer: warning: cannot write the run's status: {}\n", e.what());
+    }
+  };
+  auto finish = [&](int code, const std::string& state, int64_t at, const std::string& reason) {
+    world.comm().barrier();  // every rank's checkpoint writer has finished
+    set_status({state, code, at, reason});
+    return code;
+  };
+  set_status({"running", -1, step, resume.empty() ? "started" : "resumed from " + resume});
   if (leader && cfg.checkpoint.async && !run.writer.threaded())
     fmt::print(
         "checkpoints: written synchronously, not in the background: a writer thread on several "
@@ -823,7 +857,8 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
         step = roll_back(step);
         continue;
       }
-    } catch (const TrainingDiverged&) {  // every rank decides the same: one line, no abort
+    } catch (const TrainingDiverged& e) {  // every rank decides the same: one line, no abort
+      set_status({"failed", kExitDiverged, step, e.what()});
       if (leader) return report_error(std::current_exception());
       return kExitDiverged;
     }
@@ -834,9 +869,11 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     // run simply finishes).
     if (stats.stop && step < cfg.train.steps) {
       const bool ok = checkpoint(step, true);
-      if (leader)
-        fmt::print("stopped by a signal after step {}: exit {}\n", step - 1, ok ? kExitRequeue : 1);
-      return ok ? kExitRequeue : 1;
+      const int code = ok ? kExitRequeue : 1;
+      if (leader) fmt::print("stopped by a signal after step {}: exit {}\n", step - 1, code);
+      return finish(code, ok ? "stopped" : "failed", step,
+                    ok ? fmt::format("stopped by a signal; checkpoint of step {} written", step)
+                       : "stopped by a signal; the checkpoint could not be written");
     }
     // Not in the middle of bad steps: a rollback must find the state from before them.
     const bool every = cfg.checkpoint.every_steps > 0 && step % cfg.checkpoint.every_steps == 0;
@@ -866,7 +903,10 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   const int64_t done = step;  // train.steps, or later for a run resumed past it
   if (cfg.train.val_every > 0) evaluate(done);
   if (cfg.train.sample_every > 0) sample(done);
-  return checkpoint(done, true) ? 0 : 1;
+  const bool ok = checkpoint(done, true);
+  return finish(ok ? 0 : 1, ok ? "finished" : "failed", done,
+                ok ? fmt::format("finished; checkpoint of step {} written", done)
+                   : "finished training, but the final checkpoint could not be written");
 }
 
 }  // namespace trainer

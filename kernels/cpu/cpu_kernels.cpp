@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/flop_meter.h"
 
 namespace trainer {
 namespace {
@@ -131,9 +132,33 @@ class Staging {
   std::vector<Output> outputs_;
 };
 
+// The multiply-adds of causal attention's forward (QK^T and AV over the lower triangle, the
+// diagonal included): a lower bound on what the blocked kernels execute. Backward is twice this.
+double causal_attention_flops(int B, int T, int C) {
+  return 2.0 * 2.0 * B * C * (double(T) * (T + 1) / 2);
+}
+
 class CpuKernels final : public Kernels {
  public:
   std::string name() const override { return "cpu"; }
+
+  double peak_flops(DType) const override { return meter_.best(); }
+  void set_peak_flops(double flops_per_s) override { meter_.raise(flops_per_s); }
+  // The best of several short sgemm bursts at the size of a large layer, each timed alone so
+  // that a disturbance (another process, a page fault, threads waking up) spoils one burst
+  // and not the measurement; about 0.3 s on two cores.
+  double measure_peak_flops() override {
+    constexpr int n = 1024, bursts = 12;
+    std::vector<float> a(size_t(n) * n, 0.5f), b(size_t(n) * n, 0.25f), c(size_t(n) * n);
+    auto burst = [&] {
+      cpu::gemm<float>(false, false, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
+    };
+    burst();  // warms up caches and threads
+    FlopMeter best;
+    for (int r = 0; r < bursts; r++) best.timed(2.0 * n * n * n, burst);
+    meter_.raise(best.best());
+    return best.best();
+  }
 
   DPtr alloc(int64_t elems, DType dtype) override {
     size_t bytes = std::max<size_t>(64, (elems * dtype_size(dtype) + 63) / 64 * 64);
@@ -215,9 +240,11 @@ class CpuKernels final : public Kernels {
       return matmul_forward(s.out(out, N * OC), s.in(inp, N * IC), s.in(weight, int64_t(OC) * IC),
                             s.in(bias, OC), N, IC, OC);
     }
-    dispatch(out.dtype, [&]<class S>(S) {
-      cpu::matmul_forward(out.as<S>(), inp.as<S>(), weight.as<S>(), bias ? bias.as<S>() : nullptr,
-                          N, IC, OC);
+    meter_.timed(2.0 * N * IC * OC, [&] {
+      dispatch(out.dtype, [&]<class S>(S) {
+        cpu::matmul_forward(out.as<S>(), inp.as<S>(), weight.as<S>(), bias ? bias.as<S>() : nullptr,
+                            N, IC, OC);
+      });
     });
   }
   void matmul_backward(DPtr dinp, DPtr dweight, DPtr dbias, DPtr dout, DPtr inp, DPtr weight,
@@ -228,10 +255,12 @@ class CpuKernels final : public Kernels {
                              s.inout(dbias, OC), s.in(dout, N * OC), s.in(inp, N * IC),
                              s.in(weight, int64_t(OC) * IC), N, IC, OC);
     }
-    dispatch(dout.dtype, [&]<class S>(S) {
-      cpu::matmul_backward(dinp ? dinp.as<S>() : nullptr, dweight.as<S>(),
-                           dbias ? dbias.as<S>() : nullptr, dout.as<S>(), inp.as<S>(),
-                           weight.as<S>(), N, IC, OC);
+    meter_.timed((dinp ? 4.0 : 2.0) * N * IC * OC, [&] {
+      dispatch(dout.dtype, [&]<class S>(S) {
+        cpu::matmul_backward(dinp ? dinp.as<S>() : nullptr, dweight.as<S>(),
+                             dbias ? dbias.as<S>() : nullptr, dout.as<S>(), inp.as<S>(),
+                             weight.as<S>(), N, IC, OC);
+      });
     });
   }
   void attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH) override {
@@ -240,8 +269,10 @@ class CpuKernels final : public Kernels {
       return attention_forward(s.out(out, int64_t(B) * T * C), s.out(att, int64_t(B) * NH * T * T),
                                s.in(qkv, int64_t(B) * T * 3 * C), B, T, C, NH);
     }
-    dispatch(out.dtype, [&]<class S>(S) {
-      cpu::attention_forward(out.as<S>(), att.as<S>(), qkv.as<S>(), B, T, C, NH);
+    meter_.timed(causal_attention_flops(B, T, C), [&] {
+      dispatch(out.dtype, [&]<class S>(S) {
+        cpu::attention_forward(out.as<S>(), att.as<S>(), qkv.as<S>(), B, T, C, NH);
+      });
     });
   }
   void attention_backward(DPtr dqkv, DPtr datt, DPtr dout, DPtr qkv, DPtr /*out*/, DPtr att, int B,
@@ -253,9 +284,11 @@ class CpuKernels final : public Kernels {
                                 s.in(dout, int64_t(B) * T * C), s.in(qkv, int64_t(B) * T * 3 * C),
                                 DPtr{}, s.in(att, int64_t(B) * NH * T * T), B, T, C, NH);
     }
-    dispatch(dout.dtype, [&]<class S>(S) {
-      cpu::attention_backward(dqkv.as<S>(), datt.as<S>(), dout.as<S>(), qkv.as<S>(), att.as<S>(), B,
-                              T, C, NH);
+    meter_.timed(2 * causal_attention_flops(B, T, C), [&] {
+      dispatch(dout.dtype, [&]<class S>(S) {
+        cpu::attention_backward(dqkv.as<S>(), datt.as<S>(), dout.as<S>(), qkv.as<S>(), att.as<S>(),
+                                B, T, C, NH);
+      });
     });
   }
   void gelu_forward(DPtr out, DPtr inp, int64_t n) override {
@@ -377,6 +410,7 @@ class CpuKernels final : public Kernels {
  private:
   std::vector<double> scratch_;  // per-thread partial sums, sized once
   ScratchPool pool_;
+  FlopMeter meter_;
 };
 
 }  // namespace

@@ -144,6 +144,7 @@ class CudaKernels final : public Kernels {
   void synchronize() override { CUDA_CHECK(cudaStreamSynchronize(compute_)); }
   MemoryUse memory() const override { return {arena_->capacity(), arena_->peak()}; }
   double peak_flops(DType dtype) const override;
+  void set_peak_flops(double flops_per_s) override { configured_peak_ = flops_per_s; }
 
   // --- kernels --------------------------------------------------------------------------------
   void encoder_forward(DPtr out, const int32_t* tokens, DPtr wte, DPtr wpe, int B, int T, int C,
@@ -363,6 +364,7 @@ class CudaKernels final : public Kernels {
 
   int device_;
   cudaDeviceProp props_{};
+  double configured_peak_ = 0;  // [run] peak_tflops, replacing the data sheet
   cudaStream_t compute_ = nullptr, copy_ = nullptr;
   std::byte* base_ = nullptr;
   std::optional<Arena> arena_;
@@ -458,6 +460,7 @@ void CudaKernels::attention_backward(DPtr dqkv, DPtr /*datt*/, DPtr dout, DPtr q
 // per NVIDIA's data sheets for H100/H200 (SXM, NVL, PCIe) and A100; 0 (unknown) for other GPUs,
 // where [run] peak_tflops gives the MFU denominator.
 double CudaKernels::peak_flops(DType dtype) const {
+  if (configured_peak_ > 0) return configured_peak_;
   const bool half = is_half(dtype);
   const std::string name = props_.name;
   const auto has = [&](const char* s) { return name.find(s) != std::string::npos; };

@@ -1,0 +1,39 @@
+#pragma once
+// The best matrix-multiply rate a backend has been seen to reach: the MFU denominator on the
+// CPU. Every matmul and attention call is timed with the FLOPs it certainly executed, and the
+// highest rate any call reached is kept, together with a floor (a start-up burst measurement
+// or a configured peak). The model's FLOP count per step never exceeds the FLOPs its calls
+// executed and the step lasts at least as long as its calls together, so the model's FLOP/s
+// cannot exceed the best rate of a single call: MFU above 100% is impossible by construction.
+#include <atomic>
+#include <chrono>
+
+namespace trainer {
+
+class FlopMeter {
+ public:
+  // Runs f(), which executes at least `flops`, and keeps its rate if it is the best so far.
+  template <class F>
+  void timed(double flops, F&& f) {
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    record(flops, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  void record(double flops, double seconds) {
+    if (seconds > 0) raise(flops / seconds);
+  }
+  // Keeps `flops_per_s` if it is above the best so far (thread-safe: calls may come from
+  // several threads).
+  void raise(double flops_per_s) {
+    double best = best_.load(std::memory_order_relaxed);
+    while (flops_per_s > best &&
+           !best_.compare_exchange_weak(best, flops_per_s, std::memory_order_relaxed)) {
+    }
+  }
+  double best() const { return best_.load(std::memory_order_relaxed); }
+
+ private:
+  std::atomic<double> best_{0};
+};
+
+}  // namespace trainer
