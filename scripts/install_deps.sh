@@ -10,6 +10,7 @@ packages=(
   libgtest-dev googletest
   python3 python3-numpy python3-torch python3-h5py libjemalloc2
   zstd debootstrap
+  slurm-wlm slurmctld slurmd slurm-client munge
 )
 
 missing=()

@@ -6,7 +6,9 @@ cd "$(dirname "$0")/.."
 bash scripts/install_deps.sh
 bash scripts/build.sh
 bash scripts/prepare_default_data.sh
-build/trainer train configs/tiny.toml "$@"
+# Run again, setup trains the default afresh: the earlier run in runs/tiny is replaced (a fresh
+# run into another run's directory is otherwise refused).
+build/trainer train configs/tiny.toml --set run.overwrite=true "$@"
 echo
 echo "setup: done. Sample from the trained model with:"
 echo "  build/trainer generate --checkpoint runs/tiny --prompt \"It is a truth\" --tokens 300"

@@ -145,6 +145,19 @@ TEST_F(MpiCli, SigtermCheckpointsAndExitsForRequeue) {
       << resumed.output;
 }
 
+// A stop signal that arrives during start-up (MPI, data, verifying a checkpoint: here a
+// 3 s stand-in, TRAINER_TEST_STARTUP_DELAY), as the warning before a short time limit can,
+// stops the run after its first step with a checkpoint and exit 75 instead of killing it.
+TEST_F(MpiCli, StopSignalDuringStartUpStopsAfterTheFirstStep) {
+  const auto r = test::run_command("TRAINER_TEST_STARTUP_DELAY=3 " + test::trainer_bin() +
+                                   " train " + path("run.toml") +
+                                   " --set train.steps=100000 & pid=$!; sleep 1.5; kill -USR1 "
+                                   "$pid; wait $pid");
+  EXPECT_EQ(r.code, 75) << r.output;
+  EXPECT_EQ(count(r.output, "stopped by a signal after step 0: exit 75"), 1) << r.output;
+  EXPECT_EQ(latest_of(path("out/checkpoints")), "step_00000001");
+}
+
 // Requeue through a real mpirun under scripts/supervise.sh (steps of about 2 ms, so that the
 // signals land mid-run even when the ranks starve the polling shell of CPU). SIGTERM to the
 // supervisor reaches the ranks (as USR1, which mpirun passes on and waits for), and the supervisor

@@ -115,6 +115,7 @@ int main(int argc, char** argv) {
   }
 
   if (*train) {
+    trainer::catch_stop_signals();
     // Under mpirun every process is a rank of one world; a plain process is a world of one.
     std::unique_ptr<trainer::World> world = trainer::make_mpi_world(&argc, &argv);
     try {

@@ -587,7 +587,18 @@ int64_t restore(Run& run, const std::string& file, bool report, int64_t samples 
 
 }  // namespace
 
+void catch_stop_signals() {
+  std::signal(SIGTERM, request_stop);
+  std::signal(SIGUSR1, request_stop);
+  // A file-size limit (ulimit -f) must fail the write, not kill the process.
+  std::signal(SIGXFSZ, SIG_IGN);
+}
+
 int train(const std::string& config_path, const std::vector<std::string>& overrides, World& world) {
+  catch_stop_signals();
+  // A test stands in for a slow start-up (large shards to validate, a checkpoint to verify).
+  if (const char* delay = std::getenv("TRAINER_TEST_STARTUP_DELAY"))
+    std::this_thread::sleep_for(std::chrono::duration<double>(std::atof(delay)));
   // Inputs are validated (config, layout, data files) before anything is written.
   Config cfg;
   std::unique_ptr<Run> run_ptr;
@@ -632,10 +643,6 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
         run_ptr = std::make_unique<Run>(cfg, world, config_path, placement, std::move(kernels));
       }))
     return *failed;
-  std::signal(SIGTERM, request_stop);
-  std::signal(SIGUSR1, request_stop);
-  // A file-size limit (ulimit -f) must fail the write, not kill the process.
-  std::signal(SIGXFSZ, SIG_IGN);
   Run& run = *run_ptr;
   const bool leader = world.rank() == 0;
   const std::string ckpt_dir = checkpoint_dir(cfg);
