@@ -2,10 +2,12 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "io/errors.h"
@@ -34,9 +36,19 @@ void check_space(const std::string& path, int64_t bytes) {
 }
 
 void write_file_atomic(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (!f) throw DataError(fmt::format("{}: cannot write: {}", tmp, strerror(errno)));
+  // A fresh temporary, created exclusively (mkstemp: O_CREAT | O_EXCL): nothing planted beside
+  // `path` (a symlink named like the temporary) is written through. The rename then replaces
+  // `path` itself, a symlink included, never what it points to.
+  std::string tmp = path + ".XXXXXX.tmp";
+  const int fd = ::mkstemps(tmp.data(), 4);
+  if (fd < 0) throw DataError(fmt::format("{}: cannot write: {}", tmp, strerror(errno)));
+  ::fchmod(fd, 0644);
+  FILE* f = ::fdopen(fd, "wb");
+  if (!f) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    throw DataError(fmt::format("{}: cannot write: {}", tmp, strerror(errno)));
+  }
   bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
   ok = std::fflush(f) == 0 && ok;
   ok = ::fsync(fileno(f)) == 0 && ok;

@@ -4,8 +4,9 @@
 
 namespace trainer {
 
-// Writes `text` to `path` through a temporary file that is flushed, fsynced and renamed, so
-// that `path` is either the old file or the complete new one. Throws DataError on failure.
+// Writes `text` to `path` through a fresh temporary file (created exclusively beside it, named
+// <path>.XXXXXX.tmp) that is flushed, fsynced and renamed, so that `path` is either the old file
+// or the complete new one, and nothing planted there is written through. Throws DataError.
 void write_file_atomic(const std::string& path, const std::string& text);
 
 // Checks that `bytes` can be written at `path` (a file created, allocated and removed again):

@@ -299,6 +299,7 @@ Config parse_config(const std::string& text, const std::string& origin,
     r.field("train", c.data.train);
     r.field("val", c.data.val);
     r.field("prefetch", c.data.prefetch, in_range(1, 1024));
+    r.field("format", c.data.format, one_of({"auto", "nanogpt"}));
     r.finish();
   }
   {
@@ -480,7 +481,8 @@ std::string config_to_toml(const Config& c) {
                             {"d_model", c.model.d_model}}},
       {"data", toml::table{{"train", strings(c.data.train)},
                            {"val", strings(c.data.val)},
-                           {"prefetch", c.data.prefetch}}},
+                           {"prefetch", c.data.prefetch},
+                           {"format", c.data.format}}},
       {"train", toml::table{{"micro_batch", c.train.micro_batch},
                             {"grad_accum", c.train.grad_accum},
                             {"steps", c.train.steps},

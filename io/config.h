@@ -32,6 +32,9 @@ struct DataConfig {
   std::vector<std::string> train = {"data/austen/train.bin"};  // token shards
   std::vector<std::string> val = {"data/austen/val.bin"};
   int prefetch = 4;  // micro-batches ready ahead of the step
+  // "auto": each shard's magic says its layout (ours or llm.c); "nanogpt": headerless uint16
+  // files, which have no magic to recognise (io/token_shard.h).
+  std::string format = "auto";
 };
 
 struct TrainConfig {

@@ -4,6 +4,7 @@
 #include <glob.h>
 
 #include <chrono>
+#include <map>
 #include <random>
 
 #include "model/init.h"
@@ -28,9 +29,10 @@ std::vector<std::string> expand_shard_paths(const std::vector<std::string>& path
   return out;
 }
 
-Dataset::Dataset(const std::vector<std::string>& patterns, int vocab_size, int T) : T_(T) {
+Dataset::Dataset(const std::vector<std::string>& patterns, int vocab_size, int T, bool headerless)
+    : T_(T) {
   for (const auto& p : expand_shard_paths(patterns)) {
-    shards_.emplace_back(p, vocab_size);
+    shards_.emplace_back(p, vocab_size, headerless);
     const TokenShard& s = shards_.back();
     const int64_t n = (s.size() - 1) / T;
     if (n < 1)
@@ -39,6 +41,18 @@ Dataset::Dataset(const std::vector<std::string>& patterns, int vocab_size, int T
     for (int64_t k = 0; k < n; k++) starts_.emplace_back(int32_t(shards_.size() - 1), k * T);
     tokens_ += s.size();
   }
+}
+
+std::string Dataset::describe() const {
+  std::map<std::string, int> by_format;
+  for (const TokenShard& s : shards_) by_format[s.format()]++;
+  const size_t n = shards_.size();
+  if (by_format.size() == 1)
+    return fmt::format("{} shard{}, {} format", n, n == 1 ? "" : "s", by_format.begin()->first);
+  std::string parts;
+  for (const auto& [format, count] : by_format)
+    parts += fmt::format("{}{} {}", parts.empty() ? "" : ", ", count, format);
+  return fmt::format("{} shards: {}", n, parts);
 }
 
 void Dataset::window(int64_t w, int32_t* inputs, int32_t* targets) const {

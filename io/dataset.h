@@ -22,10 +22,14 @@ std::vector<std::string> expand_shard_paths(const std::vector<std::string>& path
 class Dataset {
  public:
   // `paths`: token shards, in order; glob patterns are expanded (expand_shard_paths).
-  Dataset(const std::vector<std::string>& paths, int vocab_size, int T);
+  // headerless: nanoGPT's uint16 files (data.format = "nanogpt").
+  Dataset(const std::vector<std::string>& paths, int vocab_size, int T, bool headerless = false);
 
   int64_t windows() const { return int64_t(starts_.size()); }
   int64_t tokens() const { return tokens_; }
+  // The shards and the layouts their headers said: "1 shard, trainer format", "100 shards,
+  // llm.c format", "3 shards: 2 trainer, 1 llm.c".
+  std::string describe() const;
   // Window w: T+1 tokens split into inputs (T) and targets (T).
   void window(int64_t w, int32_t* inputs, int32_t* targets) const;
 

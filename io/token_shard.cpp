@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -32,11 +33,26 @@ static_assert(sizeof(Header) == kHeaderBytes);
 
 }  // namespace
 
-TokenShard::TokenShard(const std::string& path, int vocab_size) : path_(path) {
-  int fd = ::open(path.c_str(), O_RDONLY);
+const char* file_kind(unsigned mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return S_ISREG(mode) ? "a regular file" : "a special file";
+}
+
+TokenShard::TokenShard(const std::string& path, int vocab_size, bool headerless) : path_(path) {
+  // O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused just below).
+  int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK);
   if (fd < 0) throw DataError(fmt::format("{}: cannot open data file: {}", path, strerror(errno)));
   struct stat st {};
   fstat(fd, &st);
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throw DataError(fmt::format("{}: not a regular file ({}): a data shard must be one", path,
+                                file_kind(st.st_mode)));
+  }
   map_bytes_ = size_t(st.st_size);
   if (map_bytes_ == 0) {
     ::close(fd);
@@ -57,7 +73,15 @@ TokenShard::TokenShard(const std::string& path, int vocab_size) : path_(path) {
 
   size_t header = 0;
   uint64_t declared = 0;
-  if (map_bytes_ >= 8 && std::memcmp(bytes, kMagic, 8) == 0) {
+  if (headerless) {
+    if (map_bytes_ % 2 != 0)
+      fail(
+          fmt::format("a headerless file of uint16 tokens (data.format = \"nanogpt\") has an "
+                      "even size, found {} bytes",
+                      map_bytes_));
+    format_ = "nanoGPT uint16";
+    declared = map_bytes_ / 2;
+  } else if (map_bytes_ >= 8 && std::memcmp(bytes, kMagic, 8) == 0) {
     if (map_bytes_ < kHeaderBytes)
       fail(fmt::format("header truncated: expected {} bytes, file has {}", kHeaderBytes,
                        map_bytes_));
@@ -79,16 +103,15 @@ TokenShard::TokenShard(const std::string& path, int vocab_size) : path_(path) {
     format_ = "llm.c";
     header = kLlmcHeaderBytes;
     declared = uint64_t(uint32_t(h[2]));
-  } else if (path.ends_with(".bin") && map_bytes_ % 2 == 0) {
-    format_ = "nanoGPT uint16";
-    declared = map_bytes_ / 2;
   } else {
+    std::string shown;
+    for (size_t i = 0; i < std::min<size_t>(map_bytes_, 8); i++)
+      shown += fmt::format("{}{:02x}", i ? " " : "", bytes[i]);
     fail(fmt::format(
-        "offset 0: unrecognised data file: expected magic \"TRTOKENS\", the llm.c magic {} or a "
-        "headerless .bin of uint16 tokens (even size), found {} bytes starting {:02x} {:02x} "
-        "{:02x} {:02x}",
-        kLlmcMagic, map_bytes_, bytes[0], map_bytes_ > 1 ? bytes[1] : 0,
-        map_bytes_ > 2 ? bytes[2] : 0, map_bytes_ > 3 ? bytes[3] : 0));
+        "offset 0: unrecognised data file: expected the magic \"TRTOKENS\" or llm.c's {}, found "
+        "{} bytes starting {} (a headerless nanoGPT file of uint16 tokens needs data.format = "
+        "\"nanogpt\")",
+        kLlmcMagic, map_bytes_, shown));
   }
   if (declared > map_bytes_)  // keeps the product below from overflowing
     fail(fmt::format("{} header declares {} tokens, more than a file of {} bytes can hold", format_,

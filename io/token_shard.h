@@ -3,7 +3,8 @@
 //  - ours: a 64-byte header {magic "TRTOKENS", u32 version = 1, u32 bytes per token (2 | 4),
 //    u64 token count, u32 vocab size, zero padding}, then the tokens, little-endian;
 //  - llm.c: 256 x int32 header {20240520, 1, token count, ...}, then uint16 tokens;
-//  - nanoGPT: a headerless .bin of uint16 tokens.
+//  - nanoGPT: a headerless file of uint16 tokens, only when asked for (data.format =
+//    "nanogpt"): with no magic to check, a damaged header would otherwise be read as tokens.
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -13,10 +14,15 @@
 
 namespace trainer {
 
+// What a stat() mode is, in words ("a FIFO", "a character device"), for errors about input
+// files that are not regular files.
+const char* file_kind(unsigned mode);
+
 class TokenShard {
  public:
   // Maps `path` and validates its header, size and that every token is < vocab_size.
-  TokenShard(const std::string& path, int vocab_size);
+  // headerless: the file is nanoGPT's uint16 tokens; else its magic decides.
+  TokenShard(const std::string& path, int vocab_size, bool headerless = false);
   ~TokenShard();
   TokenShard(TokenShard&& o) noexcept;
   TokenShard(const TokenShard&) = delete;

@@ -72,41 +72,14 @@ GPT::GPT(const GPTConfig& cfg, Kernels& kernels, DType dtype, int max_B, int max
   }
   params_ = k_.alloc(table_.total, dtype);
   grads_ = k_.alloc(table_.total, grad_dtype_);
-
-  const int64_t BT = int64_t(max_B) * max_T, C = cfg.d_model, Cl = C_local_;
-  const int64_t att = keeps_probs_ ? int64_t(max_B) * NH_local_ * max_T * max_T : 0;
-  const bool last = shard_.last_stage();
-  int64_t cursor = 0;
-  auto take = [&](int64_t elems) {
-    int64_t at = cursor;
-    cursor += round16(elems);
-    return at;
-  };
-  // Per slot: offsets relative to the slot's start.
-  off_.encoded = take(BT * C);
-  off_.layer_stride = 0;
-  for (int64_t elems : layer_sizes()) off_.layer_stride += round16(elems);
-  off_.layers = take(off_.layer_stride * int64_t(blocks_.size()));
-  off_.lnf = take(last ? BT * C : 0);
-  off_.logits = take(last ? BT * width : 0);
-  off_.slot_stride = cursor;
-  cursor = off_.slot_stride * slots_;
-  // Backward scratch, shared by the slots.
-  off_.d_res = take(BT * C);
-  off_.d_ln = take(BT * C);
-  off_.d_qkv = take(BT * 3 * Cl);
-  off_.d_att = take(att);
-  off_.d_atty = take(BT * Cl);
-  off_.d_fch = take(BT * 4 * Cl);
-  acts_ = k_.alloc(cursor, dtype);
-  // Per layer: ln1 and ln2 means and rstds, and the attention's log-sum-exps where kept.
-  stats_off_.layer_stride = 4 * round16(BT) + (keeps_probs_ ? 0 : round16(BT * NH_local_));
-  stats_off_.lnf = stats_off_.layer_stride * int64_t(blocks_.size());
-  stats_off_.slot_stride = stats_off_.lnf + (last ? 6 * round16(BT) : 0);
-  stats_ = k_.alloc(stats_off_.slot_stride * slots_, stats_dtype_);
+  const Plan p = plan(cfg, shard_, max_B, max_T, slots_, keeps_probs_);
+  off_ = p.off;
+  stats_off_ = p.stats_off;
+  acts_ = k_.alloc(p.acts, dtype);
+  stats_ = k_.alloc(p.stats, stats_dtype_);
   have_probs_.assign(slots_, 0);
-  tokens_.assign(slots_, std::vector<int32_t>(BT));
-  targets_.assign(slots_, std::vector<int32_t>(BT));
+  tokens_.assign(slots_, std::vector<int32_t>(size_t(max_B) * max_T));
+  targets_.assign(slots_, std::vector<int32_t>(size_t(max_B) * max_T));
 }
 
 GPT::~GPT() {
@@ -116,11 +89,65 @@ GPT::~GPT() {
   k_.free(stats_);
 }
 
-// Sizes of LayerActs' activation fields (the statistics aside), in declaration order.
-std::array<int64_t, 9> GPT::layer_sizes() const {
-  const int64_t BT = int64_t(max_B_) * max_T_, C = cfg_.d_model, Cl = C_local_;
-  const int64_t att = keeps_probs_ ? int64_t(max_B_) * NH_local_ * max_T_ * max_T_ : 0;
+std::array<int64_t, 9> GPT::layer_sizes(const GPTConfig& cfg, const ModelShard& shard, int max_B,
+                                        int max_T, bool keeps_probs) {
+  const int64_t BT = int64_t(max_B) * max_T, C = cfg.d_model, Cl = C / shard.tp_size;
+  const int64_t att =
+      keeps_probs ? int64_t(max_B) * (cfg.n_head / shard.tp_size) * max_T * max_T : 0;
   return {BT * C, BT * 3 * Cl, att, BT * Cl, BT * C, BT * C, BT * 4 * Cl, BT * 4 * Cl, BT * C};
+}
+
+GPT::Plan GPT::plan(const GPTConfig& cfg, const ModelShard& shard, int max_B, int max_T, int slots,
+                    bool keeps_probs) {
+  const int64_t BT = int64_t(max_B) * max_T, C = cfg.d_model, Cl = C / shard.tp_size;
+  const int64_t NHl = cfg.n_head / shard.tp_size, width = cfg.padded_vocab() / shard.tp_size;
+  const int64_t att = keeps_probs ? int64_t(max_B) * NHl * max_T * max_T : 0;
+  const int64_t blocks = shard.end_layer - shard.first_layer;
+  const bool last = shard.last_stage();
+  Plan p;
+  ActOffsets& off = p.off;
+  int64_t cursor = 0;
+  auto take = [&](int64_t elems) {
+    int64_t at = cursor;
+    cursor += round16(elems);
+    return at;
+  };
+  // Per slot: offsets relative to the slot's start.
+  off.encoded = take(BT * C);
+  off.layer_stride = 0;
+  for (int64_t elems : layer_sizes(cfg, shard, max_B, max_T, keeps_probs))
+    off.layer_stride += round16(elems);
+  off.layers = take(off.layer_stride * blocks);
+  off.lnf = take(last ? BT * C : 0);
+  off.logits = take(last ? BT * width : 0);
+  off.slot_stride = cursor;
+  cursor = off.slot_stride * slots;
+  // Backward scratch, shared by the slots.
+  off.d_res = take(BT * C);
+  off.d_ln = take(BT * C);
+  off.d_qkv = take(BT * 3 * Cl);
+  off.d_att = take(att);
+  off.d_atty = take(BT * Cl);
+  off.d_fch = take(BT * 4 * Cl);
+  p.acts = cursor;
+  // Per layer: ln1 and ln2 means and rstds, and the attention's log-sum-exps where kept.
+  StatOffsets& st = p.stats_off;
+  st.layer_stride = 4 * round16(BT) + (keeps_probs ? 0 : round16(BT * NHl));
+  st.lnf = st.layer_stride * blocks;
+  st.slot_stride = st.lnf + (last ? 6 * round16(BT) : 0);
+  p.stats = st.slot_stride * slots;
+  return p;
+}
+
+GPT::Memory GPT::memory_needed(const GPTConfig& cfg, DType dtype, int max_B, int max_T,
+                               const GPTOptions& o, bool keeps_probs) {
+  const ModelShard shard = o.shard ? *o.shard : ModelShard::whole(cfg);
+  const int64_t total = gpt2_param_table(cfg, shard, o.total_multiple).total;
+  const Plan p = plan(cfg, shard, max_B, max_T, o.slots, keeps_probs);
+  const int64_t stats_bytes = dtype_size(is_half(dtype) ? DType::f32 : dtype);
+  return {total * int64_t(dtype_size(dtype)),
+          total * int64_t(dtype_size(o.grad_dtype ? *o.grad_dtype : dtype)),
+          p.acts * int64_t(dtype_size(dtype)), p.stats * stats_bytes};
 }
 
 GPT::LayerActs GPT::layer(int slot, int l) const {

@@ -37,6 +37,16 @@ struct GPTOptions {
 
 class GPT {
  public:
+  // What a shard allocates, in bytes, known before anything is: parameters, gradients,
+  // activations with the backward scratch, and per-row statistics. keeps_probs: the backend's
+  // Kernels::attention_keeps_probabilities().
+  struct Memory {
+    int64_t params = 0, grads = 0, activations = 0, stats = 0;
+    int64_t total() const { return params + grads + activations + stats; }
+  };
+  static Memory memory_needed(const GPTConfig& cfg, DType dtype, int max_B, int max_T,
+                              const GPTOptions& options, bool keeps_probs);
+
   // max_B x max_T is the largest batch forward() will be given; max_T <= cfg.seq_len.
   GPT(const GPTConfig& cfg, Kernels& kernels, DType dtype, int max_B, int max_T,
       const GPTOptions& options = {});
@@ -109,7 +119,32 @@ class GPT {
     const ParamInfo *ln1_w, *ln1_b, *qkv_w, *qkv_b, *proj_w, *proj_b;
     const ParamInfo *ln2_w, *ln2_b, *fc_w, *fc_b, *fcproj_w, *fcproj_b;
   };
-  std::array<int64_t, 9> layer_sizes() const;
+  // Offsets into acts_ (elements). Per-slot kinds are strided by slot_stride, per-layer kinds
+  // by layer_stride inside a slot.
+  struct ActOffsets {
+    int64_t slot_stride, encoded, layers, layer_stride, lnf, logits;
+    int64_t d_res, d_ln, d_qkv, d_att, d_atty, d_fch;
+  };
+  // Offsets into stats_: per slot, the blocks' (ln1 mean, rstd, ln2 mean, rstd), then ln_f's
+  // mean and rstd, the losses and the three softmax statistics, each (B, T).
+  struct StatOffsets {
+    int64_t slot_stride, layer_stride, lnf;
+  };
+  // Where every activation and statistic of a shard goes, and the slabs' sizes (elements):
+  // planned from the shapes alone, by the constructor and by memory_needed().
+  struct Plan {
+    ActOffsets off{};
+    StatOffsets stats_off{};
+    int64_t acts = 0, stats = 0;
+  };
+  static Plan plan(const GPTConfig& cfg, const ModelShard& shard, int max_B, int max_T, int slots,
+                   bool keeps_probs);
+  // Sizes of LayerActs' activation fields (the statistics aside), in declaration order.
+  static std::array<int64_t, 9> layer_sizes(const GPTConfig& cfg, const ModelShard& shard,
+                                            int max_B, int max_T, bool keeps_probs);
+  std::array<int64_t, 9> layer_sizes() const {
+    return layer_sizes(cfg_, shard_, max_B_, max_T_, keeps_probs_);
+  }
   void tp_sum(DPtr buf, int64_t n);
   double cross_entropy(int slot, int64_t BT);
 
@@ -137,17 +172,8 @@ class GPT {
   DPtr params_, grads_;
   DPtr acts_;   // one slab for all activations and backward scratch
   DPtr stats_;  // one slab for the per-row statistics
-  // Offsets into acts_ (elements). Per-slot kinds are strided by slot_stride, per-layer kinds
-  // by layer_stride inside a slot.
-  struct {
-    int64_t slot_stride, encoded, layers, layer_stride, lnf, logits;
-    int64_t d_res, d_ln, d_qkv, d_att, d_atty, d_fch;
-  } off_{};
-  // Offsets into stats_: per slot, the blocks' (ln1 mean, rstd, ln2 mean, rstd), then ln_f's
-  // mean and rstd, the losses and the three softmax statistics, each (B, T).
-  struct {
-    int64_t slot_stride, layer_stride, lnf;
-  } stats_off_{};
+  ActOffsets off_{};
+  StatOffsets stats_off_{};
 };
 
 }  // namespace trainer

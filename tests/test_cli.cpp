@@ -1,9 +1,11 @@
 // The binary as a user runs it: subcommands, exit codes and one-line errors, end-to-end
 // training on real text, determinism across runs, and generation from the checkpoint.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -138,6 +140,67 @@ TEST_F(Cli, DataErrorsExitTwoAndWriteNothing) {
   EXPECT_EQ(r.code, 2);
   EXPECT_EQ(r.output,
             "trainer: data error: " + path("absent.txt") + ": cannot open input text file\n");
+}
+
+// Inputs that are not regular files: a FIFO as a shard would block forever in open(), a device
+// as an input text would be read without end. Each is one line naming it, exit 2.
+TEST_F(Cli, SpecialFilesAreRefused) {
+  prepare_data();
+  const std::string cfg = write_config("run.toml", "out", 5);
+  ASSERT_EQ(mkfifo(path("fifo.bin").c_str(), 0600), 0);
+  Result r = test::run_command("timeout 20 " + test::trainer_bin() + " train " + cfg +
+                               " --set data.train=" + path("fifo.bin"));
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_EQ(r.output, "trainer: data error: " + path("fifo.bin") +
+                          ": not a regular file (a FIFO): a data shard must be one\n");
+  r = run("train " + cfg + " --set data.val=" + path("data"));
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find(path("data") + ": not a regular file (a directory)"), std::string::npos)
+      << r.output;
+  r = test::run_command("timeout 20 " + test::trainer_bin() +
+                        " prepare --input /dev/zero --out-dir " + path("d"));
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_EQ(r.output,
+            "trainer: data error: /dev/zero: not a regular file (a character device): "
+            "an input text file must be one\n");
+  EXPECT_FALSE(fs::exists(path("out")));
+}
+
+// Numeric options are range-checked with NaN and the infinities refused (CLI::Range alone lets
+// NaN through): exit 2 with one line.
+TEST_F(Cli, NonFiniteNumbersAreRefused) {
+  for (const std::string args :
+       {"generate --checkpoint x --temperature nan", "generate --checkpoint x --temperature inf",
+        "generate --checkpoint x --temperature 1e999",
+        "prepare --input x --out-dir y --val-fraction nan",
+        "prepare --input x --out-dir y --val-fraction -inf"}) {
+    const Result r = run(args);
+    EXPECT_EQ(r.code, 2) << args << ": " << r.output;
+    EXPECT_NE(r.output.find("expected a finite number in ["), std::string::npos) << r.output;
+    EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
+  }
+}
+
+// A model that cannot fit is refused before anything is allocated (it grew for 30 s before),
+// with what it needs and what is available, per rank.
+TEST_F(Cli, AModelThatCannotFitIsRefusedUpFront) {
+  prepare_data();
+  const std::string cfg = write_config("run.toml", "out", 5);
+  const auto t0 = std::chrono::steady_clock::now();
+  const Result r = test::run_command("timeout 60 " + test::trainer_bin() + " train " + cfg +
+                                     " --set model.d_model=65536");
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_LT(seconds, 10);
+  EXPECT_EQ(r.output.rfind("trainer: config error: " + cfg + ": the run needs ", 0), 0u)
+      << r.output;
+  EXPECT_NE(r.output.find(" GB on rank 0 (weights "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("GB is available to it (MemAvailable shared by 1 rank(s) on this node)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
+  EXPECT_FALSE(fs::exists(path("out")));
 }
 
 TEST_F(Cli, TrainsDeterministicallyAndGenerates) {

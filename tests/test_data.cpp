@@ -77,12 +77,34 @@ TEST_F(DataTest, LlmcLayout) {
       path("short.bin") + ": llm.c file of 5 tokens should be 1034 bytes, found 1032 (truncated)");
 }
 
+// nanoGPT's headerless uint16 files are read when data.format says so, and only then: a file
+// whose magic is none of the known ones (a damaged header) is not silently re-read as tokens.
 TEST_F(DataTest, NanoGptHeaderlessUint16) {
   std::vector<uint16_t> tokens = {3, 1, 4, 1, 5, 9};
   write_bytes("nano.bin", tokens.data(), 12);
-  TokenShard s(path("nano.bin"), 10);
+  TokenShard s(path("nano.bin"), 10, true);
   EXPECT_STREQ(s.format(), "nanoGPT uint16");
   EXPECT_EQ(s.size(), 6);
+  EXPECT_EQ(error_of("nano.bin", 10),
+            path("nano.bin") +
+                ": offset 0: unrecognised data file: expected the magic "
+                "\"TRTOKENS\" or llm.c's 20240520, found 12 bytes starting 03 00 01 00 "
+                "04 00 01 00 (a headerless nanoGPT file of uint16 tokens needs "
+                "data.format = \"nanogpt\")");
+  // Our own file with one byte of its magic flipped.
+  write_token_shard(path("ours.bin"), ramp(100, 256), 256);
+  {
+    std::fstream f(path("ours.bin"), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(0);
+    f.put('X');
+  }
+  EXPECT_NE(error_of("ours.bin")
+                .find("unrecognised data file: expected the magic \"TRTOKENS\" "
+                      "or llm.c's 20240520, found 264 bytes starting 58 52 54 4f"),
+            std::string::npos)
+      << error_of("ours.bin");
+  EXPECT_EQ(Dataset({path("nano.bin"), path("nano.bin")}, 10, 2, true).describe(),
+            "2 shards, nanoGPT uint16 format");
 }
 
 TEST_F(DataTest, TruncatedOurs) {
@@ -101,9 +123,9 @@ TEST_F(DataTest, WrongMagic) {
   write_bytes("x.dat", junk, sizeof junk - 1);
   EXPECT_EQ(error_of("x.dat"),
             path("x.dat") +
-                ": offset 0: unrecognised data file: expected magic \"TRTOKENS\", the llm.c magic "
-                "20240520 or a headerless .bin of uint16 tokens (even size), found 25 bytes "
-                "starting 74 68 69 73");
+                ": offset 0: unrecognised data file: expected the magic \"TRTOKENS\" or llm.c's "
+                "20240520, found 25 bytes starting 74 68 69 73 20 69 73 20 (a headerless nanoGPT "
+                "file of uint16 tokens needs data.format = \"nanogpt\")");
 }
 
 TEST_F(DataTest, BadVersionAndWidth) {

@@ -103,9 +103,11 @@ TEST(Init, NormalSamplerMoments) {
 
 using CheckpointTest = test::TempDirTest;
 
-TrainState state_at(int64_t step, int64_t tokens, int64_t samples) {
+// A consistent state: tokens = samples x seq_len (a checkpoint's attributes are checked
+// against each other on load).
+TrainState state_at(int64_t step, int64_t samples, const GPTConfig& model) {
   TrainState s;
-  s.step = step, s.tokens = tokens, s.data_samples = samples;
+  s.step = step, s.tokens = samples * model.seq_len, s.data_samples = samples;
   return s;
 }
 
@@ -121,8 +123,8 @@ TEST_F(CheckpointTest, RoundTripIsBitwise) {
   model.forward(tok.data(), tgt.data(), 1, 8);
   model.backward();
   opt.update(1e-3f, 1.0f, 1);
-  const std::string step_dir =
-      save_checkpoint((dir_ / "checkpoints").string(), cfg, model, &opt, state_at(7, 56, 112));
+  const std::string step_dir = save_checkpoint((dir_ / "checkpoints").string(), cfg, model, &opt,
+                                               state_at(7, 112, cfg.model));
   EXPECT_EQ(step_dir, (dir_ / "checkpoints" / "step_00000007").string());
   EXPECT_FALSE(fs::exists(dir_ / "checkpoints" / "step_00000007.tmp"));
 
@@ -133,7 +135,7 @@ TEST_F(CheckpointTest, RoundTripIsBitwise) {
   AdamW loaded_opt(loaded, cfg.optim);
   const TrainState ts = load_checkpoint(state, loaded, &loaded_opt);
   EXPECT_EQ(ts.step, 7);
-  EXPECT_EQ(ts.tokens, 56);
+  EXPECT_EQ(ts.tokens, 112 * cfg.model.seq_len);
   EXPECT_EQ(ts.data_samples, 112);
   for (const ParamInfo& p : model.table().params) {
     EXPECT_EQ(model.read<float>(p, model.params()), loaded.read<float>(p, loaded.params()));
@@ -147,19 +149,20 @@ TEST_F(CheckpointTest, MismatchedModelIsAClearError) {
   Config cfg;
   cfg.model = tiny_model();
   GPT model(cfg.model, *k, DType::f32, 1, 8);
-  const std::string dir =
-      save_checkpoint((dir_ / "checkpoints").string(), cfg, model, nullptr, state_at(1, 8, 1));
+  const std::string dir = save_checkpoint((dir_ / "checkpoints").string(), cfg, model, nullptr,
+                                          state_at(1, 1, cfg.model));
   GPTConfig other = tiny_model();
   other.n_layer = 3;
   GPT wrong(other, *k, DType::f32, 1, 8);
   try {
     load_checkpoint(dir + "/state.h5", wrong, nullptr);
     FAIL();
-  } catch (const CheckpointError& e) {
+  } catch (const ConfigError& e) {  // not damage: the config does not fit the checkpoint
     EXPECT_EQ(std::string(e.what()),
               dir +
-                  "/state.h5: checkpoint is for a model with n_layer = 2, this model has "
-                  "n_layer = 3");
+                  "/state.h5: the checkpoint is of a model with [model] n_layer = 2, this run's "
+                  "config has n_layer = 3: resume with the model it was trained with, or start a "
+                  "fresh run in another out_dir");
   }
   EXPECT_THROW(resolve_checkpoint((dir_ / "nowhere").string()), CheckpointError);
   // A file that is not HDF5.

@@ -2,12 +2,16 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <sstream>
 #include <thread>
 
 #include "comm/mpi_comm.h"
@@ -40,14 +44,20 @@ std::string step_name(int64_t step) {
   return fmt::format("step_{:08d}", step);
 }
 
-// The complete checkpoints in dir, newest first (temporaries end in .tmp).
+// A step directory's name: step_ and eight or more digits (nothing else: no path).
+bool is_step_name(const std::string& name) {
+  return name.size() >= 13 && name.starts_with("step_") &&
+         std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+// The complete checkpoints in dir, newest first: real directories named like a step (not a
+// symlink to another run's, not a temporary).
 std::vector<std::string> complete_checkpoints(const fs::path& root) {
   std::vector<std::string> steps;
   if (!fs::is_directory(root)) return steps;
   for (const auto& e : fs::directory_iterator(root)) {
     const std::string name = e.path().filename().string();
-    if (e.is_directory() && name.starts_with("step_") && !name.ends_with(".tmp"))
-      steps.push_back(name);
+    if (e.is_directory() && !e.is_symlink() && is_step_name(name)) steps.push_back(name);
   }
   std::sort(steps.rbegin(), steps.rend());  // zero-padded: newest first
   return steps;
@@ -97,21 +107,149 @@ void test_write_delay(int64_t step) {
     std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
 }
 
-void check_version(const H5File& f, const std::string& state_file) {
+// Version 2 had no metadata checksum; version 3 adds meta_hash.
+constexpr int64_t kOldestReadableVersion = 2;
+
+int64_t check_version(const H5File& f, const std::string& state_file) {
   const int64_t version = f.attr_int("format_version");
-  if (version != kCheckpointFormatVersion)
-    throw CheckpointError(fmt::format("{}: format_version {} is not supported (expected {})",
-                                      state_file, version, kCheckpointFormatVersion));
+  if (version < kOldestReadableVersion || version > kCheckpointFormatVersion)
+    throw CheckpointError(fmt::format("{}: format_version {} is not supported (expected {} to {})",
+                                      state_file, version, kOldestReadableVersion,
+                                      kCheckpointFormatVersion));
+  return version;
 }
 
+// Another model is not damage: it is the config that does not fit (exit 2 all the same, but
+// resume = "auto" stops there instead of passing over every checkpoint of the run).
 void check_dims(const H5File& f, const std::string& state_file, const GPTConfig& model) {
   for (const auto& d : kDims) {
     const int64_t saved = f.attr_int(d.name), ours = model.*d.field;
     if (saved != ours)
-      throw CheckpointError(
-          fmt::format("{}: checkpoint is for a model with {} = {}, this model has {} = {}",
-                      state_file, d.name, saved, d.name, ours));
+      throw ConfigError(fmt::format(
+          "{}: the checkpoint is of a model with [model] {} = {}, this run's config has {} = {}: "
+          "resume with the model it was trained with, or start a fresh run in another out_dir",
+          state_file, d.name, saved, d.name, ours));
   }
+}
+
+// Everything a checkpoint's attributes say besides the config text (covered by config_hash),
+// one "name=value" line each in a fixed order: the text meta_hash is the hash of, so that an
+// edited or bit-flipped attribute makes the checkpoint unusable.
+struct Meta {
+  int64_t version = kCheckpointFormatVersion, seed = 0;
+  std::string config_hash;
+  int64_t dims[std::size(kDims)] = {};
+  TrainState state;
+};
+
+std::string meta_text(const Meta& m) {
+  std::string t;
+  auto add = [&](std::string_view name, const auto& value) {
+    t += fmt::format("{}={}\n", name, value);
+  };
+  const TrainState& s = m.state;
+  add("format_version", m.version);
+  add("step", s.step);
+  add("tokens", s.tokens);
+  add("data_samples", s.data_samples);
+  add("data_skipped", s.data_skipped);
+  add("config_hash", m.config_hash);
+  for (size_t i = 0; i < std::size(kDims); i++) add(kDims[i].name, m.dims[i]);
+  add("loss_scale", s.scaler.scale);
+  add("loss_scale_clean_steps", s.scaler.clean_steps);
+  add("loss_scale_hysteresis_left", s.scaler.hysteresis_left);
+  add("loss_scale_min_scale_overflows", s.scaler.min_scale_overflows);
+  add("loss_scale_overflows", s.scaler.overflows);
+  add("layout_world", s.layout.world);
+  add("layout_dp", s.layout.dp);
+  add("layout_tp", s.layout.tp);
+  add("layout_pp", s.layout.pp);
+  add("layout_zero", s.layout.zero);
+  add("layout_order", s.layout.order);
+  add("rng_seed", m.seed);
+  add("recent_losses", fmt::format("{}", fmt::join(s.recent_losses, ",")));
+  add("recent_norms", fmt::format("{}", fmt::join(s.recent_norms, ",")));
+  return t;
+}
+
+// Reads every attribute of a checkpoint besides the config, checks each against its range and
+// the others, and (version 3) against meta_hash. Throws CheckpointError naming the attribute.
+Meta read_meta(const H5File& f, const std::string& file) {
+  Meta m;
+  m.version = check_version(f, file);
+  auto bad = [&](const std::string& name, const std::string& value, const std::string& expected) {
+    throw CheckpointError(fmt::format("{}: attribute {} = {} out of range (expected {})", file,
+                                      name, value, expected));
+  };
+  // An integer attribute within [lo, hi].
+  auto integer = [&](const char* name, int64_t lo, int64_t hi) {
+    const int64_t v = f.attr_int(name);
+    if (v < lo || v > hi) bad(name, std::to_string(v), fmt::format("{} to {}", lo, hi));
+    return v;
+  };
+  constexpr int64_t kMax = int64_t(1) << 50;  // far beyond any run, far from overflow
+  TrainState& s = m.state;
+  s.step = integer("step", 0, kMax);
+  s.data_samples = integer("data_samples", s.step, kMax);  // a step takes at least one sample
+  s.data_skipped = integer("data_skipped", 0, s.data_samples);
+  for (size_t i = 0; i < std::size(kDims); i++) m.dims[i] = integer(kDims[i].name, 1, 1 << 24);
+  const int64_t T = m.dims[1];
+  s.tokens = f.attr_int("tokens");
+  if (s.tokens != (s.data_samples - s.data_skipped) * T)
+    bad("tokens", std::to_string(s.tokens),
+        fmt::format("(data_samples - data_skipped) x seq_len = {}",
+                    (s.data_samples - s.data_skipped) * T));
+  m.config_hash = f.attr_string("config_hash");
+  s.scaler.scale = f.attr_double("loss_scale");
+  if (!std::isfinite(s.scaler.scale) || s.scaler.scale <= 0 || s.scaler.scale > 1e38)
+    bad("loss_scale", fmt::format("{}", s.scaler.scale), "a finite scale > 0");
+  s.scaler.clean_steps = integer("loss_scale_clean_steps", 0, kMax);
+  s.scaler.hysteresis_left = integer("loss_scale_hysteresis_left", 0, kMax);
+  s.scaler.min_scale_overflows = integer("loss_scale_min_scale_overflows", 0, kMax);
+  s.scaler.overflows = integer("loss_scale_overflows", 0, kMax);
+  Layout& l = s.layout;
+  l.world = int(integer("layout_world", 1, 1 << 24));
+  l.dp = int(integer("layout_dp", 1, l.world));
+  l.tp = int(integer("layout_tp", 1, l.world));
+  l.pp = int(integer("layout_pp", 1, l.world));
+  if (int64_t(l.dp) * l.tp * l.pp != l.world)
+    bad("layout_world", std::to_string(l.world),
+        fmt::format("layout_dp x layout_tp x layout_pp = {}", int64_t(l.dp) * l.tp * l.pp));
+  l.zero = int(integer("layout_zero", 0, 1));
+  l.order = f.attr_string("layout_order");
+  {
+    std::string parts = l.order;
+    for (char& c : parts) c = c == '-' ? ' ' : c;
+    std::vector<std::string> names;
+    std::istringstream in(parts);
+    for (std::string w; in >> w;) names.push_back(w);
+    std::sort(names.begin(), names.end());
+    if (names != std::vector<std::string>{"dp", "pp", "tp"} || l.order.size() != 8)
+      bad("layout_order", "\"" + l.order + "\"", "an order of tp, pp and dp such as tp-pp-dp");
+  }
+  m.seed = f.attr_int("rng_seed");
+  for (auto [name, values] :
+       {std::pair{"recent_losses", &s.recent_losses}, std::pair{"recent_norms", &s.recent_norms}}) {
+    if (!f.exists_attr(name)) continue;
+    *values = f.attr_doubles(name);
+    if (values->size() > (size_t(1) << 20))
+      bad(name, fmt::format("[{} values]", values->size()), "at most 2^20 values");
+    for (double v : *values)
+      if (!std::isfinite(v)) bad(name, fmt::format("[... {} ...]", v), "finite values");
+  }
+  if (m.version >= 3) {
+    const std::string want = f.attr_string("meta_hash"), found = text_hash(meta_text(m));
+    if (want != found)
+      throw CheckpointError(
+          fmt::format("{}: the attributes do not match their checksum meta_hash "
+                      "{} (found {}): edited or damaged",
+                      file, want, found));
+  }
+  // The step directory names the step the file holds.
+  const std::string dir = fs::path(file).parent_path().filename().string();
+  if (dir.starts_with("step_") && dir != fmt::format("step_{:08d}", s.step))
+    bad("step", std::to_string(s.step), "the step of its directory, " + dir);
+  return m;
 }
 
 std::string stored_config(const H5File& f, const std::string& state_file) {
@@ -220,8 +358,9 @@ std::string write_checkpoint(const Snapshot& snap, const GPTConfig& model, Commu
   std::string error;
   if (leader) try {
       fs::create_directories(root);
-      fs::remove_all(tmp_dir);
-      fs::create_directories(tmp_dir);
+      fs::remove_all(tmp_dir);  // a leftover, or a planted symlink (the link goes, not its target)
+      if (!fs::create_directory(tmp_dir))
+        throw CheckpointWriteError(tmp_dir.string() + ": appeared while being created");
       check_space((tmp_dir / "state.h5").string(), file_size_bound(snap, full));
     } catch (const std::exception& e) {
       error = e.what();
@@ -256,6 +395,9 @@ std::string write_checkpoint(const Snapshot& snap, const GPTConfig& model, Commu
     f.set_attr("rng_seed", int64_t(snap.seed));
     if (!s.recent_losses.empty()) f.set_attr("recent_losses", s.recent_losses);
     if (!s.recent_norms.empty()) f.set_attr("recent_norms", s.recent_norms);
+    Meta meta{kCheckpointFormatVersion, int64_t(snap.seed), text_hash(snap.config_text), {}, s};
+    for (size_t i = 0; i < std::size(kDims); i++) meta.dims[i] = model.*kDims[i].field;
+    f.set_attr("meta_hash", text_hash(meta_text(meta)));
 
     // Every rank creates every dataset, in the same order, and writes its own boxes (the same
     // for the weights and both moments).
@@ -299,32 +441,43 @@ std::string write_checkpoint(const Snapshot& snap, const GPTConfig& model, Commu
   if (!(error = agree_on_error(comm, error)).empty()) fail(error);
 
   // Complete on every rank: rank 0 puts it in place, then moves `latest`. A checkpoint of the
-  // same step already there (a finished run resumed) is replaced only once the new one is.
+  // same step already there (a finished run resumed, a rollback) moves aside under a fresh name
+  // and is removed only once the new one is in place.
+  fs::path old_dir;
   if (leader) try {
       write_file_atomic((tmp_dir / "config.toml").string(), snap.config_text);
       fsync_path(state_file);
-      const fs::path old_dir = root / (name + ".old.tmp");
-      if (fs::exists(final_dir)) fs::rename(final_dir, old_dir);
+      if (fs::exists(fs::symlink_status(final_dir))) {
+        old_dir = root / fmt::format("{}.old.{}.tmp", name, ::getpid());
+        fs::remove_all(old_dir);
+        fs::rename(final_dir, old_dir);
+      }
       fs::rename(tmp_dir, final_dir);
       fsync_path(root.string());
-      fs::remove_all(old_dir);
     } catch (const std::exception& e) {
       error = e.what();
     }
   if (!(error = agree_on_error(comm, error)).empty()) fail(error);
   // The checkpoint is complete: what fails from here on is a warning, not a lost checkpoint.
-  if (leader) try {
-      write_file_atomic((root / "latest").string(), name + "\n");
-      if (keep_last > 0) {  // older ones go only now that a newer one is complete
+  auto warn = [&](auto&& what) {
+    try {
+      what();
+    } catch (const std::exception& e) {
+      fmt::print(stderr, "trainer: warning: after writing {}: {}\n", final_dir.string(), e.what());
+    }
+  };
+  if (leader) {
+    if (!old_dir.empty()) warn([&] { fs::remove_all(old_dir); });
+    warn([&] { write_file_atomic((root / "latest").string(), name + "\n"); });
+    if (keep_last > 0)  // older ones go only now that a newer one is complete
+      warn([&] {
         const std::vector<std::string> steps = complete_checkpoints(root);
         // Newest first, from this one down: newer leftovers of another run are not touched.
         int kept = 0;
         for (const std::string& step : steps)
           if (step <= name && ++kept > keep_last) fs::remove_all(root / step);
-      }
-    } catch (const std::exception& e) {
-      fmt::print(stderr, "trainer: warning: after writing {}: {}\n", final_dir.string(), e.what());
-    }
+      });
+  }
   return final_dir.string();
 }
 
@@ -344,11 +497,17 @@ std::string checkpoint_dir(const Config& cfg) {
 }
 
 void remove_incomplete_checkpoints(const std::string& dir) {
-  if (!fs::is_directory(dir)) return;
-  for (const auto& e : fs::directory_iterator(dir)) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
     const std::string name = e.path().filename().string();
-    if (e.is_directory() && name.starts_with("step_") && name.ends_with(".tmp"))
-      fs::remove_all(e.path());
+    if (!name.ends_with(".tmp") || !(name.starts_with("step_") || name.starts_with("latest.")))
+      continue;
+    // What cannot be removed (permissions, a busy file system) is reported, not fatal: it is
+    // never read, and the run it would block is worth more.
+    if (fs::remove_all(e.path(), ec) == static_cast<std::uintmax_t>(-1) || ec)
+      fmt::print(stderr, "trainer: warning: cannot remove the leftover {}: {}\n", e.path().string(),
+                 ec.message());
   }
 }
 
@@ -362,6 +521,11 @@ std::string resolve_checkpoint(const std::string& path) {
       std::ifstream in(p / "latest");
       std::string name;
       in >> name;
+      // `latest` names a step directory beside it, nothing else (no path out of it).
+      if (!is_step_name(name) || fs::is_symlink(p / name))
+        throw CheckpointError(fmt::format(
+            "{}: names \"{}\", not a step directory beside it (step_NNNNNNNN, not a symlink)",
+            (p / "latest").string(), name));
       p = p / name;
     } else if (fs::exists(p / "checkpoints")) {
       p = p / "checkpoints";
@@ -384,22 +548,26 @@ Config checkpoint_config(const std::string& state_file) {
 }
 
 int64_t checkpoint_step(const std::string& state_file) {
-  return H5File::open_read(state_file).attr_int("step");
+  H5File f = H5File::open_read(state_file);
+  return read_meta(f, state_file).state.step;
+}
+
+void check_same_model(const std::string& state_file, const GPTConfig& model) {
+  check_dims(H5File::open_read(state_file), state_file, model);
 }
 
 void verify_checkpoint(const std::string& state_file, const GPTConfig& model) {
   H5File f = H5File::open_read(state_file);
-  check_version(f, state_file);
   check_dims(f, state_file, model);
+  const Meta meta = read_meta(f, state_file);
   stored_config(f, state_file);
-  for (const char* a : {"step", "tokens", "data_samples", "data_skipped"}) f.attr_int(a);
   for (const ParamInfo& q : gpt2_param_table(model).params) {
     std::vector<float> values(q.logical_numel());
     for (const std::string group : {"params/", "optim/m/", "optim/v/"})
       if (group == "params/" || f.exists(group + q.name))
         f.read(group + q.name, q.shape, values.data());
   }
-  for (int64_t r = 0; r < f.attr_int("layout_world"); r++) comm_state_of(f, int(r));
+  for (int r = 0; r < meta.state.layout.world; r++) comm_state_of(f, r);
 }
 
 std::string newest_valid_checkpoint(const std::string& dir, const GPTConfig& model,
@@ -409,7 +577,12 @@ std::string newest_valid_checkpoint(const std::string& dir, const GPTConfig& mod
   // Newer directories are not this run's (or their write did not finish); older ones are the
   // fall-back when it does not verify.
   std::string latest;
-  if (std::ifstream in(fs::path(dir) / "latest"); in >> latest) {
+  if (std::ifstream in(fs::path(dir) / "latest"); in >> latest && !is_step_name(latest)) {
+    rejected.push_back(fmt::format("{}: names \"{}\", not a step directory beside it",
+                                   (fs::path(dir) / "latest").string(), latest));
+    latest.clear();  // then every complete step is a candidate, newest first
+  }
+  if (!latest.empty()) {
     std::vector<std::string> ordered;
     if (std::find(candidates.begin(), candidates.end(), latest) != candidates.end())
       ordered.push_back(latest);
@@ -431,6 +604,8 @@ std::string newest_valid_checkpoint(const std::string& dir, const GPTConfig& mod
     try {
       verify_checkpoint(state, model);
       return state;
+    } catch (const ConfigError&) {  // another model: not damage, the config does not fit
+      throw;
     } catch (const InputError& e) {
       rejected.push_back(e.what());
     }
@@ -514,28 +689,15 @@ void load_weights(const std::string& state_file, GPT& model, AdamW* optimizer) {
 TrainState load_checkpoint(const std::string& state_file, GPT& model, AdamW* optimizer,
                            std::vector<float>* comm_state, int rank) {
   H5File f = H5File::open_read(state_file);
-  check_version(f, state_file);
   check_dims(f, state_file, model.config());
+  const Meta meta = read_meta(f, state_file);
   load_params(f, model, optimizer);
   if (optimizer) {
     upload_state(model.kernels(), *optimizer, read_local(f, model, "optim/m/"), optimizer->m());
     upload_state(model.kernels(), *optimizer, read_local(f, model, "optim/v/"), optimizer->v());
   }
   if (comm_state) *comm_state = comm_state_of(f, rank);
-  TrainState s;
-  s.step = f.attr_int("step");
-  s.tokens = f.attr_int("tokens");
-  s.data_samples = f.attr_int("data_samples");
-  s.data_skipped = f.attr_int("data_skipped");
-  s.layout = {int(f.attr_int("layout_world")), int(f.attr_int("layout_dp")),
-              int(f.attr_int("layout_tp")),    int(f.attr_int("layout_pp")),
-              int(f.attr_int("layout_zero")),  f.attr_string("layout_order")};
-  if (f.exists_attr("recent_losses")) s.recent_losses = f.attr_doubles("recent_losses");
-  if (f.exists_attr("recent_norms")) s.recent_norms = f.attr_doubles("recent_norms");
-  s.scaler = {f.attr_double("loss_scale"), f.attr_int("loss_scale_clean_steps"),
-              f.attr_int("loss_scale_hysteresis_left"),
-              f.attr_int("loss_scale_min_scale_overflows"), f.attr_int("loss_scale_overflows")};
-  return s;
+  return meta.state;
 }
 
 }  // namespace trainer

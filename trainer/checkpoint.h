@@ -10,8 +10,10 @@
 //   root attributes: format_version, step, tokens, data_samples, data_skipped, config (TOML
 //   text), config_hash, model dimensions, the loss scaler's state, the layout it was saved
 //   from (layout_world, layout_dp, layout_tp, layout_pp, layout_zero, layout_order), the step
-//   guard's windows (recent_losses, recent_norms: arrays, when not empty) and
-//   rng_seed (every random stream is a function of the seed and a step or sample index).
+//   guard's windows (recent_losses, recent_norms: arrays, when not empty),
+//   rng_seed (every random stream is a function of the seed and a step or sample index) and
+//   meta_hash (FNV-1a of all of the above as text: the datasets have checksums, the attributes
+//   this one). Every attribute is checked against its range and the others before use.
 // Written with parallel HDF5: each rank writes only the elements it holds (its tensor-parallel
 // slice, its pipeline stage, its ZeRO-1 piece; replicas once) as hyperslabs, collectively.
 // Every dataset is chunked with a Fletcher32 checksum. A checkpoint is written under
@@ -30,7 +32,7 @@
 
 namespace trainer {
 
-constexpr int64_t kCheckpointFormatVersion = 2;
+constexpr int64_t kCheckpointFormatVersion = 3;  // 3: meta_hash
 
 // Writing a checkpoint failed (a full disk, a lost file system): the run's state is intact and
 // the previous checkpoints are still valid.
@@ -106,6 +108,10 @@ std::string resolve_checkpoint(const std::string& path);
 Config checkpoint_config(const std::string& state_file);
 // The optimizer steps a checkpoint holds (its `step` attribute).
 int64_t checkpoint_step(const std::string& state_file);
+
+// A checkpoint of another model (vocab_size, seq_len, n_layer, n_head, d_model) is a
+// ConfigError naming the key and both values: the config does not fit the run it resumes.
+void check_same_model(const std::string& state_file, const GPTConfig& model);
 
 // Reads every tensor of a checkpoint (HDF5 verifies each chunk's Fletcher32 checksum) after its
 // format version, config hash and model dimensions. Throws CheckpointError naming what is wrong.

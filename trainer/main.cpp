@@ -6,7 +6,9 @@
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 
 #include "comm/communicator.h"
@@ -51,6 +53,21 @@ int generate(const std::string& checkpoint, const std::string& prompt, bool prom
   return 0;
 }
 
+// A range check that also refuses NaN and the infinities: CLI::Range lets NaN through (every
+// comparison with it is false), and a NaN temperature or fraction then misbehaves far away.
+CLI::Validator finite_in(double lo, double hi) {
+  return CLI::Validator(
+      [lo, hi](std::string& text) -> std::string {
+        char* end = nullptr;
+        const double v = std::strtod(text.c_str(), &end);
+        if (text.empty() || *end != '\0') return "expected a number, found \"" + text + "\"";
+        if (!std::isfinite(v) || v < lo || v > hi)
+          return fmt::format("expected a finite number in [{}, {}], found {}", lo, hi, text);
+        return "";
+      },
+      fmt::format("FINITE in [{}, {}]", lo, hi));
+}
+
 std::string version_string() {
 #if defined(TRAINER_WITH_CUDA) && defined(TRAINER_WITH_NCCL)
   const char* backends = "cpu, cuda (cuBLASLt, NCCL)";
@@ -89,7 +106,7 @@ int main(int argc, char** argv) {
       gen->add_option("--prompt", prompt, "text to continue")->capture_default_str();
   gen->add_option("--tokens", tokens, "tokens to generate")->check(CLI::Range(1, 1 << 20));
   gen->add_option("--temperature", sample.temperature, "softmax temperature")
-      ->check(CLI::Range(1e-3, 100.0));
+      ->check(finite_in(1e-3, 100.0));
   gen->add_option("--top-k", sample.top_k, "sample from the k most likely tokens (0 = all)")
       ->check(CLI::NonNegativeNumber);
   gen->add_option("--seed", sample.seed, "random seed");
@@ -99,7 +116,7 @@ int main(int argc, char** argv) {
   pre->add_option("--input", prep.inputs, "text files")->required()->take_all();
   pre->add_option("--out-dir", prep.out_dir, "directory for train.bin and val.bin")->required();
   pre->add_option("--val-fraction", prep.val_fraction, "part of each file kept for validation")
-      ->check(CLI::Range(0.0, 0.5));
+      ->check(finite_in(0.0, 0.5));
 
   try {
     app.parse(argc, argv);

@@ -1,6 +1,7 @@
 #include "trainer/prepare.h"
 
 #include <fmt/format.h>
+#include <sys/stat.h>
 
 #include <filesystem>
 #include <fstream>
@@ -14,6 +15,11 @@ namespace trainer {
 int prepare(const PrepareOptions& opts) {
   std::vector<int32_t> train, val;
   for (const auto& path : opts.inputs) {
+    // A FIFO or a device (/dev/zero) would be read without end.
+    struct stat st {};
+    if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode))
+      throw DataError(fmt::format("{}: not a regular file ({}): an input text file must be one",
+                                  path, file_kind(st.st_mode)));
     std::ifstream in(path, std::ios::binary);
     if (!in) throw DataError(fmt::format("{}: cannot open input text file", path));
     std::stringstream ss;

@@ -263,8 +263,8 @@ struct Run {
         placement(gpu),
         kernels(std::move(k)),
         groups(make_groups(w, dims, c.parallel, group_wrapper(gpu, w, *kernels))),
-        train_data(c.data.train, c.model.vocab_size, c.model.seq_len),
-        val_data(c.data.val, c.model.vocab_size, c.model.seq_len),
+        train_data(c.data.train, c.model.vocab_size, c.model.seq_len, c.data.format == "nanogpt"),
+        val_data(c.data.val, c.model.vocab_size, c.model.seq_len, c.data.format == "nanogpt"),
         model(c.model, *kernels, compute_dtype(c.precision), c.train.micro_batch, c.model.seq_len,
               model_options(c, me, dims, groups.tp.get())),
         reducer(*kernels, model.grads(), model.params(), model.table().total, *groups.dp,
@@ -496,10 +496,11 @@ void print_start(const Run& run) {
   const int64_t tokens_per_step =
       int64_t(cfg.train.micro_batch) * cfg.model.seq_len * cfg.train.grad_accum * dims.dp();
   fmt::print(
-      "data: {} train tokens ({} windows), {} val tokens | batch {} x {} x {} micro-batches x dp "
-      "{} = {} tokens/step\n",
-      run.train_data.tokens(), run.train_data.windows(), run.val_data.tokens(),
-      cfg.train.micro_batch, cfg.model.seq_len, cfg.train.grad_accum, dims.dp(), tokens_per_step);
+      "data: {} train tokens ({} windows; {}), {} val tokens ({}) | batch {} x {} x {} "
+      "micro-batches x dp {} = {} tokens/step\n",
+      run.train_data.tokens(), run.train_data.windows(), run.train_data.describe(),
+      run.val_data.tokens(), run.val_data.describe(), cfg.train.micro_batch, cfg.model.seq_len,
+      cfg.train.grad_accum, dims.dp(), tokens_per_step);
   fmt::print(
       "parallel: dp {} x tp {} x pp {} (order {}), zero {}, {} all-reduce, {} buckets of "
       "{:.3g} MB, overlap {}, 1F1B bubble {:.1f}% ({} stages, {} micro-batches)\n",
@@ -585,6 +586,61 @@ int64_t restore(Run& run, const std::string& file, bool report, int64_t samples 
   return ts.step;
 }
 
+// Bytes available to this rank: a GPU's arena, or on the CPU the kernel's MemAvailable shared
+// by the ranks of this node (0: unknown).
+double available_bytes(Kernels& kernels, const World& world) {
+  if (const int64_t reserved = kernels.memory().reserved; reserved > 0) return double(reserved);
+  std::ifstream in("/proc/meminfo");
+  for (std::string key; in >> key;) {
+    double kb = 0;
+    in >> kb;
+    if (key == "MemAvailable:") return kb * 1024 / std::max(1, world.local_size());
+    in.ignore(1 << 10, '\n');
+  }
+  return 0;
+}
+
+// A run that cannot fit is refused before anything is allocated (allocating first grows for
+// tens of seconds and then fails somewhere): what this rank will hold, from the same plan the
+// model allocates by, against what is available to it.
+void check_memory(const Config& cfg, World& world, Kernels& kernels, const std::string& origin) {
+  const ParallelDims dims = Run::layout(cfg, world.size(), origin);
+  const RankCoords me = dims.coords(world.rank());
+  const DType dtype = compute_dtype(cfg.precision);
+  const GPTOptions o = Run::model_options(cfg, me, dims, nullptr);
+  const GPT::Memory model =
+      GPT::memory_needed(cfg.model, dtype, cfg.train.micro_batch, cfg.model.seq_len, o,
+                         kernels.attention_keeps_probabilities());
+  // AdamW's fp32 moments (and fp32 master weights for 16-bit models) over the elements this
+  // rank updates: all of its shard's, or its ZeRO-1 piece (plus that piece's gradients); and
+  // the host copy of them a checkpoint takes.
+  const double elems = double(gpt2_param_table(cfg.model, *o.shard, o.total_multiple).total);
+  const double owned = cfg.parallel.zero ? elems / dims.dp() : elems;
+  const double optimizer = owned * 4 * (is_half(dtype) ? 3 : 2) +
+                           (cfg.parallel.zero ? owned * dtype_size(*o.grad_dtype) : 0);
+  const double snapshot = owned * 4 * 3;
+  const double need = double(model.total()) + optimizer + snapshot;
+  const double have = available_bytes(kernels, world);
+  if (have <= 0 || need <= have) return;
+  const double GB = 1 << 30;
+  throw ConfigError(fmt::format(
+      "{}: the run needs {:.2f} GB on rank {} (weights {:.2f}, gradients {:.2f}, activations "
+      "{:.2f}, optimizer state {:.2f}, checkpoint copy {:.2f}) but {:.2f} GB is available to it "
+      "({}): lower train.micro_batch, or spread the model over more ranks (tp, pp, zero)",
+      origin, need / GB, world.rank(), double(model.params) / GB, double(model.grads) / GB,
+      double(model.activations + model.stats) / GB, optimizer / GB, snapshot / GB, have / GB,
+      kernels.memory().reserved > 0
+          ? "the GPU memory reserved by run.gpu_memory_fraction"
+          : fmt::format("MemAvailable shared by {} rank(s) on this node", world.local_size())));
+}
+
+// Whether a stop signal reached any rank (a collective: every rank gets the same answer).
+bool stop_agreed(World& world) {
+  double stop = stop_requested;
+  world.comm().all_reduce(host_ptr(&stop), 1, ReduceOp::max);
+  return stop > 0;
+}
+
 }  // namespace
 
 void catch_stop_signals() {
@@ -626,6 +682,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
         omp_set_num_threads(threads_per_rank(cfg, world));
         if (resume.empty()) return;
         checkpoint_config(resume);  // a readable checkpoint of ours
+        check_same_model(resume, cfg.model);
         const int64_t at = checkpoint_step(resume);
         if (at >= cfg.train.steps)
           throw ConfigError(fmt::format(
@@ -637,6 +694,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   if (auto failed = agree_on_setup(world, [&] {
         placement = place_on_gpus(cfg, world, config_path);
         kernels = make_kernels(cfg, placement);
+        check_memory(cfg, world, *kernels, config_path);
       }))
     return *failed;
   if (auto failed = agree_on_setup(world, [&] {
@@ -656,6 +714,13 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   }
   if (peak > 0) run.kernels->set_peak_flops(peak);
   world.set_collective_timeout(cfg.faults.collective_timeout_s);  // not over the measurement
+
+  // A stop signal during start-up (MPI, data, verifying checkpoints): nothing is trained or
+  // written yet, so every rank exits 75 at once and a requeue loses nothing.
+  if (stop_agreed(world)) {
+    if (leader) fmt::print("stopped by a signal during start-up, nothing written: exit 75\n");
+    return kExitRequeue;
+  }
 
   namespace fs = std::filesystem;
   std::optional<MetricsLog> log;
@@ -838,6 +903,13 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     return at;
   };
 
+  // ... or while the weights were initialised or restored: the run's checkpoints already hold
+  // everything, so it stops without another.
+  if (stop_agreed(world)) {
+    if (leader) fmt::print("stopped by a signal before step {}, nothing trained: exit 75\n", step);
+    return finish(kExitRequeue, "stopped", step,
+                  fmt::format("stopped by a signal before step {}; nothing trained", step));
+  }
   const auto training_start = Clock::now();
   const int64_t first_step = step;
   while (step < cfg.train.steps) {
