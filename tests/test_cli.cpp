@@ -179,6 +179,11 @@ TEST_F(Cli, NonFiniteNumbersAreRefused) {
     EXPECT_NE(r.output.find("expected a finite number in ["), std::string::npos) << r.output;
     EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
   }
+  // Bounds are printed readably (CLI::NonNegativeNumber printed 309 digits of DBL_MAX).
+  const Result r = run("generate --checkpoint x --top-k -3");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_EQ(r.output,
+            "trainer: error: --top-k: Value -3 not in range 0 to 16777216 (see trainer --help)\n");
 }
 
 // A model that cannot fit is refused before anything is allocated (it grew for 30 s before),

@@ -108,7 +108,7 @@ int main(int argc, char** argv) {
   gen->add_option("--temperature", sample.temperature, "softmax temperature")
       ->check(finite_in(1e-3, 100.0));
   gen->add_option("--top-k", sample.top_k, "sample from the k most likely tokens (0 = all)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(0, 1 << 24));  // not NonNegativeNumber: it prints DBL_MAX in full
   gen->add_option("--seed", sample.seed, "random seed");
 
   trainer::PrepareOptions prep;
