@@ -155,6 +155,36 @@ TEST_F(Untrusted, VersionTwoCheckpointsStillResume) {
   EXPECT_EQ(count(r.output, "resumed from " + state + " at step 2"), 1) << r.output;
 }
 
+// Leftovers that cannot be removed (an immutable file, chattr +i) do not stop a run: start-up
+// warns about a temporary it cannot clean, and a checkpoint replacing one of the same step is
+// reported written (it is in place) with a warning about the old copy it could not remove.
+TEST_F(Untrusted, LeftoversThatCannotBeRemovedAreWarningsNotErrors) {
+  ASSERT_EQ(mpirun(1, "--set train.steps=4 --set checkpoint.every_steps=2").code, 0);
+  const std::string ckpt = path("out/checkpoints/");
+  fs::create_directory(ckpt + "step_00000003.tmp");
+  std::ofstream(ckpt + "step_00000003.tmp/stuck") << "x";
+  std::ofstream(ckpt + "step_00000004/stuck") << "x";
+  const std::string stuck = ckpt + "step_00000003.tmp/stuck " + ckpt + "step_00000004/stuck";
+  if (test::run_command("chattr +i " + stuck).code != 0)
+    GTEST_SKIP() << "chattr +i is not available here (root on ext4 needed)";
+  // Resumed from step 2, the run writes step 4 again over the old one.
+  std::ofstream(ckpt + "latest") << "step_00000002\n";
+  const auto r = mpirun(1,
+                        "--set train.steps=5 --set checkpoint.every_steps=2 "
+                        "--set checkpoint.resume=" +
+                            quoted("auto"));
+  test::run_command("chattr -i " + stuck + " " + ckpt + "step_00000004.old.*.tmp/stuck");
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(
+      count(r.output, "trainer: warning: cannot remove the leftover " + ckpt + "step_00000003.tmp"),
+      1)
+      << r.output;
+  EXPECT_EQ(count(r.output, "checkpoint " + ckpt + "step_00000004 written"), 1) << r.output;
+  EXPECT_EQ(count(r.output, "trainer: warning: after writing " + ckpt + "step_00000004"), 1)
+      << r.output;
+  EXPECT_EQ(count(r.output, "not written"), 0) << r.output;
+}
+
 // resume = "auto" in a run directory whose checkpoints are of another model is a config error
 // naming the key and both values, not a fresh run beside them; an explicit path too, and
 // neither writes anything.
