@@ -6,9 +6,11 @@
 
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 #include <vector>
 
+#include "io/hdf5_file.h"
 #include "test_util.h"
 
 namespace trainer {
@@ -69,6 +71,25 @@ inline std::vector<StepRecord> steps_of(const std::string& metrics) {
     if (j.contains("loss")) out.push_back({j["step"], j["loss"], j["loss_scale"], j["skipped"]});
   }
   return out;
+}
+
+// A whole file as text ("" when it cannot be read).
+inline std::string text_of(const std::string& file) {
+  std::ifstream in(file);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// The fp32 values of params/<name> in a checkpoint's state.h5.
+inline std::vector<float> checkpoint_param(const std::string& state_file, const std::string& name) {
+  H5File f = H5File::open_read(state_file);
+  const std::vector<int64_t> shape = f.shape("params/" + name);
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  std::vector<float> v(static_cast<size_t>(n));
+  f.read("params/" + name, shape, v.data());
+  return v;
 }
 
 // A quoted TOML string for --set through the shell.

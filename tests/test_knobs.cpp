@@ -304,13 +304,7 @@ TEST_F(MpiCli, LearningRateAndWeightDecayReachTheOptimizer) {
     EXPECT_EQ(r.code, 0) << r.output;
   };
   auto tensor = [&](const std::string& name, const std::string& param) {
-    H5File f = H5File::open_read(path(name + "/checkpoints/step_00000001/state.h5"));
-    const std::vector<int64_t> shape = f.shape("params/" + param);
-    int64_t n = 1;
-    for (int64_t d : shape) n *= d;
-    std::vector<float> v(static_cast<size_t>(n));
-    f.read("params/" + param, shape, v.data());
-    return v;
+    return checkpoint_param(path(name + "/checkpoints/step_00000001/state.h5"), param);
   };
   auto largest = [](const std::vector<float>& v) {
     float m = 0;

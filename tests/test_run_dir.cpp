@@ -16,13 +16,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string text_of(const std::string& file) {
-  std::ifstream in(file);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 TEST_F(MpiCli, AFreshRunDoesNotMixWithAnotherRun) {
   auto r = mpirun(1, "--set train.steps=4 --set checkpoint.every_steps=2");
   ASSERT_EQ(r.code, 0) << r.output;

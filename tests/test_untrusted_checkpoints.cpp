@@ -16,13 +16,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string text_of(const std::string& file) {
-  std::ifstream in(file);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 class Untrusted : public MpiCli {
  protected:
   // Sets attribute `name` of an HDF5 file to a Python expression, keeping its type family.

@@ -27,16 +27,6 @@ std::vector<std::pair<int64_t, double>> val_losses(const std::string& out) {
   return v;
 }
 
-std::vector<float> tensor(const std::string& state_file, const std::string& name) {
-  H5File f = H5File::open_read(state_file);
-  const std::vector<int64_t> shape = f.shape("params/" + name);
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  std::vector<float> v(static_cast<size_t>(n));
-  f.read("params/" + name, shape, v.data());
-  return v;
-}
-
 TEST_F(MpiCli, WarmStartTakesTheWeightsOnlyFromAnotherLayout) {
   const std::string optim = "--set optim.lr=1e-2 --set optim.warmup_steps=4 ";
   // The source: 4 steps in tensor parallel, validated at its start and its end.
@@ -67,9 +57,9 @@ TEST_F(MpiCli, WarmStartTakesTheWeightsOnlyFromAnotherLayout) {
   EXPECT_GT(std::abs(one_val.front().second - source_val.front().second), 1e-3);  // not its init
   // A fresh optimizer and schedule: Adam's first step moves every bias by lr(0) = lr / 4 exactly
   // (m / sqrt(v) = sign(g)); the source's moments or its step-4 learning rate would not.
-  const std::vector<float> before = tensor(weights, "h.1.mlp.fc.bias"),
-                           after = tensor(one + "/checkpoints/step_00000001/state.h5",
-                                          "h.1.mlp.fc.bias");
+  const std::vector<float> before = checkpoint_param(weights, "h.1.mlp.fc.bias"),
+                           after = checkpoint_param(one + "/checkpoints/step_00000001/state.h5",
+                                                    "h.1.mlp.fc.bias");
   ASSERT_EQ(before.size(), after.size());
   for (size_t i = 0; i < before.size(); i++)
     EXPECT_NEAR(std::abs(after[i] - before[i]), 1e-2 / 4, 1e-5) << i;
