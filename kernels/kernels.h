@@ -98,12 +98,26 @@ class Kernels {
   virtual void encoder_backward(DPtr dwte, DPtr dwpe, DPtr dout, const int32_t* tokens, int B,
                                 int T, int C, VocabSlice vocab) = 0;
 
-  // --- layernorm over the last dim: out(N,C), mean(N), rstd(N) ------------------------------
+  // --- layernorm over the last dim: out(N,C), mean(N), rstd(N); bias may be null -------------
   virtual void layernorm_forward(DPtr out, DPtr mean, DPtr rstd, DPtr inp, DPtr weight, DPtr bias,
                                  int64_t N, int C) = 0;
-  // dinp += , dweight += , dbias +=
+  // dinp += , dweight += , dbias += (skipped when null)
   virtual void layernorm_backward(DPtr dinp, DPtr dweight, DPtr dbias, DPtr dout, DPtr inp,
                                   DPtr weight, DPtr mean, DPtr rstd, int64_t N, int C) = 0;
+
+  // --- RMSNorm over the last dim (Llama): out(N,C) = inp * rstd * weight, rstd(N) ------------
+  // rstd = 1 / sqrt(mean(inp^2) + eps), kept in fp32 when activations are 16-bit.
+  virtual void rmsnorm_forward(DPtr out, DPtr rstd, DPtr inp, DPtr weight, int64_t N, int C,
+                               float eps) = 0;
+  // dinp += , dweight +=
+  virtual void rmsnorm_backward(DPtr dinp, DPtr dweight, DPtr dout, DPtr inp, DPtr weight,
+                                DPtr rstd, int64_t N, int C) = 0;
+  // res = a + b (res may be a), out = rmsnorm(res); a backend may fuse them.
+  virtual void residual_rmsnorm_forward(DPtr res, DPtr out, DPtr rstd, DPtr a, DPtr b, DPtr weight,
+                                        int64_t N, int C, float eps) {
+    residual_forward(res, a, b, N * C);
+    rmsnorm_forward(out, rstd, res, weight, N, C, eps);
+  }
 
   // --- residual then layernorm: res = a + b (res may be a), out = layernorm(res) -------------
   // The two calls below; a backend may fuse them into one pass over the rows.
@@ -134,16 +148,53 @@ class Kernels {
     if (dinp) gelu_backward(dinp, pre, dinp, N * IC);
   }
 
-  // --- causal self-attention: qkv(B,T,3C) -> out(B,T,C) -------------------------------------
-  // What the forward keeps in `att` for the backward: the softmax probabilities (B,NH,T,T) in
-  // the activation dtype; or, where this is false, each row's log-sum-exp (B,NH,T) in fp32, the
-  // probabilities being recomputed by blocks in backward (kernels/blocked_attention.h), which
-  // then needs no datt.
+  // --- causal self-attention with grouped-query heads ----------------------------------------
+  // qkv(B,T,C + 2 NKV hs) rows hold NH query heads, then NKV key heads, then NKV value heads, of
+  // hs = C / NH each; query head h attends with key/value head h / (NH / NKV) (NKV = NH:
+  // multi-head attention, NKV = 1: multi-query), without repeating K and V in memory.
+  // out(B,T,C). What the forward keeps in `att` for the backward: the softmax probabilities
+  // (B,NH,T,T) in the activation dtype; or, where this is false, each row's log-sum-exp
+  // (B,NH,T) in fp32, the probabilities being recomputed by blocks in backward
+  // (kernels/blocked_attention.h), which then needs no datt.
   virtual bool attention_keeps_probabilities() const { return true; }
-  virtual void attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH) = 0;
+  virtual void attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH,
+                                 int NKV) = 0;
   // dqkv = ; datt is scratch of att's size; out is the forward's output
   virtual void attention_backward(DPtr dqkv, DPtr datt, DPtr dout, DPtr qkv, DPtr out, DPtr att,
-                                  int B, int T, int C, int NH) = 0;
+                                  int B, int T, int C, int NH, int NKV) = 0;
+  // Multi-head attention (GPT-2): qkv(B,T,3C).
+  void attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH) {
+    attention_forward(out, att, qkv, B, T, C, NH, NH);
+  }
+  void attention_backward(DPtr dqkv, DPtr datt, DPtr dout, DPtr qkv, DPtr out, DPtr att, int B,
+                          int T, int C, int NH) {
+    attention_backward(dqkv, datt, dout, qkv, out, att, B, T, C, NH, NH);
+  }
+  // Inference over a key/value cache, one sequence: qkv(T, C + 2 NKV hs) holds positions
+  // [0, T); the queries of rows [q0, T) attend causally to keys [0, their position].
+  // out(T - q0, C). Keeps nothing.
+  virtual void attention_inference(DPtr out, DPtr qkv, int T, int q0, int C, int NH, int NKV) = 0;
+
+  // --- rotary position embedding (RoPE), in place on the query and key heads of qkv ----------
+  // qkv(B,T,(NH + 2 NKV) hs) as above; token t of each sequence is at position pos0 + t.
+  // cos_sin(max_pos, hs/2, 2) fp32 holds cos and sin of position x frequency i; each pair
+  // (x[2i], x[2i+1]) of a head is rotated by that angle (Meta's Llama layout: interleaved
+  // pairs). Value heads are untouched. Backward rotates the gradient by the opposite angle.
+  virtual void rope_forward(DPtr qkv, DPtr cos_sin, int B, int T, int NH, int NKV, int hs,
+                            int pos0) = 0;
+  virtual void rope_backward(DPtr dqkv, DPtr cos_sin, int B, int T, int NH, int NKV, int hs,
+                             int pos0) = 0;
+
+  // --- SwiGLU: out(N,F) = silu(gate) * up, from gate_up(N,2F) rows [gate(F) | up(F)] ---------
+  virtual void swiglu_forward(DPtr out, DPtr gate_up, int64_t N, int F) = 0;
+  // d_gate_up(N,2F) =
+  virtual void swiglu_backward(DPtr d_gate_up, DPtr dout, DPtr gate_up, int64_t N, int F) = 0;
+
+  // --- dropout, counter-based: x(n) *= keep(seed, index) / (1 - p), in place ---------------
+  // keep is a function of (seed, index) alone, the same on every backend, so backward applies
+  // the same call to the gradient and nothing is stored; element `index` of x is numbered
+  // offset + index.
+  virtual void dropout(DPtr x, int64_t n, float p, uint64_t seed, int64_t offset) = 0;
 
   // --- GELU (tanh approximation) -------------------------------------------------------------
   virtual void gelu_forward(DPtr out, DPtr inp, int64_t n) = 0;
