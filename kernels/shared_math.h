@@ -1,8 +1,8 @@
 #pragma once
 // Element-wise math shared by the CPU and CUDA backends, compiled for the host and (under nvcc)
 // for the device, so that the CPU tests exercise the same formulas the GPU runs: rounding to
-// bf16, the counter-based random bits of stochastic rounding, GELU, and one AdamW element.
-// Everything works on raw bits or plain arithmetic.
+// bf16, the counter-based random bits of stochastic rounding and of dropout, GELU, SiLU, the
+// rotation of RoPE, and one AdamW element. Everything works on raw bits or plain arithmetic.
 #include <cstdint>
 #include <cstring>
 
@@ -48,6 +48,17 @@ TRAINER_HD uint16_t bf16_bits_stochastic(uint32_t u, uint32_t random) {
   return uint16_t((u + (random & 0xffffu)) >> 16);
 }
 
+// Dropout's mask: whether element `index` survives, a pure function of (seed, index) so that
+// every backend drops the same elements and backward re-derives forward's mask. The seed is
+// offset so that a run using one seed for dropout and for stochastic rounding gets unrelated
+// bits; the top 24 random bits form an integer u uniform in [0, 2^24), kept when u >= p 2^24:
+// probability 1 - p to 2^-24. Both sides are exact floats (u < 2^24; the product only shifts
+// p's exponent), so the CPU and the GPU compare the same numbers.
+TRAINER_HD bool dropout_keeps(uint64_t seed, uint64_t index, float p) {
+  const uint64_t bits = random_bits(seed ^ 0xd1b54a32d192ed03ull, index);
+  return float(uint32_t(bits >> 40)) >= p * 16777216.0f;
+}
+
 // GELU, tanh approximation: gelu(x) = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3).
 // The caller supplies tanh(u) (each backend has its own fast tanh).
 template <class T>
@@ -64,6 +75,28 @@ TRAINER_HD T gelu_grad_from_tanh(T x, T th) {
   const T sech2 = T(1) - th * th;
   const T du = T(0.7978845608028654) * (T(1) + T(3 * 0.044715) * x * x);
   return T(0.5) * (T(1) + th) + T(0.5) * x * sech2 * du;
+}
+
+// SiLU, the gate of SwiGLU: silu(g) = g sigmoid(g). The caller supplies sig = sigmoid(g) =
+// 1 / (1 + exp(-g)) (each backend has its own fast exp).
+template <class T>
+TRAINER_HD T silu_from_sigmoid(T g, T sig) {
+  return g * sig;
+}
+// d silu / dg = sig + g sig (1 - sig).
+template <class T>
+TRAINER_HD T silu_grad_from_sigmoid(T g, T sig) {
+  return sig * (T(1) + g * (T(1) - sig));
+}
+
+// RoPE: the pair (x0, x1) rotated by the angle whose cosine and sine are c, s (Meta's Llama
+// multiplies x0 + i x1 by e^(i angle)). Backward is the rotation by minus the angle, (c, -s):
+// the transpose of this one.
+template <class T>
+TRAINER_HD void rotate_pair(T& x0, T& x1, T c, T s) {
+  const T a = x0, b = x1;
+  x0 = a * c - b * s;
+  x1 = a * s + b * c;
 }
 
 // One AdamW element with decoupled weight decay. c1, c2 are the bias corrections

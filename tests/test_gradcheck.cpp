@@ -5,7 +5,9 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <cmath>
 #include <functional>
+#include <string>
 
 #include "model/gpt.h"
 #include "model/init.h"
@@ -106,6 +108,90 @@ TEST_F(GradCheck, CausalAttention) {
   DPtr dqkv = d.upload(Vec(B * T * 3 * C)), datt = d.upload(Vec(B * NH * T * T));
   d.k->attention_backward(dqkv, datt, d.upload(r), qkvd, out, att, B, T, C, NH);
   expect_gradient(f, qkv, d.download<double>(dqkv, B * T * 3 * C), "dqkv");
+}
+
+TEST_F(GradCheck, RmsNorm) {
+  const int N = 5, C = 7;
+  const float eps = 1e-5f;
+  Vec x = random_vector<double>(N * C, 31), w = random_vector<double>(C, 32),
+      r = random_vector<double>(N * C, 33);
+  auto f = [&] {
+    Device d;
+    DPtr out = d.upload(Vec(N * C)), rstd = d.upload(Vec(N));
+    d.k->rmsnorm_forward(out, rstd, d.upload(x), d.upload(w), N, C, eps);
+    return project(d.download<double>(out, N * C), r);
+  };
+  Device d;
+  DPtr out = d.upload(Vec(N * C)), rstd = d.upload(Vec(N));
+  DPtr xd = d.upload(x), wd = d.upload(w);
+  d.k->rmsnorm_forward(out, rstd, xd, wd, N, C, eps);
+  DPtr dx = d.upload(Vec(N * C)), dw = d.upload(Vec(C));
+  d.k->rmsnorm_backward(dx, dw, d.upload(r), xd, wd, rstd, N, C);
+  expect_gradient(f, x, d.download<double>(dx, N * C), "dx");
+  expect_gradient(f, w, d.download<double>(dw, C), "dweight");
+}
+
+// Grouped-query (two query heads per key/value head) and multi-query attention: the key and value
+// gradients sum over the query heads sharing them.
+TEST_F(GradCheck, GroupedQueryAttention) {
+  const int B = 2, T = 5, C = 8, NH = 4, hs = C / NH;
+  for (int NKV : {2, 1}) {
+    const int W = C + 2 * NKV * hs;
+    Vec qkv = random_vector<double>(B * T * W, 34), r = random_vector<double>(B * T * C, 35);
+    auto f = [&] {
+      Device d;
+      DPtr out = d.upload(Vec(B * T * C)), att = d.upload(Vec(B * NH * T * T));
+      d.k->attention_forward(out, att, d.upload(qkv), B, T, C, NH, NKV);
+      return project(d.download<double>(out, B * T * C), r);
+    };
+    Device d;
+    DPtr out = d.upload(Vec(B * T * C)), att = d.upload(Vec(B * NH * T * T));
+    DPtr qkvd = d.upload(qkv);
+    d.k->attention_forward(out, att, qkvd, B, T, C, NH, NKV);
+    DPtr dqkv = d.upload(Vec(B * T * W)), datt = d.upload(Vec(B * NH * T * T));
+    d.k->attention_backward(dqkv, datt, d.upload(r), qkvd, out, att, B, T, C, NH, NKV);
+    expect_gradient(f, qkv, d.download<double>(dqkv, B * T * W),
+                    "dqkv, NKV " + std::to_string(NKV));
+  }
+}
+
+// RoPE is linear in qkv: its backward must be the transpose of the forward's rotation (fp32 table,
+// f64 activations).
+TEST_F(GradCheck, Rope) {
+  const int B = 2, T = 3, NH = 2, NKV = 1, hs = 4, pos0 = 2, W = (NH + 2 * NKV) * hs;
+  std::vector<float> table(size_t(pos0 + T) * hs);
+  for (int pos = 0; pos < pos0 + T; pos++)
+    for (int i = 0; i < hs / 2; i++) {
+      const double angle = pos * std::pow(10000.0, -2.0 * i / hs);
+      table[(size_t(pos) * hs / 2 + i) * 2] = float(std::cos(angle));
+      table[(size_t(pos) * hs / 2 + i) * 2 + 1] = float(std::sin(angle));
+    }
+  Vec qkv = random_vector<double>(B * T * W, 36), r = random_vector<double>(B * T * W, 37);
+  auto f = [&] {
+    Device d;
+    DPtr x = d.upload(qkv);
+    d.k->rope_forward(x, d.upload(table), B, T, NH, NKV, hs, pos0);
+    return project(d.download<double>(x, B * T * W), r);
+  };
+  Device d;
+  DPtr g = d.upload(r);
+  d.k->rope_backward(g, d.upload(table), B, T, NH, NKV, hs, pos0);
+  expect_gradient(f, qkv, d.download<double>(g, B * T * W), "dqkv");
+}
+
+TEST_F(GradCheck, SwiGlu) {
+  const int N = 4, F = 6;
+  Vec gate_up = random_vector<double>(N * 2 * F, 38, 2.0), r = random_vector<double>(N * F, 39);
+  auto f = [&] {
+    Device d;
+    DPtr out = d.upload(Vec(N * F));
+    d.k->swiglu_forward(out, d.upload(gate_up), N, F);
+    return project(d.download<double>(out, N * F), r);
+  };
+  Device d;
+  DPtr dgu = d.upload(Vec(N * 2 * F));
+  d.k->swiglu_backward(dgu, d.upload(r), d.upload(gate_up), N, F);
+  expect_gradient(f, gate_up, d.download<double>(dgu, N * 2 * F), "d gate_up");
 }
 
 TEST_F(GradCheck, Gelu) {

@@ -6,13 +6,19 @@
 
 #include <chrono>
 #include <cmath>
+#include <type_traits>
 
+#include "kernels/half.h"
 #include "test_util.h"
 
 namespace trainer::test {
 namespace {
 
 constexpr double kRtol = 1e-4, kAtol = 1e-5;
+
+struct Tolerance {
+  double rtol, atol;
+};
 
 TEST(Kernels, EncoderForwardBackward) {
   Device d;
@@ -124,17 +130,22 @@ TEST(Kernels, MatmulForwardBackward) {
   }
 }
 
-// Naive causal attention in double, straight from the definition (llm.c's CPU loops).
+// Naive causal grouped-query attention in double, straight from the definition (llm.c's CPU
+// loops): qkv rows hold NH query heads, NKV key heads and NKV value heads; query head h uses key
+// and value head h / (NH / NKV).
 struct NaiveAttention {
   std::vector<double> out, att, dqkv;
-  NaiveAttention(const std::vector<float>& qkv, const std::vector<float>& dout, int B, int T, int C,
-                 int NH) {
-    const int hs = C / NH;
+  template <class Q, class D>
+  NaiveAttention(const std::vector<Q>& qkv, const std::vector<D>& dout, int B, int T, int C, int NH,
+                 int NKV) {
+    const int hs = C / NH, group = NH / NKV, W = C + 2 * NKV * hs;
     const double scale = 1 / std::sqrt(double(hs));
     out.assign(B * T * C, 0);
     att.assign(B * NH * T * T, 0);
-    dqkv.assign(B * T * 3 * C, 0);
-    auto q = [&](int b, int t, int h, int i) { return (b * T + t) * 3 * C + h * hs + i; };
+    dqkv.assign(B * T * W, 0);
+    auto q = [&](int b, int t, int h, int i) { return (b * T + t) * W + h * hs + i; };
+    auto k = [&](int b, int t, int h, int i) { return (b * T + t) * W + C + h / group * hs + i; };
+    auto v = [&](int b, int t, int h, int i) { return k(b, t, h, i) + NKV * hs; };
     for (int b = 0; b < B; b++)
       for (int h = 0; h < NH; h++)
         for (int t = 0; t < T; t++) {
@@ -142,7 +153,8 @@ struct NaiveAttention {
           double mx = -1e300;
           for (int u = 0; u <= t; u++) {
             double s = 0;
-            for (int i = 0; i < hs; i++) s += double(qkv[q(b, t, h, i)]) * qkv[q(b, u, h, i) + C];
+            for (int i = 0; i < hs; i++)
+              s += double(qkv[q(b, t, h, i)]) * double(qkv[k(b, u, h, i)]);
             a[u] = s * scale;
             mx = std::max(mx, a[u]);
           }
@@ -151,24 +163,24 @@ struct NaiveAttention {
           for (int u = 0; u <= t; u++) a[u] /= sum;
           for (int i = 0; i < hs; i++) {
             double o = 0;
-            for (int u = 0; u <= t; u++) o += a[u] * qkv[q(b, u, h, i) + 2 * C];
+            for (int u = 0; u <= t; u++) o += a[u] * double(qkv[v(b, u, h, i)]);
             out[(b * T + t) * C + h * hs + i] = o;
           }
           // backward for this query row
           std::vector<double> da(t + 1);
           for (int u = 0; u <= t; u++)
             for (int i = 0; i < hs; i++) {
-              const double g = dout[(b * T + t) * C + h * hs + i];
-              da[u] += g * qkv[q(b, u, h, i) + 2 * C];
-              dqkv[q(b, u, h, i) + 2 * C] += a[u] * g;
+              const double g = double(dout[(b * T + t) * C + h * hs + i]);
+              da[u] += g * double(qkv[v(b, u, h, i)]);
+              dqkv[v(b, u, h, i)] += a[u] * g;
             }
           double dot = 0;
           for (int u = 0; u <= t; u++) dot += a[u] * da[u];
           for (int u = 0; u <= t; u++) {
             const double dpre = a[u] * (da[u] - dot) * scale;
             for (int i = 0; i < hs; i++) {
-              dqkv[q(b, t, h, i)] += dpre * qkv[q(b, u, h, i) + C];
-              dqkv[q(b, u, h, i) + C] += dpre * qkv[q(b, t, h, i)];
+              dqkv[q(b, t, h, i)] += dpre * double(qkv[k(b, u, h, i)]);
+              dqkv[k(b, u, h, i)] += dpre * double(qkv[q(b, t, h, i)]);
             }
           }
         }
@@ -180,7 +192,7 @@ TEST(Kernels, AttentionForwardBackward) {
   // T = 150 spans three of the kernel's 64-row blocks, with a ragged last block.
   for (auto [B, T, C, NH] : {std::array{2, 7, 12, 3}, std::array{1, 150, 16, 2}}) {
     auto qkv = random_vector(B * T * 3 * C, 12), dout = random_vector(B * T * C, 13);
-    NaiveAttention ref(qkv, dout, B, T, C, NH);
+    NaiveAttention ref(qkv, dout, B, T, C, NH, NH);
     DPtr out = d.upload(std::vector<float>(B * T * C));
     DPtr att = d.upload(std::vector<float>(B * NH * T * T, 3.0f));
     DPtr qkvd = d.upload(qkv);
@@ -399,6 +411,303 @@ TEST(Kernels, CpuPeakIsTheBestRateSeen) {
   const double measured = fresh.k->measure_peak_flops();
   EXPECT_GT(measured, 1e8);  // any CPU that runs this sgemm does more than 0.1 GFLOP/s
   EXPECT_GE(fresh.k->peak_flops(DType::f32), measured);
+}
+
+// --- Llama-style kernels: in fp32 and on 16-bit storage ------------------------------------
+// 16-bit storage: the CPU backend widens the (rounded) inputs to fp32, computes, and rounds each
+// output once to nearest, so an output is off from the exact value on the rounded inputs by at
+// most half a unit in its last place (2^-9 relative for bf16, 2^-12 for fp16) plus fp32 error
+// (~1e-6). We allow one unit, 2^-8 and 2^-11, as relative and absolute tolerances (values are
+// O(1); the absolute part covers outputs that cancel to near zero). Attention's backward also
+// reads the forward's probabilities rounded to 16 bits: 3x.
+
+template <class S>
+Tolerance storage_tolerance(double chain = 1) {
+  if constexpr (std::is_same_v<S, bf16>) return {0x1p-8 * chain, 0x1p-8 * chain};
+  if constexpr (std::is_same_v<S, f16>) return {0x1p-11 * chain, 0x1p-11 * chain};
+  return {kRtol * chain, kAtol * chain};
+}
+
+// Values stored as S (float, bf16 or f16): what the kernels see, and the same values widened.
+template <class S>
+std::vector<S> stored(const std::vector<float>& v) {
+  std::vector<S> out(v.size());
+  for (size_t i = 0; i < v.size(); i++) {
+    if constexpr (std::is_same_v<S, bf16>)
+      out[i] = to_bf16(v[i]);
+    else if constexpr (std::is_same_v<S, f16>)
+      out[i] = to_f16(v[i]);
+    else
+      out[i] = v[i];
+  }
+  return out;
+}
+template <class S>
+std::vector<double> widened(const std::vector<S>& v) {
+  std::vector<double> out(v.size());
+  for (size_t i = 0; i < v.size(); i++) {
+    if constexpr (std::is_same_v<S, float>)
+      out[i] = v[i];
+    else
+      out[i] = to_float(v[i]);
+  }
+  return out;
+}
+template <class S>
+std::vector<double> download_widened(Device& d, DPtr p, size_t n) {
+  return widened(d.download<S>(p, n));
+}
+
+template <class S>
+class LlamaKernels : public ::testing::Test {};
+using StorageTypes = ::testing::Types<float, bf16, f16>;
+TYPED_TEST_SUITE(LlamaKernels, StorageTypes);
+
+// RMSNorm: y = x rstd w, rstd = 1 / sqrt(mean(x^2) + eps); with xhat = x rstd and g = dout w,
+// dx = rstd (g - xhat mean(g xhat)), dw = sum over rows of dout xhat. rstd is fp32 whatever the
+// activations; dinp and dweight accumulate (start from 0.25).
+TYPED_TEST(LlamaKernels, RmsNormForwardBackward) {
+  using S = TypeParam;
+  Device d;
+  const int N = 37, C = 48;
+  const float eps = 1e-5f;
+  const auto x = stored<S>(random_vector(N * C, 4, 2.0)), w = stored<S>(random_vector(C, 5)),
+             dout = stored<S>(random_vector(N * C, 7));
+  const auto X = widened(x), W = widened(w), G = widened(dout);
+  std::vector<double> want(N * C), rstd_want(N), dx_want(N * C, 0.25), dw_want(C, 0.25);
+  for (int n = 0; n < N; n++) {
+    double sq = 0;
+    for (int c = 0; c < C; c++) sq += X[n * C + c] * X[n * C + c];
+    const double r = 1 / std::sqrt(sq / C + double(eps));
+    rstd_want[n] = r;
+    double g_xhat = 0;
+    for (int c = 0; c < C; c++) {
+      const double xhat = X[n * C + c] * r;
+      want[n * C + c] = xhat * W[c];
+      g_xhat += G[n * C + c] * W[c] * xhat / C;
+      dw_want[c] += G[n * C + c] * xhat;
+    }
+    for (int c = 0; c < C; c++)
+      dx_want[n * C + c] += r * (G[n * C + c] * W[c] - X[n * C + c] * r * g_xhat);
+  }
+  DPtr out = d.upload(std::vector<S>(N * C)), rstd = d.upload(std::vector<float>(N));
+  DPtr xd = d.upload(x), wd = d.upload(w);
+  d.k->rmsnorm_forward(out, rstd, xd, wd, N, C, eps);
+  const Tolerance tol = storage_tolerance<S>();
+  EXPECT_TRUE(all_close(download_widened<S>(d, out, N * C), want, tol.rtol, tol.atol));
+  EXPECT_TRUE(all_close(d.download<float>(rstd, N), rstd_want, kRtol, kAtol));
+  DPtr dx = d.upload(stored<S>(std::vector<float>(N * C, 0.25f))),
+       dw = d.upload(stored<S>(std::vector<float>(C, 0.25f)));
+  d.k->rmsnorm_backward(dx, dw, d.upload(dout), xd, wd, rstd, N, C);
+  EXPECT_TRUE(all_close(download_widened<S>(d, dx, N * C), dx_want, tol.rtol, tol.atol));
+  EXPECT_TRUE(all_close(download_widened<S>(d, dw, C), dw_want, tol.rtol, tol.atol));
+}
+
+// Grouped-query attention for multi-query (NKV = 1), grouped (NKV = NH / 2) and multi-head
+// (NKV = NH) over T = 70 (two of the CPU kernel's 64-row blocks, the second ragged).
+TYPED_TEST(LlamaKernels, GroupedQueryAttentionForwardBackward) {
+  using S = TypeParam;
+  Device d;
+  const int B = 2, T = 70, C = 24, NH = 6, hs = C / NH;
+  for (int NKV : {1, NH / 2, NH}) {
+    SCOPED_TRACE(testing::Message() << "NKV " << NKV);
+    const int W = C + 2 * NKV * hs;
+    const auto qkv = stored<S>(random_vector(B * T * W, 12)),
+               dout = stored<S>(random_vector(B * T * C, 13));
+    NaiveAttention ref(widened(qkv), widened(dout), B, T, C, NH, NKV);
+    DPtr out = d.upload(std::vector<S>(B * T * C));
+    DPtr att = d.upload(stored<S>(std::vector<float>(B * NH * T * T, 3.0f)));
+    DPtr qkvd = d.upload(qkv);
+    d.k->attention_forward(out, att, qkvd, B, T, C, NH, NKV);
+    const Tolerance tol = storage_tolerance<S>(), chained = storage_tolerance<S>(3);
+    EXPECT_TRUE(all_close(download_widened<S>(d, out, B * T * C), ref.out, tol.rtol, tol.atol));
+    EXPECT_TRUE(
+        all_close(download_widened<S>(d, att, B * NH * T * T), ref.att, tol.rtol, tol.atol));
+    // dqkv is overwritten (starts at 9), key and value gradients summed over each group.
+    DPtr dqkv = d.upload(stored<S>(std::vector<float>(B * T * W, 9.0f)));
+    DPtr datt = d.upload(stored<S>(std::vector<float>(B * NH * T * T, 5.0f)));
+    d.k->attention_backward(dqkv, datt, d.upload(dout), qkvd, out, att, B, T, C, NH, NKV);
+    EXPECT_TRUE(
+        all_close(download_widened<S>(d, dqkv, B * T * W), ref.dqkv, chained.rtol, chained.atol));
+  }
+}
+
+// Generation: the queries of rows [q0, T) against the cache of keys [0, T) are the full causal
+// forward's rows [q0, T) (the full forward checked against the naive one above).
+TYPED_TEST(LlamaKernels, AttentionInferenceIsTheForwardsLastRows) {
+  using S = TypeParam;
+  Device d;
+  const int T = 9, C = 16, NH = 4, NKV = 2, W = C + 2 * NKV * (C / NH);
+  const auto qkv = stored<S>(random_vector(T * W, 14));
+  const NaiveAttention ref(widened(qkv), std::vector<double>(T * C), 1, T, C, NH, NKV);
+  const Tolerance tol = storage_tolerance<S>();
+  for (int q0 : {0, 5, T - 1}) {
+    DPtr out = d.upload(stored<S>(std::vector<float>((T - q0) * C, 7.0f)));
+    d.k->attention_inference(out, d.upload(qkv), T, q0, C, NH, NKV);
+    const std::vector<double> want(ref.out.begin() + q0 * C, ref.out.end());
+    EXPECT_TRUE(all_close(download_widened<S>(d, out, (T - q0) * C), want, tol.rtol, tol.atol))
+        << "q0 " << q0;
+  }
+}
+
+// Llama's table: angle(pos, i) = pos * 10000^(-2i / hs), stored as fp32 (cos, sin) pairs.
+std::vector<float> rope_table(int max_pos, int hs) {
+  std::vector<float> table(size_t(max_pos) * hs);
+  for (int pos = 0; pos < max_pos; pos++)
+    for (int i = 0; i < hs / 2; i++) {
+      const double angle = pos * std::pow(10000.0, -2.0 * i / hs);
+      table[(size_t(pos) * hs / 2 + i) * 2] = float(std::cos(angle));
+      table[(size_t(pos) * hs / 2 + i) * 2 + 1] = float(std::sin(angle));
+    }
+  return table;
+}
+
+// Meta's apply_rotary_emb: (x[2i] + i x[2i+1]) * (cos + i sin) on each query and key head, at
+// position pos0 + t; value heads untouched. Backward (the transpose) is checked in
+// test_gradcheck.cpp; here it undoes the forward.
+TYPED_TEST(LlamaKernels, RopeRotatesQueryAndKeyPairs) {
+  using S = TypeParam;
+  Device d;
+  const int B = 2, T = 5, NH = 4, NKV = 2, hs = 6, pos0 = 3, W = (NH + 2 * NKV) * hs;
+  const auto table = rope_table(16, hs);
+  const auto qkv = stored<S>(random_vector(B * T * W, 15));
+  const auto X = widened(qkv);
+  std::vector<double> want = X;
+  for (int bt = 0; bt < B * T; bt++)
+    for (int h = 0; h < NH + NKV; h++)  // query then key heads
+      for (int i = 0; i < hs / 2; i++) {
+        const int pos = pos0 + bt % T, at = bt * W + h * hs + 2 * i;
+        const double c = table[(pos * hs / 2 + i) * 2], s = table[(pos * hs / 2 + i) * 2 + 1];
+        want[at] = X[at] * c - X[at + 1] * s;
+        want[at + 1] = X[at] * s + X[at + 1] * c;
+      }
+  DPtr x = d.upload(qkv), cs = d.upload(table);
+  d.k->rope_forward(x, cs, B, T, NH, NKV, hs, pos0);
+  const Tolerance tol = storage_tolerance<S>();
+  const auto rotated = download_widened<S>(d, x, B * T * W);
+  EXPECT_TRUE(all_close(rotated, want, tol.rtol, tol.atol));
+  for (int bt = 0; bt < B * T; bt++)  // value heads exactly as they were
+    for (int e = (NH + NKV) * hs; e < W; e++) ASSERT_EQ(rotated[bt * W + e], X[bt * W + e]);
+  // Backward rotates back: the identity, up to one more rounding.
+  d.k->rope_backward(x, cs, B, T, NH, NKV, hs, pos0);
+  const Tolerance twice = storage_tolerance<S>(2);
+  EXPECT_TRUE(all_close(download_widened<S>(d, x, B * T * W), X, twice.rtol, twice.atol));
+}
+
+// A cached generation step rotates token t of a suffix at position pos0 + t: the same values as
+// those rows of the whole sequence rotated from position 0.
+TEST(Kernels, RopeAtAnOffsetIsTheLongerSequencesRows) {
+  Device d;
+  const int T = 8, pos0 = 3, NH = 2, NKV = 1, hs = 4, W = (NH + 2 * NKV) * hs;
+  const auto table = rope_table(T, hs);
+  const auto qkv = random_vector(T * W, 16);
+  DPtr whole = d.upload(qkv), cs = d.upload(table);
+  d.k->rope_forward(whole, cs, 1, T, NH, NKV, hs, 0);
+  DPtr tail = d.upload(std::vector<float>(qkv.begin() + pos0 * W, qkv.end()));
+  d.k->rope_forward(tail, cs, 1, T - pos0, NH, NKV, hs, pos0);
+  const auto all = d.download<float>(whole, T * W);
+  EXPECT_EQ(d.download<float>(tail, (T - pos0) * W),
+            std::vector<float>(all.begin() + pos0 * W, all.end()));
+}
+
+// SwiGLU: out = silu(gate) up, silu(g) = g / (1 + e^-g); d gate = dout up silu'(g) with
+// silu'(g) = sig (1 + g (1 - sig)), d up = dout silu(g).
+TYPED_TEST(LlamaKernels, SwiGluForwardBackward) {
+  using S = TypeParam;
+  Device d;
+  const int N = 13, F = 40;
+  const auto gate_up = stored<S>(random_vector(N * 2 * F, 17, 3.0)),
+             dout = stored<S>(random_vector(N * F, 18));
+  const auto X = widened(gate_up), G = widened(dout);
+  std::vector<double> want(N * F), dwant(N * 2 * F);
+  for (int n = 0; n < N; n++)
+    for (int f = 0; f < F; f++) {
+      const double g = X[n * 2 * F + f], up = X[n * 2 * F + F + f], dy = G[n * F + f];
+      const double sig = 1 / (1 + std::exp(-g));
+      want[n * F + f] = g * sig * up;
+      dwant[n * 2 * F + f] = dy * up * sig * (1 + g * (1 - sig));
+      dwant[n * 2 * F + F + f] = dy * g * sig;
+    }
+  DPtr out = d.upload(std::vector<S>(N * F)), gu = d.upload(gate_up);
+  DPtr dgu = d.upload(stored<S>(std::vector<float>(N * 2 * F, 6.0f)));  // overwritten
+  d.k->swiglu_forward(out, gu, N, F);
+  d.k->swiglu_backward(dgu, d.upload(dout), gu, N, F);
+  const Tolerance tol = storage_tolerance<S>();
+  EXPECT_TRUE(all_close(download_widened<S>(d, out, N * F), want, tol.rtol, tol.atol));
+  EXPECT_TRUE(all_close(download_widened<S>(d, dgu, N * 2 * F), dwant, tol.rtol, tol.atol));
+}
+
+// Dropout keeps an element with probability 1 - p and scales it by 1 / (1 - p), rounded once to
+// the storage type; the mask depends on (seed, offset + i) only.
+TYPED_TEST(LlamaKernels, DropoutIsCounterBased) {
+  using S = TypeParam;
+  Device d;
+  const int n = 100000;
+  const float p = 0.3f;
+  const auto x = stored<S>(random_vector(n, 19));
+  auto dropped = [&](const std::vector<S>& v, float prob, uint64_t seed, int64_t offset) {
+    DPtr buf = d.upload(v);
+    d.k->dropout(buf, int64_t(v.size()), prob, seed, offset);
+    return download_widened<S>(d, buf, v.size());
+  };
+  const auto X = widened(x);
+  EXPECT_EQ(dropped(x, 0.0f, 1, 0), X);  // p = 0: a no-op
+  const auto y = dropped(x, p, 42, 1000);
+  const float scale = 1.0f / (1.0f - p);
+  int zeros = 0;
+  for (int i = 0; i < n; i++) {
+    if (y[i] == 0) {
+      zeros++;
+      continue;
+    }
+    ASSERT_EQ(y[i], widened(stored<S>({float(X[i]) * scale}))[0]) << i;
+  }
+  // Binomial: the standard deviation of the dropped fraction is sqrt(p (1 - p) / n) = 0.0014.
+  EXPECT_NEAR(double(zeros) / n, p, 0.01);
+  EXPECT_EQ(dropped(x, p, 42, 1000), y);  // same seed, same mask
+  EXPECT_NE(dropped(x, p, 43, 1000), y);
+  // Element i is numbered offset + i: a suffix called with the offset moved is the same mask.
+  const int k = 777;
+  EXPECT_EQ(dropped(std::vector<S>(x.begin() + k, x.end()), p, 42, 1000 + k),
+            std::vector<double>(y.begin() + k, y.end()));
+  // Backward is the same call on the gradient: it zeroes exactly where forward did.
+  const auto g = dropped(stored<S>(random_vector(n, 20, 1.0)), p, 42, 1000);
+  for (int i = 0; i < n; i++) ASSERT_EQ(g[i] == 0, y[i] == 0) << i;
+}
+
+// GPT-2 without biases (bias = false): a null bias adds nothing and a null dbias is skipped;
+// everything else is what a zero bias gives.
+TEST(Kernels, LayerNormWithoutBias) {
+  Device d;
+  const int N = 9, C = 32;
+  auto x = random_vector(N * C, 21, 2.0), w = random_vector(C, 22), dout = random_vector(N * C, 23);
+  DPtr xd = d.upload(x), wd = d.upload(w), zero_bias = d.upload(std::vector<float>(C));
+  std::vector<std::vector<float>> outs, dxs, dws;
+  for (bool with_bias : {true, false}) {
+    DPtr out = d.upload(std::vector<float>(N * C)), mean = d.upload(std::vector<float>(N)),
+         rstd = d.upload(std::vector<float>(N));
+    d.k->layernorm_forward(out, mean, rstd, xd, wd, with_bias ? zero_bias : DPtr{}, N, C);
+    DPtr dx = d.upload(std::vector<float>(N * C)), dw = d.upload(std::vector<float>(C)),
+         db = d.upload(std::vector<float>(C));
+    d.k->layernorm_backward(dx, dw, with_bias ? db : DPtr{}, d.upload(dout), xd, wd, mean, rstd, N,
+                            C);
+    outs.push_back(d.download<float>(out, N * C));
+    dxs.push_back(d.download<float>(dx, N * C));
+    dws.push_back(d.download<float>(dw, C));
+  }
+  EXPECT_EQ(outs[1], outs[0]);
+  EXPECT_EQ(dxs[1], dxs[0]);
+  EXPECT_EQ(dws[1], dws[0]);
+  // The bias-free output is the normalised input times the weight.
+  const auto out = outs[1];
+  for (int n = 0; n < N; n++) {
+    double m = 0, v = 0;
+    for (int c = 0; c < C; c++) m += x[n * C + c] / double(C);
+    for (int c = 0; c < C; c++) v += (x[n * C + c] - m) * (x[n * C + c] - m) / C;
+    for (int c = 0; c < C; c++)
+      EXPECT_NEAR(out[n * C + c], (x[n * C + c] - m) / std::sqrt(v + 1e-5) * w[c],
+                  kAtol + kRtol * std::abs(out[n * C + c]));
+  }
 }
 
 }  // namespace

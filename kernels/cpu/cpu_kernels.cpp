@@ -7,6 +7,7 @@
 #include <memory>
 #include <new>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "kernels/cpu/cpu_ops.h"
@@ -138,6 +139,11 @@ double causal_attention_flops(int B, int T, int C) {
   return 2.0 * 2.0 * B * C * (double(T) * (T + 1) / 2);
 }
 
+// The row length of qkv: NH query heads, NKV key heads and NKV value heads of C / NH each.
+int64_t qkv_width(int C, int NH, int NKV) {
+  return C + 2 * int64_t(NKV) * (C / NH);
+}
+
 class CpuKernels final : public Kernels {
  public:
   std::string name() const override { return "cpu"; }
@@ -216,7 +222,7 @@ class CpuKernels final : public Kernels {
     }
     dispatch(out.dtype, [&]<class S>(S) {
       cpu::layernorm_forward(out.as<S>(), mean.as<S>(), rstd.as<S>(), inp.as<S>(), weight.as<S>(),
-                             bias.as<S>(), N, C);
+                             bias ? bias.as<S>() : nullptr, N, C);
     });
   }
   void layernorm_backward(DPtr dinp, DPtr dweight, DPtr dbias, DPtr dout, DPtr inp, DPtr weight,
@@ -228,9 +234,32 @@ class CpuKernels final : public Kernels {
                                 s.in(rstd, N), N, C);
     }
     dispatch(dout.dtype, [&]<class S>(S) {
-      cpu::layernorm_backward(dinp.as<S>(), dweight.as<S>(), dbias.as<S>(), dout.as<S>(),
-                              inp.as<S>(), weight.as<S>(), mean.as<S>(), rstd.as<S>(), N, C,
-                              scratch_);
+      cpu::layernorm_backward(dinp.as<S>(), dweight.as<S>(), dbias ? dbias.as<S>() : nullptr,
+                              dout.as<S>(), inp.as<S>(), weight.as<S>(), mean.as<S>(), rstd.as<S>(),
+                              N, C, scratch_);
+    });
+  }
+  void rmsnorm_forward(DPtr out, DPtr rstd, DPtr inp, DPtr weight, int64_t N, int C,
+                       float eps) override {
+    if (Staging::any_half({out, rstd, inp, weight})) {
+      Staging s(pool_);
+      return rmsnorm_forward(s.out(out, N * C), s.out(rstd, N), s.in(inp, N * C), s.in(weight, C),
+                             N, C, eps);
+    }
+    dispatch(out.dtype, [&]<class S>(S) {
+      cpu::rmsnorm_forward(out.as<S>(), rstd.as<S>(), inp.as<S>(), weight.as<S>(), N, C, eps);
+    });
+  }
+  void rmsnorm_backward(DPtr dinp, DPtr dweight, DPtr dout, DPtr inp, DPtr weight, DPtr rstd,
+                        int64_t N, int C) override {
+    if (Staging::any_half({dinp, dweight, dout, inp, weight, rstd})) {
+      Staging s(pool_);
+      return rmsnorm_backward(s.inout(dinp, N * C), s.inout(dweight, C), s.in(dout, N * C),
+                              s.in(inp, N * C), s.in(weight, C), s.in(rstd, N), N, C);
+    }
+    dispatch(dout.dtype, [&]<class S>(S) {
+      cpu::rmsnorm_backward(dinp.as<S>(), dweight.as<S>(), dout.as<S>(), inp.as<S>(),
+                            weight.as<S>(), rstd.as<S>(), N, C, scratch_);
     });
   }
   void matmul_forward(DPtr out, DPtr inp, DPtr weight, DPtr bias, int64_t N, int IC,
@@ -263,33 +292,80 @@ class CpuKernels final : public Kernels {
       });
     });
   }
-  void attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH) override {
+  using Kernels::attention_backward;  // the multi-head overloads
+  using Kernels::attention_forward;
+  void attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH,
+                         int NKV) override {
     if (Staging::any_half({out, att, qkv})) {
       Staging s(pool_);
       return attention_forward(s.out(out, int64_t(B) * T * C), s.out(att, int64_t(B) * NH * T * T),
-                               s.in(qkv, int64_t(B) * T * 3 * C), B, T, C, NH);
+                               s.in(qkv, int64_t(B) * T * qkv_width(C, NH, NKV)), B, T, C, NH, NKV);
     }
     meter_.timed(causal_attention_flops(B, T, C), [&] {
       dispatch(out.dtype, [&]<class S>(S) {
-        cpu::attention_forward(out.as<S>(), att.as<S>(), qkv.as<S>(), B, T, C, NH);
+        cpu::attention_forward(out.as<S>(), att.as<S>(), qkv.as<S>(), B, T, C, NH, NKV);
       });
     });
   }
   void attention_backward(DPtr dqkv, DPtr datt, DPtr dout, DPtr qkv, DPtr /*out*/, DPtr att, int B,
-                          int T, int C, int NH) override {
+                          int T, int C, int NH, int NKV) override {
     if (Staging::any_half({dqkv, datt, dout, qkv, att})) {
       Staging s(pool_);
-      return attention_backward(s.out(dqkv, int64_t(B) * T * 3 * C),
-                                s.out(datt, int64_t(B) * NH * T * T),
-                                s.in(dout, int64_t(B) * T * C), s.in(qkv, int64_t(B) * T * 3 * C),
-                                DPtr{}, s.in(att, int64_t(B) * NH * T * T), B, T, C, NH);
+      const int64_t qkv_elems = int64_t(B) * T * qkv_width(C, NH, NKV);
+      return attention_backward(s.out(dqkv, qkv_elems), s.out(datt, int64_t(B) * NH * T * T),
+                                s.in(dout, int64_t(B) * T * C), s.in(qkv, qkv_elems), DPtr{},
+                                s.in(att, int64_t(B) * NH * T * T), B, T, C, NH, NKV);
     }
     meter_.timed(2 * causal_attention_flops(B, T, C), [&] {
       dispatch(dout.dtype, [&]<class S>(S) {
         cpu::attention_backward(dqkv.as<S>(), datt.as<S>(), dout.as<S>(), qkv.as<S>(), att.as<S>(),
-                                B, T, C, NH);
+                                B, T, C, NH, NKV);
       });
     });
+  }
+  void attention_inference(DPtr out, DPtr qkv, int T, int q0, int C, int NH, int NKV) override {
+    if (Staging::any_half({out, qkv})) {
+      Staging s(pool_);
+      return attention_inference(s.out(out, int64_t(T - q0) * C),
+                                 s.in(qkv, int64_t(T) * qkv_width(C, NH, NKV)), T, q0, C, NH, NKV);
+    }
+    dispatch(out.dtype, [&]<class S>(S) {
+      cpu::attention_inference(out.as<S>(), qkv.as<S>(), T, q0, C, NH, NKV);
+    });
+  }
+  void rope_forward(DPtr qkv, DPtr cos_sin, int B, int T, int NH, int NKV, int hs,
+                    int pos0) override {
+    rope(qkv, cos_sin, B, T, NH, NKV, hs, pos0, false);
+  }
+  void rope_backward(DPtr dqkv, DPtr cos_sin, int B, int T, int NH, int NKV, int hs,
+                     int pos0) override {
+    rope(dqkv, cos_sin, B, T, NH, NKV, hs, pos0, true);
+  }
+  void swiglu_forward(DPtr out, DPtr gate_up, int64_t N, int F) override {
+    if (Staging::any_half({out, gate_up})) {
+      Staging s(pool_);
+      return swiglu_forward(s.out(out, N * F), s.in(gate_up, 2 * N * F), N, F);
+    }
+    dispatch(out.dtype,
+             [&]<class S>(S) { cpu::swiglu_forward(out.as<S>(), gate_up.as<S>(), N, F); });
+  }
+  void swiglu_backward(DPtr d_gate_up, DPtr dout, DPtr gate_up, int64_t N, int F) override {
+    if (Staging::any_half({d_gate_up, dout, gate_up})) {
+      Staging s(pool_);
+      return swiglu_backward(s.out(d_gate_up, 2 * N * F), s.in(dout, N * F),
+                             s.in(gate_up, 2 * N * F), N, F);
+    }
+    dispatch(dout.dtype, [&]<class S>(S) {
+      cpu::swiglu_backward(d_gate_up.as<S>(), dout.as<S>(), gate_up.as<S>(), N, F);
+    });
+  }
+  void dropout(DPtr x, int64_t n, float p, uint64_t seed, int64_t offset) override {
+    if (p == 0) return;  // a no-op, and no 16-bit staging round trip either
+    if (Staging::any_half({x})) {
+      Staging s(pool_);
+      return dropout(s.inout(x, n), n, p, seed, offset);
+    }
+    dispatch(x.dtype, [&]<class S>(S) { cpu::dropout(x.as<S>(), n, p, seed, offset); });
   }
   void gelu_forward(DPtr out, DPtr inp, int64_t n) override {
     if (Staging::any_half({out, inp})) {
@@ -408,6 +484,22 @@ class CpuKernels final : public Kernels {
   }
 
  private:
+  // RoPE forward or (inverse) backward. The table is fp32 whatever the activations; f64
+  // arguments rotate by its angles widened to double.
+  void rope(DPtr qkv, DPtr cos_sin, int B, int T, int NH, int NKV, int hs, int pos0, bool inverse) {
+    if (cos_sin.dtype != DType::f32)
+      throw std::invalid_argument("rope: the cos/sin table must be f32, not " +
+                                  std::string(dtype_name(cos_sin.dtype)));
+    if (Staging::any_half({qkv})) {
+      Staging s(pool_);
+      const DPtr staged = s.inout(qkv, int64_t(B) * T * (NH + 2 * NKV) * hs);
+      return rope(staged, cos_sin, B, T, NH, NKV, hs, pos0, inverse);
+    }
+    dispatch(qkv.dtype, [&]<class S>(S) {
+      cpu::rope(qkv.as<S>(), cos_sin.as<float>(), B, T, NH, NKV, hs, pos0, inverse);
+    });
+  }
+
   std::vector<double> scratch_;  // per-thread partial sums, sized once
   ScratchPool pool_;
   FlopMeter meter_;

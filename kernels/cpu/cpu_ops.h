@@ -29,17 +29,38 @@ void layernorm_backward(T* dinp, T* dw, T* db, const T* dout, const T* inp, cons
                         const T* mean, const T* rstd, int64_t N, int C,
                         std::vector<double>& scratch);
 
+// RMSNorm: rstd in T; `scratch` as for layernorm_backward.
+template <class T>
+void rmsnorm_forward(T* out, T* rstd, const T* inp, const T* w, int64_t N, int C, float eps);
+template <class T>
+void rmsnorm_backward(T* dinp, T* dw, const T* dout, const T* inp, const T* w, const T* rstd,
+                      int64_t N, int C, std::vector<double>& scratch);
+
 template <class T>
 void matmul_forward(T* out, const T* inp, const T* w, const T* bias, int64_t N, int IC, int OC);
 template <class T>
 void matmul_backward(T* dinp, T* dw, T* dbias, const T* dout, const T* inp, const T* w, int64_t N,
                      int IC, int OC);
 
+// Grouped-query attention (NKV = NH: multi-head).
 template <class T>
-void attention_forward(T* out, T* att, const T* qkv, int B, int T_, int C, int NH);
+void attention_forward(T* out, T* att, const T* qkv, int B, int T_, int C, int NH, int NKV);
 template <class T>
 void attention_backward(T* dqkv, T* datt, const T* dout, const T* qkv, const T* att, int B, int T_,
-                        int C, int NH);
+                        int C, int NH, int NKV);
+template <class T>
+void attention_inference(T* out, const T* qkv, int T_, int q0, int C, int NH, int NKV);
+
+// RoPE in place; `inverse` rotates by minus the angle (the backward).
+template <class T>
+void rope(T* qkv, const float* cos_sin, int B, int T_, int NH, int NKV, int hs, int pos0,
+          bool inverse);
+template <class T>
+void swiglu_forward(T* out, const T* gate_up, int64_t N, int F);
+template <class T>
+void swiglu_backward(T* d_gate_up, const T* dout, const T* gate_up, int64_t N, int F);
+template <class T>
+void dropout(T* x, int64_t n, float p, uint64_t seed, int64_t offset);
 
 template <class T>
 void gelu_forward(T* out, const T* inp, int64_t n);

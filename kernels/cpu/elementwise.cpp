@@ -1,9 +1,10 @@
-// Encoder, GELU and residual: memory-bound loops parallelised with OpenMP.
+// Encoder, GELU, residual, RoPE, SwiGLU and dropout: memory-bound loops parallelised with OpenMP.
 #include <algorithm>
 #include <cmath>
 
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/fast_math.h"
+#include "kernels/shared_math.h"
 
 namespace trainer::cpu {
 
@@ -74,13 +75,79 @@ void residual_forward(T* out, const T* a, const T* b, int64_t n) {
   for (int64_t i = 0; i < n; i++) out[i] = a[i] + b[i];
 }
 
+template <class T>
+void rope(T* qkv, const float* cos_sin, int B, int T_, int NH, int NKV, int hs, int pos0,
+          bool inverse) {
+  const int64_t width = int64_t(NH + 2 * NKV) * hs;
+  const int half = hs / 2;
+  // The query heads and then the key heads are the first NH + NKV heads of each row.
+  const int rotated = NH + NKV;
+#pragma omp parallel for schedule(static)
+  for (int64_t bt = 0; bt < int64_t(B) * T_; bt++) {
+    const float* angle = cos_sin + int64_t(pos0 + bt % T_) * half * 2;
+    for (int h = 0; h < rotated; h++) {
+      T* x = qkv + bt * width + int64_t(h) * hs;
+      for (int i = 0; i < half; i++) {
+        const T c = T(angle[2 * i]), s = T(angle[2 * i + 1]);
+        rotate_pair(x[2 * i], x[2 * i + 1], c, inverse ? -s : s);
+      }
+    }
+  }
+}
+
+template <class T>
+void swiglu_forward(T* out, const T* gate_up, int64_t N, int F) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; n++) {
+    const T* gate = gate_up + n * 2 * F;
+    const T* up = gate + F;
+    T* o = out + n * F;
+#pragma omp simd
+    for (int f = 0; f < F; f++) {
+      const T sig = T(1) / (T(1) + fast_exp(-gate[f]));
+      o[f] = silu_from_sigmoid(gate[f], sig) * up[f];
+    }
+  }
+}
+
+template <class T>
+void swiglu_backward(T* d_gate_up, const T* dout, const T* gate_up, int64_t N, int F) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; n++) {
+    const T* gate = gate_up + n * 2 * F;
+    const T* up = gate + F;
+    const T* d = dout + n * F;
+    T* dgate = d_gate_up + n * 2 * F;
+    T* dup = dgate + F;
+#pragma omp simd
+    for (int f = 0; f < F; f++) {
+      const T sig = T(1) / (T(1) + fast_exp(-gate[f]));
+      dgate[f] = d[f] * up[f] * silu_grad_from_sigmoid(gate[f], sig);
+      dup[f] = d[f] * silu_from_sigmoid(gate[f], sig);
+    }
+  }
+}
+
+template <class T>
+void dropout(T* x, int64_t n, float p, uint64_t seed, int64_t offset) {
+  if (p == 0) return;  // keeps everything, scaled by 1: exactly nothing to do
+  const T scale = T(1) / (T(1) - T(p));
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; i++)
+    x[i] = dropout_keeps(seed, uint64_t(offset + i), p) ? x[i] * scale : T(0);
+}
+
 #define INSTANTIATE(T)                                                                            \
   template void encoder_forward<T>(T*, const int32_t*, const T*, const T*, int, int, int,         \
                                    VocabSlice);                                                   \
   template void encoder_backward<T>(T*, T*, const T*, const int32_t*, int, int, int, VocabSlice); \
   template void gelu_forward<T>(T*, const T*, int64_t);                                           \
   template void gelu_backward<T>(T*, const T*, const T*, int64_t);                                \
-  template void residual_forward<T>(T*, const T*, const T*, int64_t);
+  template void residual_forward<T>(T*, const T*, const T*, int64_t);                             \
+  template void rope<T>(T*, const float*, int, int, int, int, int, int, bool);                    \
+  template void swiglu_forward<T>(T*, const T*, int64_t, int);                                    \
+  template void swiglu_backward<T>(T*, const T*, const T*, int64_t, int);                         \
+  template void dropout<T>(T*, int64_t, float, uint64_t, int64_t);
 INSTANTIATE(float)
 INSTANTIATE(double)
 

@@ -22,7 +22,7 @@ void layernorm_forward(T* out, T* mean, T* rstd, const T* inp, const T* w, const
     var /= C;
     T s = T(1) / std::sqrt(var + T(kLayerNormEps));
     T* o = out + n * C;
-    for (int c = 0; c < C; c++) o[c] = (x[c] - m) * s * w[c] + b[c];
+    for (int c = 0; c < C; c++) o[c] = (x[c] - m) * s * w[c] + (b ? b[c] : T(0));
     mean[n] = m;
     rstd[n] = s;
   }
@@ -68,8 +68,56 @@ void layernorm_backward(T* dinp, T* dw, T* db, const T* dout, const T* inp, cons
     const double* pdw = scratch.data() + size_t(t) * 2 * C;
     for (int c = 0; c < C; c++) {
       dw[c] += T(pdw[c]);
-      db[c] += T(pdw[C + c]);
+      if (db) db[c] += T(pdw[C + c]);  // no bias (GPT-2's bias = false): nothing to add to
     }
+  }
+}
+
+template <class T>
+void rmsnorm_forward(T* out, T* rstd, const T* inp, const T* w, int64_t N, int C, float eps) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; n++) {
+    const T* x = inp + n * C;
+    T sq = 0;
+    for (int c = 0; c < C; c++) sq += x[c] * x[c];
+    const T s = T(1) / std::sqrt(sq / C + T(eps));
+    T* o = out + n * C;
+    for (int c = 0; c < C; c++) o[c] = x[c] * s * w[c];
+    rstd[n] = s;
+  }
+}
+
+// With xhat = x rstd and g = dout w: dx = rstd (g - xhat mean(g xhat)) (the mean term is the
+// derivative of rstd), dw = sum over rows of dout xhat.
+template <class T>
+void rmsnorm_backward(T* dinp, T* dw, const T* dout, const T* inp, const T* w, const T* rstd,
+                      int64_t N, int C, std::vector<double>& scratch) {
+  // Per-thread partial sums of dw over a static row partition, combined in thread order:
+  // deterministic for a given thread count (as layernorm_backward).
+  const int nthreads = omp_get_max_threads();
+  scratch.assign(size_t(nthreads) * C, 0.0);
+#pragma omp parallel num_threads(nthreads)
+  {
+    double* pdw = scratch.data() + size_t(omp_get_thread_num()) * C;
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+      const T* x = inp + n * C;
+      const T* d = dout + n * C;
+      const T s = rstd[n];
+      T g_xhat_mean = 0;
+      for (int c = 0; c < C; c++) {
+        const T xhat = x[c] * s;
+        g_xhat_mean += d[c] * w[c] * xhat;
+        pdw[c] += xhat * d[c];
+      }
+      g_xhat_mean /= C;
+      T* di = dinp + n * C;
+      for (int c = 0; c < C; c++) di[c] += s * (d[c] * w[c] - x[c] * s * g_xhat_mean);
+    }
+  }
+  for (int t = 0; t < nthreads; t++) {
+    const double* pdw = scratch.data() + size_t(t) * C;
+    for (int c = 0; c < C; c++) dw[c] += T(pdw[c]);
   }
 }
 
@@ -83,5 +131,14 @@ template void layernorm_backward<float>(float*, float*, float*, const float*, co
 template void layernorm_backward<double>(double*, double*, double*, const double*, const double*,
                                          const double*, const double*, const double*, int64_t, int,
                                          std::vector<double>&);
+template void rmsnorm_forward<float>(float*, float*, const float*, const float*, int64_t, int,
+                                     float);
+template void rmsnorm_forward<double>(double*, double*, const double*, const double*, int64_t, int,
+                                      float);
+template void rmsnorm_backward<float>(float*, float*, const float*, const float*, const float*,
+                                      const float*, int64_t, int, std::vector<double>&);
+template void rmsnorm_backward<double>(double*, double*, const double*, const double*,
+                                       const double*, const double*, int64_t, int,
+                                       std::vector<double>&);
 
 }  // namespace trainer::cpu
