@@ -122,17 +122,24 @@ class NaiveAttentionSteps final : public AttentionSteps {
     run_naive(c);
     gemms++;
   }
-  void to_heads(DPtr dst, DPtr src, int64_t width, int64_t column0,
-                const AttentionShape& s) override {
-    for (int64_t e = 0; e < s.elems(); e++)
-      dst.as<double>()[e] =
-          src.as<double>()[token_major_index(e, s.T, s.hs(), s.NH, width, column0)];
+  // Head-major element e's place in the token-major tensor.
+  static int64_t token_major(int64_t e, HeadSide side, int64_t width, int64_t column0,
+                             const AttentionShape& s) {
+    const int group = side == HeadSide::queries ? s.group() : 1;
+    return token_major_index(e, s.T, s.hs(), s.NKV, group, width, column0);
   }
-  void from_heads(DPtr dst, int64_t width, int64_t column0, DPtr src,
+  static int64_t elems(HeadSide side, const AttentionShape& s) {
+    return side == HeadSide::queries ? s.elems() : s.kv_elems();
+  }
+  void to_heads(DPtr dst, HeadSide side, DPtr src, int64_t width, int64_t column0,
+                const AttentionShape& s) override {
+    for (int64_t e = 0; e < elems(side, s); e++)
+      dst.as<double>()[e] = src.as<double>()[token_major(e, side, width, column0, s)];
+  }
+  void from_heads(DPtr dst, int64_t width, int64_t column0, DPtr src, HeadSide side,
                   const AttentionShape& s) override {
-    for (int64_t e = 0; e < s.elems(); e++)
-      dst.as<double>()[token_major_index(e, s.T, s.hs(), s.NH, width, column0)] =
-          src.as<double>()[e];
+    for (int64_t e = 0; e < elems(side, s); e++)
+      dst.as<double>()[token_major(e, side, width, column0, s)] = src.as<double>()[e];
   }
   template <class F>
   void each_row(QueryBlock blk, const AttentionShape& sh, F&& f) {
@@ -168,7 +175,7 @@ class NaiveAttentionSteps final : public AttentionSteps {
     for (int64_t r = 0; r < s.heads() * s.T; r++) {
       double sum = 0;
       for (int d = 0; d < s.hs(); d++) {
-        const int64_t at = token_major_index(r * s.hs() + d, s.T, s.hs(), s.NH, s.C, 0);
+        const int64_t at = token_major_index(r * s.hs() + d, s.T, s.hs(), s.NH, 1, s.C, 0);
         sum += dout.as<double>()[at] * out.as<double>()[at];
       }
       D.as<double>()[r] = sum;
@@ -179,55 +186,79 @@ class NaiveAttentionSteps final : public AttentionSteps {
 };
 
 // Blocks of 4 over T = 10 (the last one short) and one block over all of T: the CPU backend's
-// attention (which keeps T x T probabilities) to 1e-12, forward and backward.
+// attention (which keeps T x T probabilities) to 1e-12, forward and backward; multi-head (NKV =
+// NH), grouped (NKV = NH / 2, NH / 3) and multi-query (NKV = 1) over NH = 6.
 TEST(GemmPlan, BlockedAttentionIsTheCpusAttention) {
   test::Device d;
-  const int B = 2, T = 10, C = 12, NH = 3;
+  // hs = 4: the GEMMs' fp32 alpha, 1/sqrt(hs), is exact, as 1e-12 needs.
+  const int B = 2, T = 10, C = 24, NH = 6, hs = C / NH;
   const int64_t BT = int64_t(B) * T;
-  auto qkv = random(BT * 3 * C, 1), dout = random(BT * C, 2);
-  DPtr qkv_d = d.upload(qkv), dout_d = d.upload(dout);
-  DPtr out_ref = d.upload(std::vector<double>(BT * C)),
-       att = d.upload(std::vector<double>(BT * NH * T));
-  DPtr dqkv_ref = d.upload(std::vector<double>(BT * 3 * C)),
-       datt = d.upload(std::vector<double>(BT * NH * T));
-  d.k->attention_forward(out_ref, att, qkv_d, B, T, C, NH);
-  d.k->attention_backward(dqkv_ref, datt, dout_d, qkv_d, out_ref, att, B, T, C, NH);
-  const auto expected_out = d.download<double>(out_ref, BT * C);
-  const auto expected_dqkv = d.download<double>(dqkv_ref, BT * 3 * C);
+  for (int NKV : {NH, NH / 2, NH / 3, 1}) {
+    const int64_t width = C + 2 * int64_t(NKV) * hs;
+    auto qkv = random(BT * width, 1), dout = random(BT * C, 2);
+    DPtr qkv_d = d.upload(qkv), dout_d = d.upload(dout);
+    DPtr out_ref = d.upload(std::vector<double>(BT * C)),
+         att = d.upload(std::vector<double>(BT * NH * T));
+    DPtr dqkv_ref = d.upload(std::vector<double>(BT * width)),
+         datt = d.upload(std::vector<double>(BT * NH * T));
+    d.k->attention_forward(out_ref, att, qkv_d, B, T, C, NH, NKV);
+    d.k->attention_backward(dqkv_ref, datt, dout_d, qkv_d, out_ref, att, B, T, C, NH, NKV);
+    const auto expected_out = d.download<double>(out_ref, BT * C);
+    const auto expected_dqkv = d.download<double>(dqkv_ref, BT * width);
 
-  for (int block : {4, T, 128}) {
-    SCOPED_TRACE(testing::Message() << "block " << block);
-    const AttentionShape shape{B, T, C, NH, block};
-    const AttentionScratchSizes n = attention_scratch_sizes(shape);
-    auto buf = [&](int64_t elems) { return d.upload(std::vector<double>(elems, 77.0)); };
-    const AttentionScratch w{buf(n.head_major), buf(n.head_major), buf(n.head_major),
-                             buf(n.head_major), buf(n.head_major), buf(n.head_major),
-                             buf(n.head_major), buf(n.block),      buf(n.block),
-                             buf(n.rows)};
-    DPtr out = buf(BT * C), lse = buf(n.rows), dqkv = buf(BT * 3 * C);
-    NaiveAttentionSteps steps;
-    blocked_attention_forward(steps, w, out, lse, qkv_d, shape);
-    EXPECT_EQ(steps.gemms, 2 * int(query_blocks(shape).size()));
-    blocked_attention_backward(steps, w, dqkv, dout_d, qkv_d, out, lse, shape);
-    EXPECT_TRUE(test::all_close(expected_out, d.download<double>(out, BT * C), kTol, kTol));
-    // Every element of dqkv written (the buffers started at 77).
-    EXPECT_TRUE(test::all_close(expected_dqkv, d.download<double>(dqkv, BT * 3 * C), kTol, kTol));
-    // The log-sum-exp of row (b, h, t) over the scores it sees, from scratch.
-    const int hs = C / NH;
-    const std::vector<double> lse_host = d.download<double>(lse, n.rows);
-    for (int64_t r = 0; r < n.rows; r += 7) {
-      const int t = int(r % T), h = int(r / T % NH), b = int(r / T / NH);
-      double sum = 0;
-      for (int j = 0; j <= t; j++) {
-        double dot = 0;
-        for (int e = 0; e < hs; e++)
-          dot += qkv[(int64_t(b) * T + t) * 3 * C + h * hs + e] *
-                 qkv[(int64_t(b) * T + j) * 3 * C + C + h * hs + e];
-        sum += std::exp(dot / std::sqrt(double(hs)));
+    for (int block : {4, T, 128}) {
+      SCOPED_TRACE(testing::Message() << "NKV " << NKV << ", block " << block);
+      const AttentionShape shape{B, T, C, NH, NKV, block};
+      const AttentionScratchSizes n = attention_scratch_sizes(shape);
+      auto buf = [&](int64_t elems) { return d.upload(std::vector<double>(elems, 77.0)); };
+      const AttentionScratch w{buf(n.head_major),    buf(n.kv_head_major), buf(n.kv_head_major),
+                               buf(n.head_major),    buf(n.head_major),    buf(n.kv_head_major),
+                               buf(n.kv_head_major), buf(n.block),         buf(n.block),
+                               buf(n.rows)};
+      DPtr out = buf(BT * C), lse = buf(n.rows), dqkv = buf(BT * width);
+      NaiveAttentionSteps steps;
+      blocked_attention_forward(steps, w, out, lse, qkv_d, shape);
+      EXPECT_EQ(steps.gemms, 2 * int(query_blocks(shape).size()));
+      blocked_attention_backward(steps, w, dqkv, dout_d, qkv_d, out, lse, shape);
+      EXPECT_TRUE(test::all_close(expected_out, d.download<double>(out, BT * C), kTol, kTol));
+      // Every element of dqkv written (the buffers started at 77).
+      EXPECT_TRUE(test::all_close(expected_dqkv, d.download<double>(dqkv, BT * width), kTol, kTol));
+      // The log-sum-exp of row (b, h, t) over the scores it sees, from scratch: query head h
+      // against key head h / (NH / NKV).
+      const std::vector<double> lse_host = d.download<double>(lse, n.rows);
+      for (int64_t r = 0; r < n.rows; r += 7) {
+        const int t = int(r % T), h = int(r / T % NH), b = int(r / T / NH);
+        const int64_t key = C + int64_t(h / (NH / NKV)) * hs;
+        double sum = 0;
+        for (int j = 0; j <= t; j++) {
+          double dot = 0;
+          for (int e = 0; e < hs; e++)
+            dot += qkv[(int64_t(b) * T + t) * width + h * hs + e] *
+                   qkv[(int64_t(b) * T + j) * width + key + e];
+          sum += std::exp(dot / std::sqrt(double(hs)));
+        }
+        EXPECT_NEAR(lse_host[size_t(r)], std::log(sum), kTol) << "row " << r;
       }
-      EXPECT_NEAR(lse_host[size_t(r)], std::log(sum), kTol) << "row " << r;
     }
   }
+}
+
+// The head-major index: with groups, query head k * group + g of token (b, t) sits at element
+// (b, k, t, g, d); a group of one is the (B, NH, T, hs) layout.
+TEST(GemmPlan, HeadMajorIndexPutsAGroupsQueryHeadsInAdjacentRows) {
+  const int T = 3, hs = 2, NK = 2, group = 3, width = 20, column0 = 1;
+  for (int b = 0; b < 2; b++)
+    for (int k = 0; k < NK; k++)
+      for (int t = 0; t < T; t++)
+        for (int g = 0; g < group; g++)
+          for (int e = 0; e < hs; e++) {
+            const int64_t head_major = (((int64_t(b) * NK + k) * T + t) * group + g) * hs + e;
+            EXPECT_EQ(token_major_index(head_major, T, hs, NK, group, width, column0),
+                      (int64_t(b) * T + t) * width + column0 + (k * group + g) * hs + e);
+            const int64_t mha = ((int64_t(b) * NK * group + k * group + g) * T + t) * hs + e;
+            EXPECT_EQ(token_major_index(mha, T, hs, NK * group, 1, width, column0),
+                      (int64_t(b) * T + t) * width + column0 + (k * group + g) * hs + e);
+          }
 }
 
 }  // namespace
