@@ -346,6 +346,145 @@ TEST_P(CudaKernels, SumOfSquaresAndAdamW) {
   EXPECT_TRUE(b.close(v, {1e-6, 1e-9}));
 }
 
+TEST_P(CudaKernels, RmsNormForwardBackward) {
+  const DType t = GetParam();
+  Backends b;
+  const int64_t N = 131;
+  const int C = 200;
+  const float eps = 1e-5f;
+  Twin x = b.random(N * C, t, 1, 2.0), w = b.random(C, t, 2);
+  Twin out = b.zeros(N * C, t), rstd = b.zeros(N, DType::f32);
+  Twin dout = b.random(N * C, t, 4), dx = b.random(N * C, t, 5);
+  for (DType g : {t, DType::f32}) {
+    Twin dw = b.random(C, g, 6);
+    b.both([&](Kernels& k, auto at) {
+      k.rmsnorm_forward(at(out), at(rstd), at(x), at(w), N, C, eps);
+      k.rmsnorm_backward(at(dx), at(dw), at(dout), at(x), at(w), at(rstd), N, C);
+    });
+    SCOPED_TRACE(testing::Message() << "grads " << dtype_name(g));
+    EXPECT_TRUE(b.close(out, tolerance(t)));
+    EXPECT_TRUE(b.close(rstd, tolerance(DType::f32)));
+    EXPECT_TRUE(b.close(dx, tolerance(t, 2)));  // accumulated twice over the two rounds
+    EXPECT_TRUE(b.close(dw, tolerance(g)));
+  }
+}
+
+// GPT-2's bias = false: null bias and dbias, separate and with the residual fused in.
+TEST_P(CudaKernels, LayerNormWithoutBias) {
+  const DType t = GetParam();
+  Backends b;
+  const int64_t N = 67;
+  const int C = 96;
+  Twin x = b.random(N * C, t, 1, 2.0), w = b.random(C, t, 2), dout = b.random(N * C, t, 3);
+  Twin out = b.zeros(N * C, t), mean = b.zeros(N, DType::f32), rstd = b.zeros(N, DType::f32);
+  Twin dx = b.zeros(N * C, t), dw = b.zeros(C, DType::f32);
+  b.both([&](Kernels& k, auto at) {
+    k.layernorm_forward(at(out), at(mean), at(rstd), at(x), at(w), DPtr{}, N, C);
+    k.layernorm_backward(at(dx), at(dw), DPtr{}, at(dout), at(x), at(w), at(mean), at(rstd), N, C);
+  });
+  EXPECT_TRUE(b.close(out, tolerance(t)));
+  EXPECT_TRUE(b.close(dx, tolerance(t)));
+  EXPECT_TRUE(b.close(dw, tolerance(DType::f32)));
+  Twin res = b.random(N * C, t, 4), other = b.random(N * C, t, 5);
+  b.both([&](Kernels& k, auto at) {
+    k.residual_layernorm_forward(at(res), at(out), at(mean), at(rstd), at(res), at(other), at(w),
+                                 DPtr{}, N, C);
+  });
+  EXPECT_TRUE(b.close(res, tolerance(t)));
+  EXPECT_TRUE(b.close(out, tolerance(t)));
+}
+
+// Grouped-query (NKV = NH / 2) and multi-query (NKV = 1) attention: the GPU's blocked attention
+// (T = 300: blocks of 128, 128 and 44) against the CPU's, as the multi-head test above.
+TEST_P(CudaKernels, GroupedQueryAttentionForwardBackward) {
+  const DType t = GetParam();
+  Backends b;
+  const int B = 2, T = 300, C = 64, NH = 4, hs = C / NH;
+  const int64_t BT = int64_t(B) * T, rows = int64_t(B) * NH * T;
+  for (int NKV : {NH / 2, 1}) {
+    SCOPED_TRACE(testing::Message() << "NKV " << NKV);
+    const int64_t W = C + 2 * int64_t(NKV) * hs;
+    Twin qkv = b.random(BT * W, t, 1), dout = b.random(BT * C, t, 2);
+    Twin out = b.zeros(BT * C, t), dqkv = b.random(BT * W, t, 3);
+    DPtr probs = b.cpu->alloc(rows * T, t), scratch = b.cpu->alloc(rows * T, t);
+    DPtr lse = b.gpu->alloc(rows, DType::f32);
+    b.cpu->attention_forward(out.cpu, probs, qkv.cpu, B, T, C, NH, NKV);
+    b.cpu->attention_backward(dqkv.cpu, scratch, dout.cpu, qkv.cpu, out.cpu, probs, B, T, C, NH,
+                              NKV);
+    b.gpu->attention_forward(out.gpu, lse, qkv.gpu, B, T, C, NH, NKV);
+    b.gpu->attention_backward(dqkv.gpu, DPtr{}, dout.gpu, qkv.gpu, out.gpu, lse, B, T, C, NH, NKV);
+    EXPECT_TRUE(b.close(out, tolerance(t, 3)));
+    EXPECT_TRUE(b.close(dqkv, tolerance(t, 3)));
+    b.cpu->free(probs);
+    b.cpu->free(scratch);
+    b.gpu->free(lse);
+  }
+}
+
+// Generation over a key/value cache: the new queries of rows [q0, T) (one, or a prompt's worth).
+TEST_P(CudaKernels, AttentionInference) {
+  const DType t = GetParam();
+  Backends b;
+  const int T = 77, C = 64, NH = 8, NKV = 2, hs = C / NH;
+  Twin qkv = b.random(int64_t(T) * (C + 2 * NKV * hs), t, 1);
+  for (int q0 : {0, 50, T - 1}) {
+    Twin out = b.zeros(int64_t(T - q0) * C, t);
+    b.both(
+        [&](Kernels& k, auto at) { k.attention_inference(at(out), at(qkv), T, q0, C, NH, NKV); });
+    EXPECT_TRUE(b.close(out, tolerance(t))) << "q0 " << q0;
+  }
+}
+
+// RoPE forward at an offset, then backward (on another tensor, as a gradient).
+TEST_P(CudaKernels, RopeForwardBackward) {
+  const DType t = GetParam();
+  Backends b;
+  const int B = 3, T = 17, NH = 8, NKV = 2, hs = 16, pos0 = 5, max_pos = 32;
+  const int64_t n = int64_t(B) * T * (NH + 2 * NKV) * hs;
+  std::vector<float> table(size_t(max_pos) * hs);
+  for (int pos = 0; pos < max_pos; pos++)
+    for (int i = 0; i < hs / 2; i++) {
+      const double angle = pos * std::pow(10000.0, -2.0 * i / hs);
+      table[(size_t(pos) * hs / 2 + i) * 2] = float(std::cos(angle));
+      table[(size_t(pos) * hs / 2 + i) * 2 + 1] = float(std::sin(angle));
+    }
+  Twin cos_sin = b.make(table, DType::f32), x = b.random(n, t, 1), g = b.random(n, t, 2);
+  b.both([&](Kernels& k, auto at) {
+    k.rope_forward(at(x), at(cos_sin), B, T, NH, NKV, hs, pos0);
+    k.rope_backward(at(g), at(cos_sin), B, T, NH, NKV, hs, pos0);
+  });
+  EXPECT_TRUE(b.close(x, tolerance(t)));
+  EXPECT_TRUE(b.close(g, tolerance(t)));
+}
+
+TEST_P(CudaKernels, SwiGluForwardBackward) {
+  const DType t = GetParam();
+  Backends b;
+  const int64_t N = 97;
+  const int F = 120;
+  Twin gate_up = b.random(N * 2 * F, t, 1, 3.0), dout = b.random(N * F, t, 2);
+  Twin out = b.zeros(N * F, t), d_gate_up = b.random(N * 2 * F, t, 3);
+  b.both([&](Kernels& k, auto at) {
+    k.swiglu_forward(at(out), at(gate_up), N, F);
+    k.swiglu_backward(at(d_gate_up), at(dout), at(gate_up), N, F);
+  });
+  EXPECT_TRUE(b.close(out, tolerance(t)));
+  EXPECT_TRUE(b.close(d_gate_up, tolerance(t)));
+}
+
+// The mask is a shared function of (seed, offset + i) and the scaling is one fp32 product, rounded
+// as the CPU rounds: bitwise the CPU's, p = 0 included (a no-op).
+TEST_P(CudaKernels, DropoutIsBitwiseTheCpus) {
+  const DType t = GetParam();
+  Backends b;
+  const int64_t n = 100003;
+  for (float p : {0.0f, 0.1f, 0.5f}) {
+    Twin x = b.random(n, t, 1);
+    b.both([&](Kernels& k, auto at) { k.dropout(at(x), n, p, 1234, 99); });
+    EXPECT_TRUE(b.close(x, {0, 0})) << "p " << p;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Dtypes, CudaKernels,
                          ::testing::Values(DType::f32, DType::bf16, DType::f16), dtype_label);
 

@@ -1,6 +1,9 @@
 // The row and layout kernels of the blocked attention (kernels/blocked_attention.h; its GEMMs
-// are cuBLASLt's). Rows are one warp each; reductions have a fixed order.
+// are cuBLASLt's), and attention over a key/value cache for generation. Rows are one warp each;
+// reductions have a fixed order.
 #include <cfloat>
+#include <stdexcept>
+#include <string>
 
 #include "kernels/blocked_attention.h"
 #include "kernels/cuda/cuda_check.h"
@@ -14,9 +17,9 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / 32;
 
-// The head-major tensors' layout: (B, NH, T, hs), from a token-major (B, T, width) one.
+// A head-major tensor's layout, (B, NK, T, group, hs), from a token-major (B, T, width) one.
 struct Layout {
-  int T, hs, NH;
+  int T, hs, NK, group;
   int64_t width, column0;
 };
 
@@ -25,7 +28,7 @@ template <bool kToHeads, class D, class S>
 __global__ void relayout_kernel(D* dst, const S* src, int64_t n, Layout l) {
   for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
        e += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t t = token_major_index(e, l.T, l.hs, l.NH, l.width, l.column0);
+    const int64_t t = token_major_index(e, l.T, l.hs, l.NK, l.group, l.width, l.column0);
     if (kToHeads)
       dst[e] = store<D>(load(src[t]));
     else
@@ -76,15 +79,64 @@ __global__ void row_dots_kernel(float* D, const X* dout, const X* out, int64_t r
   const int64_t r = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (r >= rows) return;
-  const int64_t at = token_major_index(r * l.hs, l.T, l.hs, l.NH, l.width, 0);
+  const int64_t at = token_major_index(r * l.hs, l.T, l.hs, l.NK, l.group, l.width, 0);
   float sum = 0;
   for (int d = lane; d < l.hs; d += 32) sum += load(dout[at + d]) * load(out[at + d]);
   sum = warp_sum(sum);
   if (lane == 0) D[r] = sum;
 }
 
-Layout layout(const AttentionShape& s, int64_t width, int64_t column0) {
-  return {s.T, s.hs(), s.NH, width, column0};
+// Attention over a key/value cache: one warp per (query, head), walking the keys in order with
+// an online softmax (running maximum m, normaliser l, and the output rescaled when m grows), so
+// nothing of size T is stored. Lane `lane` holds output columns lane, lane + 32, ... of the head.
+constexpr int kMaxColumnsPerLane = 8;  // head sizes up to 256
+
+template <class X>
+__global__ void attention_inference_kernel(X* out, const X* qkv, int T, int q0, int C, int NH,
+                                           int NKV) {
+  const int64_t r = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (r >= int64_t(T - q0) * NH) return;
+  const int i = q0 + int(r / NH), h = int(r % NH);
+  const int hs = C / NH;
+  const int64_t width = C + 2 * int64_t(NKV) * hs;
+  const int64_t key = C + int64_t(h / (NH / NKV)) * hs, value = key + int64_t(NKV) * hs;
+  const float scale = rsqrtf(float(hs));
+  float q[kMaxColumnsPerLane], o[kMaxColumnsPerLane];
+  for (int c = 0; c < kMaxColumnsPerLane; c++) {
+    const int d = lane + 32 * c;
+    q[c] = d < hs ? load(qkv[int64_t(i) * width + int64_t(h) * hs + d]) : 0.0f;
+    o[c] = 0.0f;
+  }
+  float m = -FLT_MAX, l = 0.0f;
+  for (int j = 0; j <= i; j++) {
+    const X* k = qkv + int64_t(j) * width + key;
+    float dot = 0.0f;
+    for (int c = 0; c < kMaxColumnsPerLane; c++) {
+      const int d = lane + 32 * c;
+      if (d < hs) dot += q[c] * load(k[d]);
+    }
+    const float s = warp_sum(dot) * scale;  // every lane gets the same sum
+    const float m_new = fmaxf(m, s);
+    const float rescale = expf(m - m_new), p = expf(s - m_new);
+    l = l * rescale + p;
+    const X* v = qkv + int64_t(j) * width + value;
+    for (int c = 0; c < kMaxColumnsPerLane; c++) {
+      const int d = lane + 32 * c;
+      o[c] = o[c] * rescale + (d < hs ? p * load(v[d]) : 0.0f);
+    }
+    m = m_new;
+  }
+  X* dst = out + int64_t(i - q0) * C + int64_t(h) * hs;
+  for (int c = 0; c < kMaxColumnsPerLane; c++) {
+    const int d = lane + 32 * c;
+    if (d < hs) dst[d] = store<X>(o[c] / l);
+  }
+}
+
+Layout layout(const AttentionShape& s, HeadSide side, int64_t width, int64_t column0) {
+  const int group = side == HeadSide::queries ? s.group() : 1;
+  return {s.T, s.hs(), s.NKV, group, width, column0};
 }
 unsigned row_blocks(int64_t rows) {
   return unsigned((rows + kWarpsPerBlock - 1) / kWarpsPerBlock);
@@ -104,16 +156,16 @@ void block_entries(cudaStream_t st, DPtr p, DPtr x, DPtr row_stat, QueryBlock bl
 }
 
 template <bool kToHeads>
-void relayout(cudaStream_t st, DPtr dst, DPtr src, int64_t width, int64_t column0,
+void relayout(cudaStream_t st, DPtr dst, DPtr src, HeadSide side, int64_t width, int64_t column0,
               const AttentionShape& s) {
-  const int64_t n = s.elems();
+  const int64_t n = side == HeadSide::queries ? s.elems() : s.kv_elems();
   if (n == 0) return;
   dispatch(dst.dtype, [&](auto d) {
     dispatch(src.dtype, [&](auto x) {
       using D = decltype(d);
       using S = decltype(x);
       relayout_kernel<kToHeads, D, S><<<blocks_for(n, kThreads), kThreads, 0, st>>>(
-          typed<D>(dst), typed<S>(src), n, layout(s, width, column0));
+          typed<D>(dst), typed<S>(src), n, layout(s, side, width, column0));
     });
   });
   CUDA_CHECK_LAUNCH(kToHeads ? "attention_to_heads" : "attention_from_heads");
@@ -121,14 +173,14 @@ void relayout(cudaStream_t st, DPtr dst, DPtr src, int64_t width, int64_t column
 
 }  // namespace
 
-void attention_to_heads(cudaStream_t st, DPtr dst, DPtr src, int64_t width, int64_t column0,
-                        const AttentionShape& s) {
-  relayout<true>(st, dst, src, width, column0, s);
+void attention_to_heads(cudaStream_t st, DPtr dst, HeadSide side, DPtr src, int64_t width,
+                        int64_t column0, const AttentionShape& s) {
+  relayout<true>(st, dst, src, side, width, column0, s);
 }
 
 void attention_from_heads(cudaStream_t st, DPtr dst, int64_t width, int64_t column0, DPtr src,
-                          const AttentionShape& s) {
-  relayout<false>(st, dst, src, width, column0, s);
+                          HeadSide side, const AttentionShape& s) {
+  relayout<false>(st, dst, src, side, width, column0, s);
 }
 
 void attention_softmax_rows(cudaStream_t st, DPtr p, DPtr lse, DPtr s, QueryBlock blk,
@@ -160,10 +212,25 @@ void attention_row_dots(cudaStream_t st, DPtr D, DPtr dout, DPtr out, const Atte
     throw std::invalid_argument("attention_row_dots: dout and out must have one dtype");
   dispatch(dout.dtype, [&](auto tag) {
     using X = decltype(tag);
-    row_dots_kernel<X><<<row_blocks(rows), kThreads, 0, st>>>(f32(D), typed<X>(dout), typed<X>(out),
-                                                              rows, layout(s, s.C, 0));
+    row_dots_kernel<X><<<row_blocks(rows), kThreads, 0, st>>>(
+        f32(D), typed<X>(dout), typed<X>(out), rows, Layout{s.T, s.hs(), s.NH, 1, s.C, 0});
   });
   CUDA_CHECK_LAUNCH("attention_row_dots");
+}
+
+void attention_inference(cudaStream_t st, DPtr out, DPtr qkv, int T, int q0, int C, int NH,
+                         int NKV) {
+  const int64_t rows = int64_t(T - q0) * NH;
+  if (rows <= 0) return;
+  if (C / NH > 32 * kMaxColumnsPerLane)
+    throw std::invalid_argument("attention_inference: head size above " +
+                                std::to_string(32 * kMaxColumnsPerLane));
+  dispatch(out.dtype, [&](auto tag) {
+    using X = decltype(tag);
+    attention_inference_kernel<X>
+        <<<row_blocks(rows), kThreads, 0, st>>>(typed<X>(out), typed<X>(qkv), T, q0, C, NH, NKV);
+  });
+  CUDA_CHECK_LAUNCH("attention_inference");
 }
 
 }  // namespace trainer::cuda

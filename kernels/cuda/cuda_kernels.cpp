@@ -173,6 +173,15 @@ class CudaKernels final : public Kernels {
     cuda::layernorm_backward(compute_, dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C,
                              scratch(2 * int64_t(kColumnChunks) * C));
   }
+  void rmsnorm_forward(DPtr out, DPtr rstd, DPtr inp, DPtr weight, int64_t N, int C,
+                       float eps) override {
+    cuda::rmsnorm_forward(compute_, out, rstd, inp, weight, N, C, eps);
+  }
+  void rmsnorm_backward(DPtr dinp, DPtr dweight, DPtr dout, DPtr inp, DPtr weight, DPtr rstd,
+                        int64_t N, int C) override {
+    cuda::rmsnorm_backward(compute_, dinp, dweight, dout, inp, weight, rstd, N, C,
+                           scratch(2 * int64_t(kColumnChunks) * C));
+  }
   void matmul_forward(DPtr out, DPtr inp, DPtr weight, DPtr bias, int64_t N, int IC,
                       int OC) override {
     if (N > 0) gemm_->run(gemm_plan::linear_forward(out, inp, weight, bias, rows(N), IC, OC));
@@ -206,9 +215,32 @@ class CudaKernels final : public Kernels {
   }
   // Attention by query blocks (kernels/blocked_attention.h): att holds each row's log-sum-exp.
   bool attention_keeps_probabilities() const override { return false; }
-  void attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH) override;
+  using Kernels::attention_backward;  // the multi-head overloads
+  using Kernels::attention_forward;
+  void attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH,
+                         int NKV) override;
   void attention_backward(DPtr dqkv, DPtr datt, DPtr dout, DPtr qkv, DPtr out, DPtr att, int B,
-                          int T, int C, int NH) override;
+                          int T, int C, int NH, int NKV) override;
+  void attention_inference(DPtr out, DPtr qkv, int T, int q0, int C, int NH, int NKV) override {
+    cuda::attention_inference(compute_, out, qkv, T, q0, C, NH, NKV);
+  }
+  void rope_forward(DPtr qkv, DPtr cos_sin, int B, int T, int NH, int NKV, int hs,
+                    int pos0) override {
+    cuda::rope(compute_, qkv, cos_sin, B, T, NH, NKV, hs, pos0, false);
+  }
+  void rope_backward(DPtr dqkv, DPtr cos_sin, int B, int T, int NH, int NKV, int hs,
+                     int pos0) override {
+    cuda::rope(compute_, dqkv, cos_sin, B, T, NH, NKV, hs, pos0, true);
+  }
+  void swiglu_forward(DPtr out, DPtr gate_up, int64_t N, int F) override {
+    cuda::swiglu_forward(compute_, out, gate_up, N, F);
+  }
+  void swiglu_backward(DPtr d_gate_up, DPtr dout, DPtr gate_up, int64_t N, int F) override {
+    cuda::swiglu_backward(compute_, d_gate_up, dout, gate_up, N, F);
+  }
+  void dropout(DPtr x, int64_t n, float p, uint64_t seed, int64_t offset) override {
+    cuda::dropout(compute_, x, n, p, seed, offset);
+  }
   void gelu_forward(DPtr out, DPtr inp, int64_t n) override {
     cuda::gelu_forward(compute_, out, inp, n);
   }
@@ -385,13 +417,13 @@ class CudaAttentionSteps final : public AttentionSteps {
  public:
   CudaAttentionSteps(cudaStream_t stream, Gemm& gemm) : s_(stream), gemm_(gemm) {}
   void gemm(const GemmCall& c) override { gemm_.run(c); }
-  void to_heads(DPtr dst, DPtr src, int64_t width, int64_t column0,
+  void to_heads(DPtr dst, HeadSide side, DPtr src, int64_t width, int64_t column0,
                 const AttentionShape& sh) override {
-    cuda::attention_to_heads(s_, dst, src, width, column0, sh);
+    cuda::attention_to_heads(s_, dst, side, src, width, column0, sh);
   }
-  void from_heads(DPtr dst, int64_t width, int64_t column0, DPtr src,
+  void from_heads(DPtr dst, int64_t width, int64_t column0, DPtr src, HeadSide side,
                   const AttentionShape& sh) override {
-    cuda::attention_from_heads(s_, dst, width, column0, src, sh);
+    cuda::attention_from_heads(s_, dst, width, column0, src, side, sh);
   }
   void softmax_rows(DPtr p, DPtr lse, DPtr s, QueryBlock blk, const AttentionShape& sh) override {
     cuda::attention_softmax_rows(s_, p, lse, s, blk, sh);
@@ -419,12 +451,12 @@ class CudaAttentionSteps final : public AttentionSteps {
 AttentionScratch CudaKernels::attention_scratch(const AttentionShape& s, DType act) {
   const AttentionScratchSizes n = attention_scratch_sizes(s);
   const std::array<std::pair<int64_t, DType>, 10> parts{{{n.head_major, act},
+                                                         {n.kv_head_major, act},
+                                                         {n.kv_head_major, act},
                                                          {n.head_major, act},
                                                          {n.head_major, act},
-                                                         {n.head_major, act},
-                                                         {n.head_major, act},
-                                                         {n.head_major, DType::f32},
-                                                         {n.head_major, DType::f32},
+                                                         {n.kv_head_major, DType::f32},
+                                                         {n.kv_head_major, DType::f32},
                                                          {n.block, DType::f32},
                                                          {n.block, act},
                                                          {n.rows, DType::f32}}};
@@ -440,17 +472,18 @@ AttentionScratch CudaKernels::attention_scratch(const AttentionShape& s, DType a
           field(5), field(6), field(7), field(8), field(9)};
 }
 
-void CudaKernels::attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH) {
+void CudaKernels::attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH,
+                                    int NKV) {
   if (int64_t(B) * T == 0) return;
-  const AttentionShape shape{B, T, C, NH};
+  const AttentionShape shape{B, T, C, NH, NKV};
   CudaAttentionSteps steps(compute_, *gemm_);
   blocked_attention_forward(steps, attention_scratch(shape, out.dtype), out, att, qkv, shape);
 }
 
 void CudaKernels::attention_backward(DPtr dqkv, DPtr /*datt*/, DPtr dout, DPtr qkv, DPtr out,
-                                     DPtr att, int B, int T, int C, int NH) {
+                                     DPtr att, int B, int T, int C, int NH, int NKV) {
   if (int64_t(B) * T == 0) return;
-  const AttentionShape shape{B, T, C, NH};
+  const AttentionShape shape{B, T, C, NH, NKV};
   CudaAttentionSteps steps(compute_, *gemm_);
   blocked_attention_backward(steps, attention_scratch(shape, dout.dtype), dqkv, dout, qkv, out, att,
                              shape);

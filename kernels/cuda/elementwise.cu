@@ -1,4 +1,5 @@
-// Encoder, GELU, residual and dtype conversion: memory-bound grid-stride kernels.
+// Encoder, GELU, residual, RoPE, SwiGLU, dropout and dtype conversion: memory-bound grid-stride
+// kernels.
 #include <stdexcept>
 
 #include "kernels/cuda/cuda_check.h"
@@ -97,6 +98,64 @@ __global__ void convert_stochastic_kernel(bf16* dst, const S* src, int64_t n, ui
                                        uint32_t(random_bits(seed, uint64_t(i))))};
 }
 
+// One thread per rotated pair: pair i of query or key head `head` of token bt, at position
+// pos0 + t. The query heads and then the key heads are the first NH + NKV heads of each row.
+template <class T>
+__global__ void rope_kernel(T* qkv, const float* cos_sin, int64_t pairs, int T_, int NH, int NKV,
+                            int hs, int pos0, bool inverse) {
+  const int half = hs / 2, rotated = NH + NKV;
+  const int64_t width = int64_t(NH + 2 * NKV) * hs;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < pairs;
+       e += int64_t(gridDim.x) * blockDim.x) {
+    const int i = int(e % half);
+    const int head = int(e / half % rotated);
+    const int64_t bt = e / half / rotated;
+    const float* angle = cos_sin + (int64_t(pos0) + bt % T_) * half * 2 + 2 * i;
+    T* x = qkv + bt * width + int64_t(head) * hs + 2 * i;
+    float x0 = load(x[0]), x1 = load(x[1]);
+    rotate_pair(x0, x1, angle[0], inverse ? -angle[1] : angle[1]);
+    x[0] = store<T>(x0);
+    x[1] = store<T>(x1);
+  }
+}
+
+__device__ __forceinline__ float sigmoid(float g) {
+  return 1.0f / (1.0f + expf(-g));
+}
+
+// One thread per (row, f): out = silu(gate) * up with the row's [gate | up].
+template <class T>
+__global__ void swiglu_forward_kernel(T* out, const T* gate_up, int64_t n, int F) {
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n;
+       e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t at = e / F * 2 * F + e % F;
+    const float g = load(gate_up[at]);
+    out[e] = store<T>(silu_from_sigmoid(g, sigmoid(g)) * load(gate_up[at + F]));
+  }
+}
+
+template <class T>
+__global__ void swiglu_backward_kernel(T* d_gate_up, const T* dout, const T* gate_up, int64_t n,
+                                       int F) {
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < n;
+       e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t at = e / F * 2 * F + e % F;
+    const float g = load(gate_up[at]), up = load(gate_up[at + F]), d = load(dout[e]);
+    const float sig = sigmoid(g);
+    d_gate_up[at] = store<T>(d * up * silu_grad_from_sigmoid(g, sig));
+    d_gate_up[at + F] = store<T>(d * silu_from_sigmoid(g, sig));
+  }
+}
+
+// The mask is kernels/shared_math.h's, so it is the CPU's element for element.
+template <class T>
+__global__ void dropout_kernel(T* x, int64_t n, float p, float scale, uint64_t seed,
+                               int64_t offset) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    x[i] = store<T>(dropout_keeps(seed, uint64_t(offset + i), p) ? load(x[i]) * scale : 0.0f);
+}
+
 }  // namespace
 
 void encoder_forward(cudaStream_t s, DPtr out, const int32_t* tokens, DPtr wte, DPtr wpe, int B,
@@ -154,6 +213,50 @@ void residual_forward(cudaStream_t s, DPtr out, DPtr a, DPtr b, int64_t n) {
         <<<blocks_for(n, kThreads), kThreads, 0, s>>>(typed<X>(out), typed<X>(a), typed<X>(b), n);
   });
   CUDA_CHECK_LAUNCH("residual_forward");
+}
+
+void rope(cudaStream_t s, DPtr qkv, DPtr cos_sin, int B, int T, int NH, int NKV, int hs, int pos0,
+          bool inverse) {
+  const int64_t pairs = int64_t(B) * T * (NH + NKV) * (hs / 2);
+  if (pairs == 0) return;
+  dispatch(qkv.dtype, [&](auto tag) {
+    using X = decltype(tag);
+    rope_kernel<X><<<blocks_for(pairs, kThreads), kThreads, 0, s>>>(
+        typed<X>(qkv), f32(cos_sin), pairs, T, NH, NKV, hs, pos0, inverse);
+  });
+  CUDA_CHECK_LAUNCH(inverse ? "rope_backward" : "rope_forward");
+}
+
+void swiglu_forward(cudaStream_t s, DPtr out, DPtr gate_up, int64_t N, int F) {
+  const int64_t n = N * F;
+  dispatch(out.dtype, [&](auto tag) {
+    using X = decltype(tag);
+    swiglu_forward_kernel<X>
+        <<<blocks_for(n, kThreads), kThreads, 0, s>>>(typed<X>(out), typed<X>(gate_up), n, F);
+  });
+  CUDA_CHECK_LAUNCH("swiglu_forward");
+}
+
+void swiglu_backward(cudaStream_t s, DPtr d_gate_up, DPtr dout, DPtr gate_up, int64_t N, int F) {
+  const int64_t n = N * F;
+  dispatch(dout.dtype, [&](auto tag) {
+    using X = decltype(tag);
+    swiglu_backward_kernel<X><<<blocks_for(n, kThreads), kThreads, 0, s>>>(
+        typed<X>(d_gate_up), typed<X>(dout), typed<X>(gate_up), n, F);
+  });
+  CUDA_CHECK_LAUNCH("swiglu_backward");
+}
+
+void dropout(cudaStream_t s, DPtr x, int64_t n, float p, uint64_t seed, int64_t offset) {
+  if (p == 0 || n == 0) return;  // p = 0 keeps everything, scaled by 1
+  // The scale as the CPU computes it in fp32, so that kept fp32 elements agree bitwise.
+  const float scale = 1.0f / (1.0f - p);
+  dispatch(x.dtype, [&](auto tag) {
+    using X = decltype(tag);
+    dropout_kernel<X>
+        <<<blocks_for(n, kThreads), kThreads, 0, s>>>(typed<X>(x), n, p, scale, seed, offset);
+  });
+  CUDA_CHECK_LAUNCH("dropout");
 }
 
 void convert(cudaStream_t s, DPtr dst, DPtr src, int64_t n, uint64_t stochastic_seed) {

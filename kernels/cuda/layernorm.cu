@@ -1,6 +1,6 @@
-// LayerNorm forward and backward, and the column sums that give parameter gradients (LayerNorm
-// weight and bias, linear biases). Rows are handled one warp each; column sums go through a fixed
-// number of row chunks and are added in chunk order: deterministic, no atomics.
+// LayerNorm and RMSNorm forward and backward, and the column sums that give parameter gradients
+// (norm weights and biases, linear biases). Rows are handled one warp each; column sums go through
+// a fixed number of row chunks and are added in chunk order: deterministic, no atomics.
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/device_types.cuh"
 #include "kernels/cuda/dispatch.cuh"
@@ -26,7 +26,7 @@ __device__ void normalize_row(const T* x, float sum, T* out, float* mean, float*
   const float s = 1.0f / sqrtf(warp_sum(sq) / float(C) + kLayerNormEps);
   T* o = out + row * C;
   for (int c = lane; c < C; c += 32)
-    o[c] = store<T>((load(x[c]) - m) * s * load(w[c]) + load(b[c]));
+    o[c] = store<T>((load(x[c]) - m) * s * load(w[c]) + (b ? load(b[c]) : 0.0f));
   if (lane == 0) {
     mean[row] = m;
     rstd[row] = s;
@@ -65,6 +65,41 @@ __global__ void residual_layernorm_forward_kernel(T* res, T* out, float* mean, f
   normalize_row(x, sum, out, mean, rstd, w, bias, row, C, lane);
 }
 
+// RMSNorm forward for one row per warp: rstd = 1 / sqrt(mean(x^2) + eps), out = x rstd w.
+template <class T>
+__global__ void rmsnorm_forward_kernel(T* out, float* rstd, const T* inp, const T* w, int64_t N,
+                                       int C, float eps) {
+  const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= N) return;
+  const T* x = inp + row * C;
+  float sq = 0;
+  for (int c = lane; c < C; c += 32) sq += load(x[c]) * load(x[c]);
+  const float s = 1.0f / sqrtf(warp_sum(sq) / float(C) + eps);
+  T* o = out + row * C;
+  for (int c = lane; c < C; c += 32) o[c] = store<T>(load(x[c]) * s * load(w[c]));
+  if (lane == 0) rstd[row] = s;
+}
+
+// RMSNorm's dinp += for one row per warp: with xhat = x rstd and g = dout w,
+// dx = rstd (g - xhat mean(g xhat)).
+template <class T>
+__global__ void rmsnorm_backward_input_kernel(T* dinp, const T* dout, const T* inp, const T* w,
+                                              const float* rstd, int64_t N, int C) {
+  const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= N) return;
+  const T* x = inp + row * C;
+  const T* d = dout + row * C;
+  const float s = rstd[row];
+  float g_xhat_sum = 0;
+  for (int c = lane; c < C; c += 32) g_xhat_sum += load(d[c]) * load(w[c]) * load(x[c]) * s;
+  const float g_xhat_mean = warp_sum(g_xhat_sum) / float(C);
+  T* di = dinp + row * C;
+  for (int c = lane; c < C; c += 32)
+    di[c] = store<T>(load(di[c]) + s * (load(d[c]) * load(w[c]) - load(x[c]) * s * g_xhat_mean));
+}
+
 // dinp += for one row per warp.
 template <class T>
 __global__ void layernorm_backward_input_kernel(T* dinp, const T* dout, const T* inp, const T* w,
@@ -93,7 +128,8 @@ __global__ void layernorm_backward_input_kernel(T* dinp, const T* dout, const T*
 }
 
 // Partial column sums over one chunk of rows: partials[chunk][c] = sum of dout[r][c] (times
-// the normalised input when kNorm, into the first half; dout alone into the second half).
+// the normalised input when kNorm, into the first half; dout alone into the second half). The
+// input is normalised as (x - mean) rstd, or as x rstd when mean is null (RMSNorm).
 // Block (32, 8): 32 columns, 8 row lanes combined in order through shared memory.
 template <class T, bool kNorm>
 __global__ void column_partials_kernel(float* partials, const T* dout, const T* inp,
@@ -108,7 +144,8 @@ __global__ void column_partials_kernel(float* partials, const T* dout, const T* 
     for (int64_t r = begin + threadIdx.y; r < end; r += 8) {
       const float d = load(dout[r * C + c]);
       plain += d;
-      if constexpr (kNorm) with_norm += d * (load(inp[r * C + c]) - mean[r]) * rstd[r];
+      if constexpr (kNorm)
+        with_norm += d * (load(inp[r * C + c]) - (mean ? mean[r] : 0.0f)) * rstd[r];
     }
   acc_norm[threadIdx.y][threadIdx.x] = with_norm;
   acc_plain[threadIdx.y][threadIdx.x] = plain;
@@ -180,11 +217,45 @@ void layernorm_backward(cudaStream_t s, DPtr dinp, DPtr dweight, DPtr dbias, DPt
       using G = decltype(gtag);
       const unsigned blocks = unsigned((C + 255) / 256);
       column_finish_kernel<G><<<blocks, 256, 0, s>>>(typed<G>(dweight), partials, C);
-      column_finish_kernel<G>
-          <<<blocks, 256, 0, s>>>(typed<G>(dbias), partials + int64_t(kColumnChunks) * C, C);
+      if (dbias)  // no bias (GPT-2's bias = false): no gradient to add to
+        column_finish_kernel<G>
+            <<<blocks, 256, 0, s>>>(typed<G>(dbias), partials + int64_t(kColumnChunks) * C, C);
     });
   });
   CUDA_CHECK_LAUNCH("layernorm_backward");
+}
+
+void rmsnorm_forward(cudaStream_t s, DPtr out, DPtr rstd, DPtr inp, DPtr weight, int64_t N, int C,
+                     float eps) {
+  if (N == 0) return;  // a grid of no blocks is a launch error
+  const unsigned blocks = unsigned((N + kWarpsPerBlock - 1) / kWarpsPerBlock);
+  dispatch(out.dtype, [&](auto tag) {
+    using X = decltype(tag);
+    rmsnorm_forward_kernel<X><<<blocks, 32 * kWarpsPerBlock, 0, s>>>(
+        typed<X>(out), f32(rstd), typed<X>(inp), typed<X>(weight), N, C, eps);
+  });
+  CUDA_CHECK_LAUNCH("rmsnorm_forward");
+}
+
+void rmsnorm_backward(cudaStream_t s, DPtr dinp, DPtr dweight, DPtr dout, DPtr inp, DPtr weight,
+                      DPtr rstd, int64_t N, int C, float* partials) {
+  if (N == 0) return;
+  const unsigned row_blocks = unsigned((N + kWarpsPerBlock - 1) / kWarpsPerBlock);
+  const dim3 grid((C + 31) / 32, kColumnChunks), block(32, 8);
+  dispatch(dout.dtype, [&](auto tag) {
+    using X = decltype(tag);
+    rmsnorm_backward_input_kernel<X><<<row_blocks, 32 * kWarpsPerBlock, 0, s>>>(
+        typed<X>(dinp), typed<X>(dout), typed<X>(inp), typed<X>(weight), f32(rstd), N, C);
+    // No mean: the partials' first half sums dout * x * rstd, the weight's gradient.
+    column_partials_kernel<X, true>
+        <<<grid, block, 0, s>>>(partials, typed<X>(dout), typed<X>(inp), nullptr, f32(rstd), N, C);
+    dispatch(dweight.dtype, [&](auto gtag) {
+      using G = decltype(gtag);
+      column_finish_kernel<G>
+          <<<unsigned((C + 255) / 256), 256, 0, s>>>(typed<G>(dweight), partials, C);
+    });
+  });
+  CUDA_CHECK_LAUNCH("rmsnorm_backward");
 }
 
 void bias_backward(cudaStream_t s, DPtr dbias, DPtr dout, int64_t N, int OC, float* partials) {

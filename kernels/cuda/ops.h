@@ -27,9 +27,16 @@ void encoder_backward(cudaStream_t s, DPtr dwte, DPtr dwpe, DPtr dout, const int
 void gelu_forward(cudaStream_t s, DPtr out, DPtr inp, int64_t n);
 void gelu_backward(cudaStream_t s, DPtr dinp, DPtr inp, DPtr dout, int64_t n);
 void residual_forward(cudaStream_t s, DPtr out, DPtr a, DPtr b, int64_t n);
+// RoPE in place on qkv's query and key heads; `inverse` rotates by minus the angle (backward).
+// cos_sin is fp32.
+void rope(cudaStream_t s, DPtr qkv, DPtr cos_sin, int B, int T, int NH, int NKV, int hs, int pos0,
+          bool inverse);
+void swiglu_forward(cudaStream_t s, DPtr out, DPtr gate_up, int64_t N, int F);
+void swiglu_backward(cudaStream_t s, DPtr d_gate_up, DPtr dout, DPtr gate_up, int64_t N, int F);
+void dropout(cudaStream_t s, DPtr x, int64_t n, float p, uint64_t seed, int64_t offset);
 void convert(cudaStream_t s, DPtr dst, DPtr src, int64_t n, uint64_t stochastic_seed);
 
-// `partials` is scratch for 2 * kColumnChunks * C floats.
+// bias and dbias may be null. `partials` is scratch for 2 * kColumnChunks * C floats.
 void layernorm_forward(cudaStream_t s, DPtr out, DPtr mean, DPtr rstd, DPtr inp, DPtr weight,
                        DPtr bias, int64_t N, int C);
 void layernorm_backward(cudaStream_t s, DPtr dinp, DPtr dweight, DPtr dbias, DPtr dout, DPtr inp,
@@ -37,15 +44,20 @@ void layernorm_backward(cudaStream_t s, DPtr dinp, DPtr dweight, DPtr dbias, DPt
 // res = a + b (rounded as stored; res may be a), then layernorm of res: one pass per row.
 void residual_layernorm_forward(cudaStream_t s, DPtr res, DPtr out, DPtr mean, DPtr rstd, DPtr a,
                                 DPtr b, DPtr weight, DPtr bias, int64_t N, int C);
+// rstd (N) fp32. `partials` is scratch for 2 * kColumnChunks * C floats.
+void rmsnorm_forward(cudaStream_t s, DPtr out, DPtr rstd, DPtr inp, DPtr weight, int64_t N, int C,
+                     float eps);
+void rmsnorm_backward(cudaStream_t s, DPtr dinp, DPtr dweight, DPtr dout, DPtr inp, DPtr weight,
+                      DPtr rstd, int64_t N, int C, float* partials);
 // dbias(OC) += column sums of dout(N, OC); `partials`: kColumnChunks * OC floats.
 void bias_backward(cudaStream_t s, DPtr dbias, DPtr dout, int64_t N, int OC, float* partials);
 
 // The blocked attention's steps (AttentionSteps in kernels/blocked_attention.h says what each
 // computes); scores, dP, lse and D are fp32.
-void attention_to_heads(cudaStream_t s, DPtr dst, DPtr src, int64_t width, int64_t column0,
-                        const AttentionShape& shape);
+void attention_to_heads(cudaStream_t s, DPtr dst, HeadSide side, DPtr src, int64_t width,
+                        int64_t column0, const AttentionShape& shape);
 void attention_from_heads(cudaStream_t s, DPtr dst, int64_t width, int64_t column0, DPtr src,
-                          const AttentionShape& shape);
+                          HeadSide side, const AttentionShape& shape);
 void attention_softmax_rows(cudaStream_t s, DPtr p, DPtr lse, DPtr scores, QueryBlock blk,
                             const AttentionShape& shape);
 void attention_probs_rows(cudaStream_t s, DPtr p, DPtr scores, DPtr lse, QueryBlock blk,
@@ -53,6 +65,9 @@ void attention_probs_rows(cudaStream_t s, DPtr p, DPtr scores, DPtr lse, QueryBl
 void attention_dsoftmax_rows(cudaStream_t s, DPtr p, DPtr dp, DPtr D, QueryBlock blk,
                              const AttentionShape& shape);
 void attention_row_dots(cudaStream_t s, DPtr D, DPtr dout, DPtr out, const AttentionShape& shape);
+// Attention over a key/value cache (Kernels::attention_inference): one warp per query and head;
+// head sizes up to 256.
+void attention_inference(cudaStream_t s, DPtr out, DPtr qkv, int T, int q0, int C, int NH, int NKV);
 
 void crossentropy_max(cudaStream_t s, DPtr rowmax, DPtr logits, int64_t N, VocabSlice v);
 void crossentropy_sumexp(cudaStream_t s, DPtr sumexp, DPtr target_logit, DPtr logits, DPtr rowmax,
