@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Trainer vs PyTorch on the W-S and W-M workloads, on the same machine, in one run.
+# Trainer vs PyTorch on the W-S, W-M and W-L (Llama) workloads, on the same machine, in one run.
 #
-#   bench/run.sh [W-S] [W-M] [--steps N] [--warmup N] [--repeats R] [--threads N]
+#   bench/run.sh [W-S] [W-M] [W-L] [--steps N] [--warmup N] [--repeats R] [--threads N]
 #
 # Prints one JSON line per (framework, workload, repeat) and a final line with the trainer /
 # PyTorch tokens/s ratio per workload (medians over repeats). Progress goes to stderr.
@@ -27,7 +27,7 @@ repeats=1
 threads=2
 while (($#)); do
   case "$1" in
-    W-S | W-M) workloads+=("$1") ;;
+    W-S | W-M | W-L) workloads+=("$1") ;;
     --steps | --warmup) common+=("$1" "$2"); shift ;;
     --repeats) repeats="$2"; shift ;;
     --threads) threads="$2"; shift ;;

@@ -1,7 +1,9 @@
 #!/usr/bin/python3
 """PyTorch baseline for bench/run.sh: a nanoGPT-style GPT-2 training step on the W-S / W-M
-workloads (fp32, forward + backward + clip + AdamW, random tokens), printed as one JSON line
-with the same fields and FLOP count as build/bench/trainer_bench.
+workloads, or a Llama one (Meta's model.py: RMSNorm, complex rotary embeddings, repeated K/V
+for grouped-query attention, SwiGLU, untied head) on W-L (fp32, forward + backward + clip +
+AdamW, random tokens), printed as one JSON line with the same fields and FLOP count as
+build/bench/trainer_bench.
 
 Written for Debian's python3-torch 1.13 (no F.scaled_dot_product_attention, no torch.compile).
 Run it through bench/run.sh, which selects the OpenMP OpenBLAS and its kernels.
@@ -23,7 +25,9 @@ WORKLOADS = {
     # name: (n_layer, n_head, d_model, seq_len, batch, default warm-up, default timed steps)
     "W-S": (6, 6, 384, 256, 4, 2, 5),
     "W-M": (12, 12, 768, 1024, 1, 1, 3),
+    "W-L": (6, 6, 384, 256, 4, 2, 5),  # Llama: 2 key/value heads, SwiGLU width 1024
 }
+LLAMA = {"W-L": (2, 1024)}  # n_kv_head, ffn_hidden
 VOCAB = 50257
 
 
@@ -98,10 +102,83 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotary(x, freqs_cis):
+    xc = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(xc * freqs_cis).flatten(3)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, n_head, n_kv, d_model, ffn, seq_len):
+        super().__init__()
+        self.n_head, self.n_kv, self.hs = n_head, n_kv, d_model // n_head
+        self.attention_norm, self.ffn_norm = RMSNorm(d_model), RMSNorm(d_model)
+        self.wq = nn.Linear(d_model, d_model, bias=False)
+        self.wk = nn.Linear(d_model, n_kv * self.hs, bias=False)
+        self.wv = nn.Linear(d_model, n_kv * self.hs, bias=False)
+        self.wo = nn.Linear(d_model, d_model, bias=False)
+        self.w1 = nn.Linear(d_model, ffn, bias=False)
+        self.w3 = nn.Linear(d_model, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, d_model, bias=False)
+        mask = torch.full((seq_len, seq_len), float("-inf")).triu(1)
+        self.register_buffer("mask", mask, persistent=False)
+
+    def forward(self, x, freqs_cis):
+        B, T, C = x.shape
+        h = self.attention_norm(x)
+        q = rotary(self.wq(h).view(B, T, self.n_head, self.hs), freqs_cis)
+        k = rotary(self.wk(h).view(B, T, self.n_kv, self.hs), freqs_cis)
+        v = self.wv(h).view(B, T, self.n_kv, self.hs)
+        rep = self.n_head // self.n_kv
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        q, k, v = (t.transpose(1, 2).reshape(B * self.n_head, T, self.hs) for t in (q, k, v))
+        att = torch.baddbmm(self.mask[:T, :T], q, k.transpose(1, 2), alpha=self.hs ** -0.5)
+        y = torch.bmm(att.softmax(dim=-1), v).view(B, self.n_head, T, self.hs)
+        x = x + self.wo(y.transpose(1, 2).reshape(B, T, C))
+        h = self.ffn_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, n_layer, n_head, n_kv, d_model, ffn, seq_len, vocab):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, d_model)
+        self.layers = nn.ModuleList(
+            LlamaBlock(n_head, n_kv, d_model, ffn, seq_len) for _ in range(n_layer))
+        self.norm = RMSNorm(d_model)
+        self.output = nn.Linear(d_model, vocab, bias=False)
+        hs = d_model // n_head
+        freqs = 1.0 / (10000.0 ** (torch.arange(0, hs, 2).float() / hs))
+        angles = torch.outer(torch.arange(seq_len).float(), freqs)
+        self.freqs_cis = torch.polar(torch.ones_like(angles), angles).view(1, seq_len, 1, -1)
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, 0.0, 0.02)
+
+    def forward(self, idx, targets):
+        T = idx.shape[1]
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x, self.freqs_cis[:, :T])
+        logits = self.output(self.norm(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
 def matmul_params(model, vocab, d_model):
     """The weights of matrix multiplies, as trainer counts them (model/param_table.h): the
     blocks' 2-D weights and the tied head once, its vocab unpadded."""
     n = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2)
+    if isinstance(model, Llama):  # the untied head counts, the embedding does not
+        n -= model.tok_embeddings.weight.numel()
+        return n - (model.output.weight.shape[0] - vocab) * d_model
     n -= model.wpe.weight.numel()
     n -= (model.wte.weight.shape[0] - vocab) * d_model
     return n
@@ -171,9 +248,15 @@ def main():
     torch.manual_seed(args.seed)
 
     vocab_rows = (VOCAB + args.pad_vocab - 1) // args.pad_vocab * args.pad_vocab
-    model = GPT(L, NH, C, T, vocab_rows, args.attn)
-    decay = [p for p in model.parameters() if p.dim() == 2 and p is not model.wte.weight]
-    no_decay = [p for p in model.parameters() if p.dim() != 2 or p is model.wte.weight]
+    if args.workload in LLAMA:
+        n_kv, ffn = LLAMA[args.workload]
+        model = Llama(L, NH, n_kv, C, ffn, T, vocab_rows)
+        embedding = model.tok_embeddings.weight
+    else:
+        model = GPT(L, NH, C, T, vocab_rows, args.attn)
+        embedding = model.wte.weight
+    decay = [p for p in model.parameters() if p.dim() == 2 and p is not embedding]
+    no_decay = [p for p in model.parameters() if p.dim() != 2 or p is embedding]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
         lr=3e-4, betas=(0.9, 0.95), eps=1e-8, foreach=bool(args.foreach))

@@ -2,7 +2,7 @@
 // named workload, with random tokens, printed as one JSON line. bench/run.sh compares it with
 // bench/torch_bench.py on the same workloads.
 //
-//   trainer_bench --workload W-S|W-M [--warmup N] [--steps N] [--threads N] [--seed N]
+//   trainer_bench --workload W-S|W-M|W-L [--warmup N] [--steps N] [--threads N] [--seed N]
 //                 [--device cpu|cuda] [--dtype fp32|bf16|fp16] [--batch B]
 //
 // On the GPU the phases are timed after synchronising the device, MFU is against the GPU's
@@ -27,8 +27,8 @@
 
 #include "io/config.h"
 #include "kernels/kernels.h"
-#include "model/gpt.h"
-#include "model/param_table.h"
+#include "model/model_definition.h"
+#include "model/stage_executor.h"
 #include "trainer/adamw.h"
 #include "trainer/blas_setup.h"
 
@@ -42,7 +42,7 @@ double seconds_since(Clock::time_point t0) {
 
 struct Workload {
   std::string name;
-  trainer::GPTConfig model;
+  trainer::ModelConfig model;
   int B;
   int default_warmup, default_steps;
 };
@@ -57,8 +57,13 @@ Workload workload(const std::string& name) {
   } else if (name == "W-M") {
     w.model.n_layer = 12, w.model.n_head = 12, w.model.d_model = 768, w.model.seq_len = 1024;
     w.B = 1, w.default_warmup = 1, w.default_steps = 3;
+  } else if (name == "W-L") {  // W-S's shapes as a Llama: GQA 6/2 heads, SwiGLU, untied head
+    w.model.arch = trainer::Arch::llama;
+    w.model.n_layer = 6, w.model.n_head = 6, w.model.d_model = 384, w.model.seq_len = 256;
+    w.model.n_kv_head = 2, w.model.ffn_hidden = 1024, w.model.tie_embeddings = false;
+    w.B = 4, w.default_warmup = 2, w.default_steps = 5;
   } else {
-    throw std::invalid_argument("unknown workload '" + name + "' (W-S or W-M)");
+    throw std::invalid_argument("unknown workload '" + name + "' (W-S, W-M or W-L)");
   }
   return w;
 }
@@ -79,7 +84,7 @@ Options parse_args(int argc, char** argv) {
     const std::string arg = argv[i];
     if (arg == "-h" || arg == "--help") {
       std::puts(
-          "usage: trainer_bench --workload W-S|W-M [--warmup N] [--steps N] [--threads N]"
+          "usage: trainer_bench --workload W-S|W-M|W-L [--warmup N] [--steps N] [--threads N]"
           " [--seed N] [--device cpu|cuda] [--dtype fp32|bf16|fp16] [--batch B]");
       std::exit(0);
     }
@@ -154,9 +159,9 @@ int run(const Options& opt) {
 
   trainer::OptimConfig optim;  // defaults: lr 3e-4, betas 0.9/0.95, eps 1e-8, wd 0.1, clip 1.0
   auto kernels = gpu ? trainer::make_cuda_kernels({}) : trainer::make_cpu_kernels();
-  trainer::GPTOptions model_options;
+  trainer::StageOptions model_options;
   model_options.grad_dtype = trainer::DType::f32;  // mixed precision keeps fp32 gradients
-  trainer::GPT model(w.model, *kernels, dtype, B, T, model_options);
+  trainer::StageExecutor model(w.model, *kernels, dtype, B, T, model_options);
   model.init_parameters(opt.seed);
   trainer::AdamW optimizer(model, optim);
   if (optimizer.master()) model.init_parameters(opt.seed, optimizer.master());
@@ -170,7 +175,7 @@ int run(const Options& opt) {
   // CPU: the best of the start-up sgemm bursts, raised by any faster call of the run itself
   // (read after the run). GPU: the data sheet.
   if (!gpu) kernels->measure_peak_flops();
-  const double flops_per_token = trainer::gpt2_flops_per_token(w.model);
+  const double flops_per_token = trainer::flops_per_token(w.model);
 
   // The same work as train_step with one micro-batch, each phase timed.
   std::vector<double> total_s, forward_s, backward_s, optimizer_s;
@@ -227,7 +232,7 @@ int run(const Options& opt) {
       {"peak_gflops", peak / 1e9},
       {"peak_gpu_mb", double(kernels->memory().peak) / (1 << 20)},
       {"flops_per_token", flops_per_token},
-      {"matmul_params", trainer::gpt2_matmul_params(w.model)},
+      {"matmul_params", trainer::matmul_params(w.model)},
       {"threads", omp_get_max_threads()},
       {"blas_core", trainer::blas_core_name()},
       {"peak_rss_mb", double(usage.ru_maxrss) / 1024.0},  // ru_maxrss is in KiB on Linux

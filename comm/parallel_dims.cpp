@@ -43,7 +43,7 @@ std::array<Axis, 3> parse_order(const std::string& order) {
 }  // namespace
 
 ParallelDims ParallelDims::make(int world, int dp, int tp, int pp, const std::string& order,
-                                const GPTConfig& model) {
+                                const ModelConfig& model) {
   if (world < 1 || dp < 0 || tp < 1 || pp < 1)
     throw ConfigError(fmt::format("[parallel] invalid degrees: world {}, dp {}, tp {}, pp {}",
                                   world, dp, tp, pp));
@@ -61,6 +61,14 @@ ParallelDims ParallelDims::make(int world, int dp, int tp, int pp, const std::st
                     dp, tp, pp, dp * tp * pp, world));
   if (model.n_head % tp != 0)
     throw ConfigError(fmt::format("[parallel] tp = {} must divide n_head = {}", tp, model.n_head));
+  if (model.kv_heads() % tp != 0)
+    throw ConfigError(fmt::format(
+        "[parallel] tp = {} must divide n_kv_head = {}: each rank holds whole key/value heads "
+        "(they are split across the group, not replicated)",
+        tp, model.kv_heads()));
+  if (model.ffn() % tp != 0)
+    throw ConfigError(
+        fmt::format("[parallel] tp = {} must divide the MLP's hidden width {}", tp, model.ffn()));
   if (model.padded_vocab() % tp != 0)
     throw ConfigError(fmt::format(
         "[parallel] tp = {} must divide the padded vocabulary {} (make model.vocab_multiple a "

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "model/gpt_config.h"
+#include "model/model_config.h"
 
 namespace trainer {
 
@@ -25,7 +25,7 @@ class ParallelDims {
   // dp = 0 derives dp from the world size. Throws ConfigError, with the numbers, when the
   // layout does not fit the world or the model.
   static ParallelDims make(int world, int dp, int tp, int pp, const std::string& order,
-                           const GPTConfig& model);
+                           const ModelConfig& model);
 
   int world() const { return world_; }
   int size(Axis a) const { return size_[int(a)]; }

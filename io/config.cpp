@@ -215,10 +215,83 @@ void apply_override(toml::table& root, const std::string& item, Origins& origins
 }
 
 void check_model(const Config& c, SectionReader& r) {
-  const GPTConfig& m = c.model;
+  const ModelConfig& m = c.model;
   if (m.d_model % m.n_head != 0)
     throw ConfigError(fmt::format("{}: [model] n_head: n_head = {} must divide d_model = {}",
                                   r.origin("n_head"), m.n_head, m.d_model));
+  if (m.arch != Arch::llama) return;
+  if (m.n_head % m.kv_heads() != 0)
+    throw ConfigError(
+        fmt::format("{}: [model] n_kv_head: n_kv_head = {} must divide n_head = {} (each key/value "
+                    "head serves a group of query heads)",
+                    r.origin("n_kv_head"), m.n_kv_head, m.n_head));
+  if (m.head_size() % 2 != 0)
+    throw ConfigError(fmt::format(
+        "{}: [model] n_head: the head size d_model / n_head = {} must be even (rotary embeddings "
+        "rotate pairs)",
+        r.origin("n_head"), m.head_size()));
+  const RopeScaling& rs = m.rope_scaling;
+  if (rs.factor > 0 && rs.high_freq_factor <= rs.low_freq_factor)
+    throw ConfigError(fmt::format(
+        "{}: [model] rope_high_freq_factor: must exceed rope_low_freq_factor = {}, found {}",
+        r.origin("rope_high_freq_factor"), rs.low_freq_factor, rs.high_freq_factor));
+}
+
+// [model]: the keys every architecture has, then its own; another architecture's key is an
+// error (it would be silently ignored).
+void read_model(Config& c, SectionReader& r) {
+  ModelConfig& m = c.model;
+  std::string arch = arch_name(m.arch);
+  r.field("arch", arch, one_of({"gpt2", "llama"}));
+  m.arch = arch == "llama" ? Arch::llama : Arch::gpt2;
+  const bool llama = m.arch == Arch::llama;
+  if (llama) m.tie_embeddings = false;  // Llama's default
+  r.field("vocab_size", m.vocab_size, in_range(2, 1 << 24));
+  r.field("vocab_multiple", m.vocab_multiple, in_range(1, 4096));
+  r.field("seq_len", m.seq_len, in_range(1, 1 << 20));
+  r.field("n_layer", m.n_layer, in_range(1, 1024));
+  r.field("n_head", m.n_head, in_range(1, 1024));
+  r.field("d_model", m.d_model, in_range(1, 1 << 16));
+  r.field("tie_embeddings", m.tie_embeddings);
+  r.field("init_std", m.init_std, in_range(1e-6, 10));
+  const char* llama_keys[] = {"n_kv_head",
+                              "ffn_hidden",
+                              "ffn_dim_multiplier",
+                              "multiple_of",
+                              "norm_eps",
+                              "rope_theta",
+                              "rope_scaling_factor",
+                              "rope_low_freq_factor",
+                              "rope_high_freq_factor",
+                              "rope_original_max_pos"};
+  if (!llama) {
+    r.field("bias", m.bias);
+    r.field("dropout", m.dropout, in_range(0, 0.95));
+    for (const char* key : llama_keys)
+      if (r.has(key))
+        throw ConfigError(
+            fmt::format("{}: [model] {}: applies to arch = \"llama\" only (this "
+                        "model is arch = \"gpt2\")",
+                        r.origin(key), key));
+    return;
+  }
+  for (const char* key : {"bias", "dropout"})
+    if (r.has(key))
+      throw ConfigError(
+          fmt::format("{}: [model] {}: applies to arch = \"gpt2\" only (this model "
+                      "is arch = \"llama\")",
+                      r.origin(key), key));
+  m.bias = false;
+  r.field("n_kv_head", m.n_kv_head, in_range(0, 1024));
+  r.field("ffn_hidden", m.ffn_hidden, in_range(0, 1 << 20));
+  r.field("ffn_dim_multiplier", m.ffn_dim_multiplier, in_range(0.01, 100));
+  r.field("multiple_of", m.multiple_of, in_range(1, 1 << 16));
+  r.field("norm_eps", m.norm_eps, in_range(1e-12, 1));
+  r.field("rope_theta", m.rope_theta, in_range(1, 1e12));
+  r.field("rope_scaling_factor", m.rope_scaling.factor, in_range(0, 1024));
+  r.field("rope_low_freq_factor", m.rope_scaling.low_freq_factor, in_range(0.01, 1024));
+  r.field("rope_high_freq_factor", m.rope_scaling.high_freq_factor, in_range(0.01, 1024));
+  r.field("rope_original_max_pos", m.rope_scaling.original_max_pos, in_range(1, 1 << 24));
 }
 
 }  // namespace
@@ -285,12 +358,7 @@ Config parse_config(const std::string& text, const std::string& origin,
   }
   {
     SectionReader r(root, "model", origin, origins);
-    r.field("vocab_size", c.model.vocab_size, in_range(2, 1 << 24));
-    r.field("vocab_multiple", c.model.vocab_multiple, in_range(1, 4096));
-    r.field("seq_len", c.model.seq_len, in_range(1, 1 << 20));
-    r.field("n_layer", c.model.n_layer, in_range(1, 1024));
-    r.field("n_head", c.model.n_head, in_range(1, 1024));
-    r.field("d_model", c.model.d_model, in_range(1, 1 << 16));
+    read_model(c, r);
     r.finish();
     check_model(c, r);
   }
@@ -455,6 +523,34 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
   return parse_config(ss.str(), path, overrides);
 }
 
+static toml::table model_table(const ModelConfig& m) {
+  toml::table t{{"arch", arch_name(m.arch)},
+                {"vocab_size", m.vocab_size},
+                {"vocab_multiple", m.vocab_multiple},
+                {"seq_len", m.seq_len},
+                {"n_layer", m.n_layer},
+                {"n_head", m.n_head},
+                {"d_model", m.d_model},
+                {"tie_embeddings", m.tie_embeddings},
+                {"init_std", m.init_std}};
+  if (m.arch != Arch::llama) {
+    t.insert("bias", m.bias);
+    t.insert("dropout", m.dropout);
+    return t;
+  }
+  t.insert("n_kv_head", m.n_kv_head);
+  t.insert("ffn_hidden", m.ffn_hidden);
+  t.insert("ffn_dim_multiplier", m.ffn_dim_multiplier);
+  t.insert("multiple_of", m.multiple_of);
+  t.insert("norm_eps", m.norm_eps);
+  t.insert("rope_theta", m.rope_theta);
+  t.insert("rope_scaling_factor", m.rope_scaling.factor);
+  t.insert("rope_low_freq_factor", m.rope_scaling.low_freq_factor);
+  t.insert("rope_high_freq_factor", m.rope_scaling.high_freq_factor);
+  t.insert("rope_original_max_pos", m.rope_scaling.original_max_pos);
+  return t;
+}
+
 std::string config_to_toml(const Config& c) {
   auto strings = [](const std::vector<std::string>& v) {
     toml::array a;
@@ -473,12 +569,7 @@ std::string config_to_toml(const Config& c) {
                           {"peak_tflops", c.run.peak_tflops},
                           {"phase_timing", c.run.phase_timing}}},
       {"init", toml::table{{"from", c.init.from}}},
-      {"model", toml::table{{"vocab_size", c.model.vocab_size},
-                            {"vocab_multiple", c.model.vocab_multiple},
-                            {"seq_len", c.model.seq_len},
-                            {"n_layer", c.model.n_layer},
-                            {"n_head", c.model.n_head},
-                            {"d_model", c.model.d_model}}},
+      {"model", model_table(c.model)},
       {"data", toml::table{{"train", strings(c.data.train)},
                            {"val", strings(c.data.val)},
                            {"prefetch", c.data.prefetch},

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "io/errors.h"
-#include "model/gpt_config.h"
+#include "model/model_config.h"
 
 namespace trainer {
 
@@ -146,7 +146,7 @@ struct InitConfig {
 struct Config {
   RunConfig run;
   InitConfig init;
-  GPTConfig model;
+  ModelConfig model;
   DataConfig data;
   TrainConfig train;
   OptimConfig optim;

@@ -6,12 +6,13 @@
 
 namespace trainer {
 
-std::vector<int> pipeline_partition(const GPTConfig& cfg, int stages) {
+std::vector<int> pipeline_partition(const ModelConfig& cfg, int stages) {
   const int L = cfg.n_layer;
   if (stages < 1 || stages > L) throw std::invalid_argument("pipeline_partition: bad stages");
-  // Relative cost per token: a block's GEMMs (12 C^2 multiply-adds) and attention (about T C
-  // for the causal half of QK^T and AV, twice); the last stage also runs the LM head (C V).
-  const double C = cfg.d_model, block = 12 * C * C + 2.0 * cfg.seq_len * C;
+  // Relative cost per token: a block's GEMMs (a multiply-add per weight) and attention (about
+  // T C for the causal half of QK^T and AV, twice); the last stage also runs the LM head (C V).
+  const double C = cfg.d_model;
+  const double block = double(cfg.block_matmul_params()) + 2.0 * cfg.seq_len * C;
   const double head = C * cfg.padded_vocab();
   auto stage_cost = [&](int first, int end, bool last) {
     return (end - first) * block + (last ? head : 0.0);
@@ -36,7 +37,8 @@ std::vector<int> pipeline_partition(const GPTConfig& cfg, int stages) {
   return bounds;
 }
 
-ModelShard ModelShard::make(const GPTConfig& cfg, int tp_rank, int tp_size, int stage, int stages) {
+ModelShard ModelShard::make(const ModelConfig& cfg, int tp_rank, int tp_size, int stage,
+                            int stages) {
   if (tp_size < 1 || tp_rank < 0 || tp_rank >= tp_size || stages < 1 || stage < 0 ||
       stage >= stages || stages > cfg.n_layer)
     throw std::invalid_argument("ModelShard: bad tensor or pipeline coordinates");
@@ -106,73 +108,43 @@ const ParamInfo* ParamTable::find(const std::string& name) const {
   return it == index.end() ? nullptr : &params[it->second];
 }
 
-ParamTable gpt2_param_table(const GPTConfig& cfg, const ModelShard& shard, int64_t total_multiple) {
-  const int64_t C = cfg.d_model, V = cfg.vocab_size, Vp = cfg.padded_vocab(), T = cfg.seq_len;
-  const float std_matrix = 0.02f;
-  // GPT-2 scales the projections that write into the residual stream by 1/sqrt(2 L).
-  const float std_residual = 0.02f / std::sqrt(2.0f * cfg.n_layer);
-  ParamTable table;
-  struct Split {
-    int dim = -1, parts = 1;
-    int64_t extent = 0;
-  };
-  auto add = [&](std::string name, std::vector<int64_t> shape, ParamKind kind, int layer,
-                 float init_std, Split split = {}) {
-    ParamInfo p{std::move(name), std::move(shape), table.total, 0, kind, layer, init_std};
-    if (split.dim >= 0) {
-      p.split_dim = split.dim;
-      p.split_parts = split.parts;
-      p.split_extent = split.extent ? split.extent : p.shape[split.dim];
-    }
-    p.tp_rank = shard.tp_rank;
-    p.tp_size = shard.tp_size;
-    std::vector<int64_t> allocated = p.shape;
-    if (split.dim >= 0) allocated[split.dim] = p.split_extent / shard.tp_size;
-    p.numel = 1;
-    for (int64_t d : allocated) p.numel *= d;
-    table.total += (p.numel + 15) / 16 * 16;  // 64-byte aligned views for vectorised loops
-    table.index[p.name] = table.params.size();
-    table.params.push_back(std::move(p));
-  };
-  const Split rows{0}, cols{1};
-  if (shard.first_stage() || shard.last_stage()) {
-    add("wte.weight", {V, C}, ParamKind::embedding, -1, std_matrix, {0, 1, Vp});
-    table.params.back().tied_copy = !shard.first_stage();
-  }
-  if (shard.first_stage()) add("wpe.weight", {T, C}, ParamKind::embedding, -1, 0.01f);
-  for (int l = shard.first_layer; l < shard.end_layer; l++) {
-    const std::string h = "h." + std::to_string(l) + ".";
-    add(h + "ln1.weight", {C}, ParamKind::norm, l, 0);
-    add(h + "ln1.bias", {C}, ParamKind::bias, l, 0);
-    add(h + "attn.qkv.weight", {3 * C, C}, ParamKind::matrix, l, std_matrix, {0, 3});
-    add(h + "attn.qkv.bias", {3 * C}, ParamKind::bias, l, 0, {0, 3});
-    add(h + "attn.proj.weight", {C, C}, ParamKind::matrix, l, std_residual, cols);
-    add(h + "attn.proj.bias", {C}, ParamKind::bias, l, 0);
-    add(h + "ln2.weight", {C}, ParamKind::norm, l, 0);
-    add(h + "ln2.bias", {C}, ParamKind::bias, l, 0);
-    add(h + "mlp.fc.weight", {4 * C, C}, ParamKind::matrix, l, std_matrix, rows);
-    add(h + "mlp.fc.bias", {4 * C}, ParamKind::bias, l, 0, rows);
-    add(h + "mlp.proj.weight", {C, 4 * C}, ParamKind::matrix, l, std_residual, cols);
-    add(h + "mlp.proj.bias", {C}, ParamKind::bias, l, 0);
-  }
-  if (shard.last_stage()) {
-    add("ln_f.weight", {C}, ParamKind::norm, -1, 0);
-    add("ln_f.bias", {C}, ParamKind::bias, -1, 0);
-  }
-  table.total = (table.total + total_multiple - 1) / total_multiple * total_multiple;
-  return table;
+const ParamInfo* ParamTable::tied() const {
+  for (const ParamInfo& p : params)
+    if (p.tied) return &p;
+  return nullptr;
 }
 
-int64_t gpt2_matmul_params(const GPTConfig& cfg) {
-  int64_t n = 0;
-  for (const auto& p : gpt2_param_table(cfg).params)
-    if (p.kind == ParamKind::matrix || p.name == "wte.weight") n += p.logical_numel();
-  return n;
+int64_t ParamTable::layer_offset(int layer) const {
+  for (const ParamInfo& p : params)
+    if (p.layer == layer) return p.offset;
+  return -1;
 }
 
-double gpt2_flops_per_token(const GPTConfig& cfg) {
-  return 6.0 * double(gpt2_matmul_params(cfg)) +
-         6.0 * cfg.n_layer * cfg.d_model * double(cfg.seq_len);
+ParamInfo& ParamTableBuilder::add(std::string name, std::vector<int64_t> shape, ParamKind kind,
+                                  int layer, float init_std, Split split, bool pack) {
+  const int64_t offset = pack && !table_.params.empty() ? end_ : table_.total;
+  ParamInfo p{std::move(name), std::move(shape), offset, 0, kind, layer, init_std};
+  if (split.dim >= 0) {
+    p.split_dim = split.dim;
+    p.split_parts = split.parts;
+    p.split_extent = split.extent ? split.extent : p.shape[split.dim];
+  }
+  p.tp_rank = shard_.tp_rank;
+  p.tp_size = shard_.tp_size;
+  std::vector<int64_t> allocated = p.shape;
+  if (split.dim >= 0) allocated[split.dim] = p.split_extent / shard_.tp_size;
+  p.numel = 1;
+  for (int64_t d : allocated) p.numel *= d;
+  end_ = p.offset + p.numel;
+  table_.total = (end_ + 15) / 16 * 16;  // 64-byte aligned views for vectorised loops
+  table_.index[p.name] = table_.params.size();
+  table_.params.push_back(std::move(p));
+  return table_.params.back();
+}
+
+ParamTable ParamTableBuilder::finish(int64_t total_multiple) {
+  table_.total = (table_.total + total_multiple - 1) / total_multiple * total_multiple;
+  return std::move(table_);
 }
 
 }  // namespace trainer

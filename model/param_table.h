@@ -8,13 +8,14 @@
 // parallelism, one rank's slice of each matrix (Megatron: QKV and MLP up-projection split by
 // output rows, the two projections back into the residual stream split by input columns, the
 // embedding split by vocabulary rows; norms and the biases added after a reduction replicated).
+// The model definitions (model/gpt2.cpp, model/llama.cpp) build the tables.
 #include <algorithm>
 #include <cstdint>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
-#include "model/gpt_config.h"
+#include "model/model_config.h"
 
 namespace trainer {
 
@@ -27,9 +28,9 @@ struct ModelShard {
   int first_layer = 0, end_layer = 0;  // this stage's blocks: [first_layer, end_layer)
 
   // The whole model on one rank.
-  static ModelShard whole(const GPTConfig& cfg) { return make(cfg, 0, 1, 0, 1); }
+  static ModelShard whole(const ModelConfig& cfg) { return make(cfg, 0, 1, 0, 1); }
   // Stage s of S holds the contiguous blocks [bounds[s], bounds[s + 1]) of pipeline_partition.
-  static ModelShard make(const GPTConfig& cfg, int tp_rank, int tp_size, int stage, int stages);
+  static ModelShard make(const ModelConfig& cfg, int tp_rank, int tp_size, int stage, int stages);
   bool first_stage() const { return stage == 0; }          // holds the embeddings
   bool last_stage() const { return stage == stages - 1; }  // holds ln_f, the head and the loss
 };
@@ -38,7 +39,7 @@ struct ModelShard {
 // every stage gets at least one block, and the largest stage cost (blocks, plus the LM head on
 // the last stage) is as small as it can be, so that a big vocabulary's head does not leave the
 // last stage the bottleneck of the pipeline.
-std::vector<int> pipeline_partition(const GPTConfig& cfg, int stages);
+std::vector<int> pipeline_partition(const ModelConfig& cfg, int stages);
 
 struct ParamInfo {
   std::string name;
@@ -54,7 +55,9 @@ struct ParamInfo {
   int split_dim = -1, split_parts = 1;
   int64_t split_extent = 0;
   int tp_rank = 0, tp_size = 1;
-  // The copy of the tied embedding on the last pipeline stage (the first stage's is the owner).
+  // The token embedding that the LM head shares (tie_embeddings), on the first and the last
+  // stage; the last stage's is the copy (the first stage's is the owner).
+  bool tied = false;
   bool tied_copy = false;
 
   int64_t logical_numel() const;             // of the full tensor
@@ -88,26 +91,32 @@ struct ParamTable {
 
   const ParamInfo& at(const std::string& name) const;
   const ParamInfo* find(const std::string& name) const;  // null if not in this shard
+  const ParamInfo* tied() const;  // the tied embedding, if this shard holds it
+  // The first parameter of block `layer` (-1 for none in this shard).
+  int64_t layer_offset(int layer) const;
 };
 
-// The GPT-2 parameter layout of one shard, in forward order. Weights are (out_features,
-// in_features). `total_multiple` pads the flat buffers' length (a multiple of 16 elements, for
-// 64-byte aligned views, or of 16 x dp for even ZeRO shards).
-ParamTable gpt2_param_table(const GPTConfig& cfg, const ModelShard& shard,
-                            int64_t total_multiple = 16);
-inline ParamTable gpt2_param_table(const GPTConfig& cfg) {
-  return gpt2_param_table(cfg, ModelShard::whole(cfg));
-}
+// Builds a table in forward order. Every view starts 64-byte aligned, except one added with
+// pack = true to its predecessor: it starts right where that one ends, so that the two (Llama's
+// q, k and v projections; its gate and up projections) form one matrix for one GEMM.
+struct TpSplit {  // the tensor-parallel split (ParamInfo::split_dim ...)
+  int dim = -1, parts = 1;
+  int64_t extent = 0;  // 0: the dimension's length
+};
+inline constexpr TpSplit kSplitRows{0}, kSplitCols{1};
 
-// The weights that take part in matrix multiplies (the blocks' four matrices and the tied
-// head, its vocab unpadded): 2 FLOPs each per token forward, 4 backward.
-int64_t gpt2_matmul_params(const GPTConfig& cfg);
+class ParamTableBuilder {
+ public:
+  using Split = TpSplit;
+  explicit ParamTableBuilder(const ModelShard& shard) : shard_(shard) {}
+  ParamInfo& add(std::string name, std::vector<int64_t> shape, ParamKind kind, int layer,
+                 float init_std, Split split = {}, bool pack = false);
+  ParamTable finish(int64_t total_multiple);
 
-// Model FLOPs per token trained (forward and backward), the MFU numerator: 6 per matmul weight
-// and 6 L C T for causal attention (QK^T and AV over the lower triangle; PaLM and nanoGPT count
-// the full square, 12 L C T, which no causal kernel executes). Every FLOP counted here is
-// executed by a matmul or attention call, which is what bounds MFU by 100% on the CPU
-// (kernels/flop_meter.h).
-double gpt2_flops_per_token(const GPTConfig& cfg);
+ private:
+  ModelShard shard_;
+  ParamTable table_;
+  int64_t end_ = 0;  // where the last view ends (before alignment)
+};
 
 }  // namespace trainer

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "io/hdf5_file.h"
-#include "model/param_table.h"
+#include "model/model_definition.h"
 #include "mpi_cli.h"
 #include "test_util.h"
 #include "trainer/checkpoint.h"
@@ -22,18 +22,18 @@ namespace {
 namespace fs = std::filesystem;
 
 // The model of MpiCli's run.toml.
-GPTConfig cli_model() {
-  GPTConfig cfg;
+ModelConfig cli_model() {
+  ModelConfig cfg;
   cfg.seq_len = 16, cfg.n_layer = 2, cfg.n_head = 2, cfg.d_model = 16;
   return cfg;
 }
 
 // Every tensor of two checkpoints is bitwise equal (params, moments).
 void expect_same_tensors(const std::string& a_file, const std::string& b_file,
-                         const GPTConfig& cfg = cli_model()) {
+                         const ModelConfig& cfg = cli_model()) {
   H5File a = H5File::open_read(a_file);
   H5File b = H5File::open_read(b_file);
-  for (const ParamInfo& p : gpt2_param_table(cfg).params)
+  for (const ParamInfo& p : param_table(cfg).params)
     for (const std::string group : {"params/", "optim/m/", "optim/v/"}) {
       std::vector<float> x(p.logical_numel()), y(p.logical_numel());
       a.read(group + p.name, p.shape, x.data());
@@ -58,11 +58,17 @@ namespace {
 // A run saved at step 6 with dp = 4 (ZeRO-1) and resumed continues bit for bit in the same
 // layout (losses, final weights and moments), and in dp2 x tp2, tp2 x pp2 and one process within
 // reduction-order tolerance, with the data order continuing at the next unseen batch.
-TEST_F(MpiCli, ResumeIsBitwiseAndReshards) {
+class Resume : public MpiCli {
+ protected:
+  // model: the --set overrides that make run.toml's model cfg.
+  void expect_bitwise_and_reshards(const std::string& model, const ModelConfig& cfg);
+};
+
+void Resume::expect_bitwise_and_reshards(const std::string& model, const ModelConfig& cfg) {
   // The step guard's windows travel with the checkpoint (no step here comes near the z-score).
-  const std::string common =
-      "--set train.steps=12 --set checkpoint.every_steps=6 --set faults.spike_zscore=50 "
-      "--set faults.spike_window=4 ";
+  const std::string common = model +
+                             "--set train.steps=12 --set checkpoint.every_steps=6 "
+                             "--set faults.spike_zscore=50 --set faults.spike_window=4 ";
   const std::string dp4 = "--set parallel.dp=4 --set parallel.zero=1 ";
   auto r = mpirun(4, common + dp4 + "--set run.out_dir=" + quoted(path("full")));
   ASSERT_EQ(r.code, 0) << r.output;
@@ -78,7 +84,7 @@ TEST_F(MpiCli, ResumeIsBitwiseAndReshards) {
   ASSERT_EQ(same.size(), 6u);
   for (int i = 0; i < 6; i++) EXPECT_EQ(same[i], full[6 + i]);
   expect_same_tensors(path("full/checkpoints/step_00000012/state.h5"),
-                      path("same/checkpoints/step_00000012/state.h5"));
+                      path("same/checkpoints/step_00000012/state.h5"), cfg);
   {
     H5File a = H5File::open_read(path("full/checkpoints/step_00000012/state.h5"));
     H5File b = H5File::open_read(path("same/checkpoints/step_00000012/state.h5"));
@@ -103,6 +109,27 @@ TEST_F(MpiCli, ResumeIsBitwiseAndReshards) {
     for (int i = 0; i < 6; i++)
       EXPECT_NEAR(s[i].loss, f[6 + i].loss, 1e-5 * f[6 + i].loss) << layout << " step " << i;
   }
+}
+
+// GPT-2 with dropout: its masks are a function of (seed, step, sample), so they resume and
+// reshard with the data.
+TEST_F(Resume, IsBitwiseAndReshards) {
+  expect_bitwise_and_reshards("--set model.dropout=0.1 ", cli_model());
+}
+
+// Llama's checkpoints (its names, its packed q/k/v and gate/up, an untied vocab-parallel head)
+// resume and reshard the same way; tp = 2 splits its two key/value heads.
+TEST_F(Resume, LlamaIsBitwiseAndReshards) {
+  ModelConfig cfg = cli_model();
+  cfg.arch = Arch::llama;
+  cfg.n_head = 4;
+  cfg.n_kv_head = 2;
+  cfg.ffn_hidden = 32;
+  cfg.tie_embeddings = false;
+  expect_bitwise_and_reshards(
+      "--set model.arch=\\\"llama\\\" --set model.n_head=4 --set model.n_kv_head=2 "
+      "--set model.ffn_hidden=32 ",
+      cfg);
 }
 
 // Each rank writes only its slices (tensor-parallel parts, pipeline stages, ZeRO-1 pieces;
@@ -218,7 +245,7 @@ TEST_F(MpiCli, RequeueThroughMpirunUnderTheSupervisor) {
       << r.output;
   EXPECT_EQ(count(r.output, "attempt 2/2 exited with 0; done"), 1) << r.output;
   EXPECT_EQ(status(out2)["state"], "finished");
-  GPTConfig model = cli_model();
+  ModelConfig model = cli_model();
   model.d_model = 32;
   expect_same_tensors(path("full/checkpoints/step_00002000/state.h5"),
                       out2 + "/checkpoints/step_00002000/state.h5", model);

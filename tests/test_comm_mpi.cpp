@@ -77,7 +77,7 @@ TEST(Mpi, SendRecvRing) {
 }
 
 TEST(Mpi, GroupsFromTheLayout) {
-  GPTConfig m;
+  ModelConfig m;
   m.n_head = 4;
   const auto dims = ParallelDims::make(4, 0, 2, 1, "tp-pp-dp", m);  // dp2 x tp2
   World& w = *g_world;

@@ -119,6 +119,51 @@ TEST(Config, OverridesUseTheSameRules) {
             "--set model.n_head=5: [model] n_head: n_head = 5 must divide d_model = 64");
 }
 
+TEST(Config, LlamaModel) {
+  const Config c = parse_config(R"(
+[model]
+arch = "llama"
+d_model = 64
+n_head = 8
+n_kv_head = 2
+ffn_dim_multiplier = 1.3
+multiple_of = 32
+rope_theta = 500000.0
+rope_scaling_factor = 8.0
+)",
+                                "llama.toml");
+  EXPECT_EQ(c.model.arch, Arch::llama);
+  EXPECT_FALSE(c.model.tie_embeddings);  // Llama's default
+  EXPECT_EQ(c.model.kv_heads(), 2);
+  EXPECT_EQ(c.model.ffn(), 224);  // 2/3 of 256 = 170, x 1.3 = 221, up to a multiple of 32
+  EXPECT_EQ(c.model.rope_theta, 500000.0);
+  EXPECT_EQ(c.model.rope_scaling.factor, 8.0);
+  EXPECT_TRUE(parse_config("", "gpt2.toml").model.tie_embeddings);  // GPT-2's
+  // The resolved config carries every Llama key and reads back to the same model.
+  const Config back = parse_config(config_to_toml(c), "resolved.toml");
+  EXPECT_EQ(back.model.kv_heads(), 2);
+  EXPECT_EQ(back.model.ffn(), 224);
+  EXPECT_EQ(back.model.rope_scaling, c.model.rope_scaling);
+  EXPECT_EQ(config_to_toml(back), config_to_toml(c));
+}
+
+TEST(Config, LlamaErrorsNameTheKey) {
+  EXPECT_EQ(error_of("[model]\nn_kv_head = 2\n"),
+            "run.toml:2:13: [model] n_kv_head: applies to arch = \"llama\" only (this model is "
+            "arch = \"gpt2\")");
+  EXPECT_EQ(error_of("[model]\narch = \"llama\"\nn_head = 4\nn_kv_head = 3\n"),
+            "run.toml:4:13: [model] n_kv_head: n_kv_head = 3 must divide n_head = 4 (each "
+            "key/value head serves a group of query heads)");
+  EXPECT_EQ(error_of("[model]\narch = \"llama\"\nd_model = 36\nn_head = 4\n"),
+            "run.toml:4:10: [model] n_head: the head size d_model / n_head = 9 must be even "
+            "(rotary embeddings rotate pairs)");
+  EXPECT_NE(error_of("[model]\narch = \"mamba\"\n").find("arch"), std::string::npos);
+  EXPECT_EQ(error_of("[model]\narch = \"llama\"\nbias = true\n"),
+            "run.toml:3:8: [model] bias: applies to arch = \"gpt2\" only (this model is arch = "
+            "\"llama\")");
+  EXPECT_FALSE(parse_config("[model]\nbias = false\n", "gpt2.toml").model.bias);
+}
+
 TEST(Config, ResolvedConfigRoundTrips) {
   Config c = parse_config("[model]\nn_layer = 3\n[data]\ntrain = [\"a.bin\", \"b.bin\"]\n",
                           "a.toml", {"optim.lr=0.01", "train.sample_prompt=Once upon"});
@@ -152,7 +197,7 @@ TEST(Config, EveryShippedConfigValidates) {
     }
     checked++;
   }
-  EXPECT_GE(checked, 4);  // tiny, GPT-2 124M, 350M and 1.5B
+  EXPECT_GE(checked, 8);  // tiny and llama-tiny, GPT-2 124M, 350M, 1.5B, Llama 135M, 3 8B, 3 70B
 }
 
 TEST(Config, MissingFile) {

@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "kernels/kernels.h"
-#include "model/gpt.h"
+#include "model/stage_executor.h"
 #include "mpi_cli.h"
 #include "test_util.h"
 
@@ -516,12 +516,12 @@ struct ModelRun {
   std::vector<float> grads;
 };
 ModelRun model_run(Kernels& k, DType dtype) {
-  GPTConfig cfg;
+  ModelConfig cfg;
   cfg.vocab_size = 97, cfg.seq_len = 32, cfg.n_layer = 2, cfg.n_head = 4, cfg.d_model = 64;
   const int B = 3, T = 32;
-  GPTOptions o;
+  StageOptions o;
   o.grad_dtype = DType::f32;
-  GPT model(cfg, k, dtype, B, T, o);
+  StageExecutor model(cfg, k, dtype, B, T, o);
   model.init_parameters(7);
   std::vector<int32_t> tokens(B * T), targets(B * T);
   for (int i = 0; i < B * T; i++) tokens[i] = (i * 13 + 5) % 97, targets[i] = (i * 29 + 1) % 97;

@@ -9,8 +9,8 @@
 #include <functional>
 #include <string>
 
-#include "model/gpt.h"
 #include "model/init.h"
+#include "model/stage_executor.h"
 #include "test_util.h"
 
 namespace trainer::test {
@@ -244,19 +244,13 @@ TEST_F(GradCheck, SoftmaxCrossEntropy) {
   expect_gradient(f, logits, grad, "dlogits");
 }
 
-// The whole model: every element of every parameter of a tiny GPT, in f64.
-TEST_F(GradCheck, WholeModel) {
-  GPTConfig cfg;
-  cfg.vocab_size = 20;
-  cfg.vocab_multiple = 8;  // padded to 24: padded rows must get no gradient
-  cfg.seq_len = 6;
-  cfg.n_layer = 2;
-  cfg.n_head = 2;
-  cfg.d_model = 8;
+// The whole model: every element of every parameter of a tiny model, in f64.
+void check_whole_model(const ModelConfig& cfg) {
   const int B = 2, T = 6;
   auto kernels = make_cpu_kernels();
-  GPT model(cfg, *kernels, DType::f64, B, T);
+  StageExecutor model(cfg, *kernels, DType::f64, B, T);
   model.init_parameters(7);
+  model.train_mode(42, 0, 0);  // dropout (if any): the same masks in every forward
   // Move every parameter off its initial value (biases 0, norms 1) so that all terms matter.
   for (const ParamInfo& p : model.table().params) {
     Vec v = model.read<double>(p, model.params());
@@ -287,10 +281,62 @@ TEST_F(GradCheck, WholeModel) {
       numeric[i] = (up - down) / (2 * kStep);
     }
     EXPECT_TRUE(all_close(analytic, numeric, kRtol, kAtol)) << p.name;
+    // Padded vocabulary rows (embedding, untied head) get no gradient.
+    const double* g = model.grads().as<double>() + p.offset;
+    for (int64_t i = p.logical_numel(); i < p.numel; i++) ASSERT_EQ(g[i], 0.0) << p.name;
   }
-  const ParamInfo& wte = model.table().at("wte.weight");
-  const double* g = model.grads().as<double>() + wte.offset;
-  for (int64_t i = wte.logical_numel(); i < wte.numel; i++) ASSERT_EQ(g[i], 0.0) << "padded row";
+}
+
+ModelConfig tiny(Arch arch) {
+  ModelConfig cfg;
+  cfg.arch = arch;
+  cfg.vocab_size = 20;
+  cfg.vocab_multiple = 8;  // padded to 24: padded rows must get no gradient
+  cfg.seq_len = 6;
+  cfg.n_layer = 2;
+  cfg.n_head = 2;
+  cfg.d_model = 8;
+  return cfg;
+}
+
+TEST_F(GradCheck, WholeGpt2) {
+  check_whole_model(tiny(Arch::gpt2));
+}
+
+TEST_F(GradCheck, WholeGpt2WithDropout) {
+  ModelConfig cfg = tiny(Arch::gpt2);
+  cfg.dropout = 0.3;
+  check_whole_model(cfg);
+}
+
+TEST_F(GradCheck, WholeGpt2UntiedWithoutBiases) {
+  ModelConfig cfg = tiny(Arch::gpt2);
+  cfg.tie_embeddings = false;
+  cfg.bias = false;
+  check_whole_model(cfg);
+}
+
+// Grouped-query attention (two query heads per key/value head), an untied head, SwiGLU, and
+// Llama 3.1's rotary scaling with every band in play (as tests/dump_reference.cpp sets it).
+TEST_F(GradCheck, WholeLlama) {
+  ModelConfig cfg = tiny(Arch::llama);
+  cfg.d_model = 16;
+  cfg.n_head = 4;
+  cfg.n_kv_head = 2;
+  cfg.tie_embeddings = false;
+  cfg.ffn_hidden = 12;
+  cfg.rope_theta = 500.0;
+  cfg.rope_scaling = {8.0, 1.0, 4.0, 32};
+  check_whole_model(cfg);
+}
+
+// Multi-query attention and a tied head.
+TEST_F(GradCheck, WholeLlamaMqaTied) {
+  ModelConfig cfg = tiny(Arch::llama);
+  cfg.n_kv_head = 1;
+  cfg.tie_embeddings = true;
+  cfg.ffn_hidden = 10;
+  check_whole_model(cfg);
 }
 
 }  // namespace

@@ -6,14 +6,14 @@
 
 #include "comm/parallel_dims.h"
 #include "io/errors.h"
-#include "model/param_table.h"
+#include "model/model_definition.h"
 #include "trainer/pipeline_schedule.h"
 
 namespace trainer {
 namespace {
 
-GPTConfig model(int n_layer = 4, int n_head = 4, int vocab = 256, int multiple = 64) {
-  GPTConfig m;
+ModelConfig model(int n_layer = 4, int n_head = 4, int vocab = 256, int multiple = 64) {
+  ModelConfig m;
   m.n_layer = n_layer;
   m.n_head = n_head;
   m.d_model = 64;
@@ -72,7 +72,7 @@ TEST(ParallelDims, DescribeListsEveryGroupOnce) {
 }
 
 std::string error_of(int world, int dp, int tp, int pp, const std::string& order,
-                     const GPTConfig& m) {
+                     const ModelConfig& m) {
   try {
     ParallelDims::make(world, dp, tp, pp, order, m);
   } catch (const ConfigError& e) {
@@ -94,6 +94,19 @@ TEST(ParallelDims, InvalidLayoutsNameTheNumbers) {
   EXPECT_EQ(error_of(4, 1, 4, 1, "tp-pp-dp", model(4, 8, 102, 2)),
             "[parallel] tp = 4 must divide the padded vocabulary 102 (make model.vocab_multiple "
             "a multiple of tp)");
+  // Llama: key/value heads are split across the group, never replicated, so tp must divide
+  // n_kv_head (and the SwiGLU width).
+  ModelConfig gqa = model(4, 8);
+  gqa.arch = Arch::llama;
+  gqa.n_kv_head = 2;
+  gqa.ffn_hidden = 64;
+  EXPECT_EQ(error_of(4, 1, 4, 1, "tp-pp-dp", gqa),
+            "[parallel] tp = 4 must divide n_kv_head = 2: each rank holds whole key/value heads "
+            "(they are split across the group, not replicated)");
+  gqa.n_kv_head = 4;
+  gqa.ffn_hidden = 66;
+  EXPECT_EQ(error_of(4, 1, 4, 1, "tp-pp-dp", gqa),
+            "[parallel] tp = 4 must divide the MLP's hidden width 66");
   EXPECT_EQ(error_of(8, 1, 1, 8, "tp-pp-dp", model(4)),
             "[parallel] pp = 8 exceeds n_layer = 4: every stage needs at least one layer");
   EXPECT_EQ(error_of(2, 0, 1, 1, "tp-dp", model()),
@@ -162,8 +175,8 @@ TEST(PipelineSchedule, RunsWithoutDeadlockAndTheKnownBubble) {
 // parameter is held by exactly one tp rank (or every one, when replicated), the stages hold
 // contiguous, balanced layer ranges, and exactly one copy of each element is "owned".
 TEST(ModelShard, TablesTileTheWholeModel) {
-  GPTConfig cfg = model(5, 4, 250, 64);  // Vp 256: the last vocab slice is part padding
-  const ParamTable whole = gpt2_param_table(cfg);
+  ModelConfig cfg = model(5, 4, 250, 64);  // Vp 256: the last vocab slice is part padding
+  const ParamTable whole = param_table(cfg);
   for (int tp : {1, 2, 4})
     for (int pp : {1, 2, 3, 5}) {
       SCOPED_TRACE(testing::Message() << "tp " << tp << " pp " << pp);
@@ -181,7 +194,7 @@ TEST(ModelShard, TablesTileTheWholeModel) {
             EXPECT_GE(shard.end_layer - shard.first_layer, 1);
             layers = shard.end_layer;
           }
-          const ParamTable table = gpt2_param_table(cfg, shard, 16 * 3);
+          const ParamTable table = param_table(cfg, shard, 16 * 3);
           EXPECT_EQ(table.total % 48, 0);
           for (const ParamInfo& p : table.params) {
             ASSERT_LE(p.local_numel(), p.numel) << p.name;
@@ -223,11 +236,11 @@ TEST(ModelShard, TablesTileTheWholeModel) {
 // Stages balance their cost: blocks evenly when the head is cheap, fewer blocks on the last
 // stage when a large vocabulary's head weighs as much as several blocks.
 TEST(ModelShard, PipelinePartitionBalancesTheHead) {
-  GPTConfig bytes = model(8, 4, 256, 64);  // C 64, T 256: the head is 0.2 of a block
+  ModelConfig bytes = model(8, 4, 256, 64);  // C 64, T 256: the head is 0.2 of a block
   EXPECT_EQ(pipeline_partition(bytes, 2), (std::vector<int>{0, 4, 8}));
   EXPECT_EQ(pipeline_partition(bytes, 4), (std::vector<int>{0, 2, 4, 6, 8}));
   EXPECT_EQ(pipeline_partition(bytes, 8), (std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7, 8}));
-  GPTConfig ws;  // W-S: 6 blocks of C 384, T 256, GPT-2 vocab: the head weighs ~10 blocks
+  ModelConfig ws;  // W-S: 6 blocks of C 384, T 256, GPT-2 vocab: the head weighs ~10 blocks
   ws.n_layer = 6, ws.n_head = 6, ws.d_model = 384, ws.seq_len = 256, ws.vocab_size = 50257;
   EXPECT_EQ(pipeline_partition(ws, 2), (std::vector<int>{0, 5, 6}));
   EXPECT_EQ(pipeline_partition(ws, 1), (std::vector<int>{0, 6}));
@@ -235,8 +248,8 @@ TEST(ModelShard, PipelinePartitionBalancesTheHead) {
 }
 
 TEST(ModelShard, QkvSlicesTakeTheSameHeadsOfQKAndV) {
-  GPTConfig cfg = model(1, 4);  // C = 64, head size 16
-  const ParamTable table = gpt2_param_table(cfg, ModelShard::make(cfg, 1, 2, 0, 1));
+  ModelConfig cfg = model(1, 4);  // C = 64, head size 16
+  const ParamTable table = param_table(cfg, ModelShard::make(cfg, 1, 2, 0, 1));
   const ParamInfo& qkv = table.at("h.0.attn.qkv.bias");
   // Rank 1 of 2 holds heads 2 and 3: rows [32, 64) of q, of k and of v.
   EXPECT_EQ(qkv.local_shape(), std::vector<int64_t>{96});

@@ -6,8 +6,8 @@
 #include <filesystem>
 #include <fstream>
 
-#include "model/gpt.h"
 #include "model/init.h"
+#include "model/stage_executor.h"
 #include "test_util.h"
 #include "trainer/adamw.h"
 #include "trainer/checkpoint.h"
@@ -20,8 +20,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-GPTConfig tiny_model() {
-  GPTConfig c;
+ModelConfig tiny_model() {
+  ModelConfig c;
   c.vocab_size = 30;
   c.vocab_multiple = 16;
   c.seq_len = 8;
@@ -48,7 +48,7 @@ TEST(LrSchedule, WarmupThenDecayToMinLr) {
 }
 
 TEST(AdamW, WeightDecayPolicy) {
-  const ParamTable t = gpt2_param_table(tiny_model());
+  const ParamTable t = param_table(tiny_model());
   OptimConfig o;
   o.weight_decay = 0.1;
   EXPECT_FLOAT_EQ(AdamW::weight_decay(o, t.at("h.0.attn.qkv.weight")), 0.1f);
@@ -62,16 +62,16 @@ TEST(AdamW, WeightDecayPolicy) {
 
 TEST(Init, PureFunctionOfSeedAndName) {
   auto k = make_cpu_kernels();
-  GPT a(tiny_model(), *k, DType::f32, 1, 8), b(tiny_model(), *k, DType::f32, 2, 4);
+  StageExecutor a(tiny_model(), *k, DType::f32, 1, 8), b(tiny_model(), *k, DType::f32, 2, 4);
   a.init_parameters(5);
   b.init_parameters(5);
   for (const ParamInfo& p : a.table().params)
     EXPECT_EQ(a.read<float>(p, a.params()), b.read<float>(p, b.params())) << p.name;
   // A parameter's values do not depend on the model around it: the same name in a deeper
   // model gets the same numbers (what lets a later split keep its slice).
-  GPTConfig deeper = tiny_model();
+  ModelConfig deeper = tiny_model();
   deeper.n_layer = 3;
-  GPT c(deeper, *k, DType::f32, 1, 8);
+  StageExecutor c(deeper, *k, DType::f32, 1, 8);
   c.init_parameters(5);
   const ParamInfo& qkv = a.table().at("h.1.attn.qkv.weight");
   EXPECT_EQ(a.read<float>(qkv, a.params()), c.read<float>(c.table().at(qkv.name), c.params()));
@@ -105,7 +105,7 @@ using CheckpointTest = test::TempDirTest;
 
 // A consistent state: tokens = samples x seq_len (a checkpoint's attributes are checked
 // against each other on load).
-TrainState state_at(int64_t step, int64_t samples, const GPTConfig& model) {
+TrainState state_at(int64_t step, int64_t samples, const ModelConfig& model) {
   TrainState s;
   s.step = step, s.tokens = samples * model.seq_len, s.data_samples = samples;
   return s;
@@ -115,7 +115,7 @@ TEST_F(CheckpointTest, RoundTripIsBitwise) {
   auto k = make_cpu_kernels();
   Config cfg;
   cfg.model = tiny_model();
-  GPT model(cfg.model, *k, DType::f32, 1, 8);
+  StageExecutor model(cfg.model, *k, DType::f32, 1, 8);
   model.init_parameters(3);
   AdamW opt(model, cfg.optim);
   // Give the moments values: one real update.
@@ -131,7 +131,7 @@ TEST_F(CheckpointTest, RoundTripIsBitwise) {
   const std::string state = resolve_checkpoint(dir_.string());  // via run dir and `latest`
   EXPECT_EQ(state, step_dir + "/state.h5");
   EXPECT_EQ(config_to_toml(checkpoint_config(state)), config_to_toml(cfg));
-  GPT loaded(cfg.model, *k, DType::f32, 1, 8);
+  StageExecutor loaded(cfg.model, *k, DType::f32, 1, 8);
   AdamW loaded_opt(loaded, cfg.optim);
   const TrainState ts = load_checkpoint(state, loaded, &loaded_opt);
   EXPECT_EQ(ts.step, 7);
@@ -148,12 +148,12 @@ TEST_F(CheckpointTest, MismatchedModelIsAClearError) {
   auto k = make_cpu_kernels();
   Config cfg;
   cfg.model = tiny_model();
-  GPT model(cfg.model, *k, DType::f32, 1, 8);
+  StageExecutor model(cfg.model, *k, DType::f32, 1, 8);
   const std::string dir = save_checkpoint((dir_ / "checkpoints").string(), cfg, model, nullptr,
                                           state_at(1, 1, cfg.model));
-  GPTConfig other = tiny_model();
+  ModelConfig other = tiny_model();
   other.n_layer = 3;
-  GPT wrong(other, *k, DType::f32, 1, 8);
+  StageExecutor wrong(other, *k, DType::f32, 1, 8);
   try {
     load_checkpoint(dir + "/state.h5", wrong, nullptr);
     FAIL();
@@ -172,7 +172,7 @@ TEST_F(CheckpointTest, MismatchedModelIsAClearError) {
 
 TEST(Sampler, DeterministicForASeed) {
   auto k = make_cpu_kernels();
-  GPT model(tiny_model(), *k, DType::f32, 1, 8);
+  StageExecutor model(tiny_model(), *k, DType::f32, 1, 8);
   model.init_parameters(1);
   SampleOptions o{20, 1.0, 0, 9};
   auto a = sample_tokens(model, 8, {1, 2, 3}, o), b = sample_tokens(model, 8, {1, 2, 3}, o);
@@ -184,6 +184,30 @@ TEST(Sampler, DeterministicForASeed) {
   auto g = sample_tokens(model, 8, {1, 2, 3}, o);
   o.seed = 10;
   EXPECT_EQ(g, sample_tokens(model, 8, {1, 2, 3}, o));
+}
+
+// The key/value cache (the prompt once, then one token at a time; the window re-run once it
+// slides) samples what re-running the whole window for every token samples. Greedy, so that only
+// a near-tie of the arg max, which these weights do not have, could tell rounding apart.
+TEST(Sampler, TheKeyValueCacheSamplesWhatFullWindowsSample) {
+  auto k = make_cpu_kernels();
+  StageExecutor model(tiny_model(), *k, DType::f32, 1, 8);
+  model.init_parameters(1);
+  const int Vp = model.config().padded_vocab();
+  int calls_from_zero = 0;
+  std::vector<int32_t> window;  // the tokens before pos0 are those of the previous calls
+  const NextLogits full = [&](const int32_t* tokens, int n, int pos0, std::vector<float>& out) {
+    if (pos0 == 0) calls_from_zero++;
+    window.resize(pos0);
+    window.insert(window.end(), tokens, tokens + n);
+    model.forward(window.data(), nullptr, 1, int(window.size()));
+    out.resize(Vp);
+    k->copy_to_host(out.data(), model.logits() + int64_t(window.size() - 1) * Vp, Vp);
+  };
+  const SampleOptions o{12, 1.0, 1, 3};  // 3 + 12 tokens: the window of 8 slides
+  const std::vector<int32_t> want = sample_tokens(full, 30, 8, {1, 2, 3}, o);
+  EXPECT_EQ(calls_from_zero, 1 + (3 + 12 - 1) - 8);  // the prompt, then each slid window
+  EXPECT_EQ(sample_tokens(model, 8, {1, 2, 3}, o), want);
 }
 
 }  // namespace

@@ -4,18 +4,18 @@
 
 namespace trainer {
 
-std::vector<AdamW::Segment> whole_model(const GPT& model, const OptimConfig& cfg) {
+std::vector<AdamW::Segment> whole_model(const StageExecutor& model, const OptimConfig& cfg) {
   std::vector<AdamW::Segment> segments;
   for (const ParamInfo& p : model.table().params)
     segments.push_back({p.offset, p.numel, p.offset, AdamW::weight_decay(cfg, p)});
   return segments;
 }
 
-AdamW::AdamW(GPT& model, const OptimConfig& cfg)
+AdamW::AdamW(StageExecutor& model, const OptimConfig& cfg)
     : AdamW(model, cfg, whole_model(model, cfg), model.grads(), model.table().total) {}
 
-AdamW::AdamW(GPT& model, const OptimConfig& cfg, std::vector<Segment> segments, DPtr grads,
-             int64_t state_elems)
+AdamW::AdamW(StageExecutor& model, const OptimConfig& cfg, std::vector<Segment> segments,
+             DPtr grads, int64_t state_elems)
     : model_(model),
       cfg_(cfg),
       segments_(std::move(segments)),

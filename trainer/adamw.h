@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "io/config.h"
-#include "model/gpt.h"
+#include "model/stage_executor.h"
 
 namespace trainer {
 
@@ -20,9 +20,9 @@ class AdamW {
     float weight_decay;
   };
   // Every parameter of the model, gradients in model.grads().
-  AdamW(GPT& model, const OptimConfig& cfg);
+  AdamW(StageExecutor& model, const OptimConfig& cfg);
   // The given segments; grads and the moments hold state_elems elements.
-  AdamW(GPT& model, const OptimConfig& cfg, std::vector<Segment> segments, DPtr grads,
+  AdamW(StageExecutor& model, const OptimConfig& cfg, std::vector<Segment> segments, DPtr grads,
         int64_t state_elems);
   ~AdamW();
   AdamW(const AdamW&) = delete;
@@ -50,7 +50,7 @@ class AdamW {
  private:
   void round_into_model(const Segment& s, int64_t step);
 
-  GPT& model_;
+  StageExecutor& model_;
   OptimConfig cfg_;
   std::vector<Segment> segments_;
   DPtr grads_, m_, v_, master_;

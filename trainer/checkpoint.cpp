@@ -23,15 +23,31 @@ namespace fs = std::filesystem;
 namespace trainer {
 namespace {
 
-struct ModelDims {
+// The model's dimensions, stored as attributes (and covered by meta_hash) so that a checkpoint
+// of another model is recognised before any tensor is read. Version 4 added the architecture's
+// (for a version 3 checkpoint, GPT-2's values: kv heads = heads, MLP 4 C, tied head, biases).
+struct ModelDim {
   const char* name;
-  int GPTConfig::*field;
+  int64_t (*of)(const ModelConfig&);
+  int64_t lo = 1, hi = 1 << 24;  // the values a checkpoint may hold
 };
-constexpr ModelDims kDims[] = {{"vocab_size", &GPTConfig::vocab_size},
-                               {"seq_len", &GPTConfig::seq_len},
-                               {"n_layer", &GPTConfig::n_layer},
-                               {"n_head", &GPTConfig::n_head},
-                               {"d_model", &GPTConfig::d_model}};
+constexpr ModelDim kDims[] = {
+    {"vocab_size", [](const ModelConfig& m) -> int64_t { return m.vocab_size; }},
+    {"seq_len", [](const ModelConfig& m) -> int64_t { return m.seq_len; }},
+    {"n_layer", [](const ModelConfig& m) -> int64_t { return m.n_layer; }},
+    {"n_head", [](const ModelConfig& m) -> int64_t { return m.n_head; }},
+    {"d_model", [](const ModelConfig& m) -> int64_t { return m.d_model; }},
+    {"n_kv_head", [](const ModelConfig& m) -> int64_t { return m.kv_heads(); }},
+    {"ffn_hidden", [](const ModelConfig& m) -> int64_t { return m.ffn(); }},
+    {"tie_embeddings", [](const ModelConfig& m) -> int64_t { return m.tie_embeddings; }, 0, 1},
+    {"bias", [](const ModelConfig& m) -> int64_t { return m.bias; }, 0, 1}};
+constexpr size_t kDimsBefore4 = 5;
+constexpr int64_t kArchVersion = 4;
+
+struct StoredModel {
+  std::string arch = "gpt2";
+  int64_t dims[std::size(kDims)] = {};
+};
 
 // FNV-1a, 64 bits, as hex: a stored config text that does not match its hash was damaged.
 std::string text_hash(const std::string& text) {
@@ -121,14 +137,36 @@ int64_t check_version(const H5File& f, const std::string& state_file) {
 
 // Another model is not damage: it is the config that does not fit (exit 2 all the same, but
 // resume = "auto" stops there instead of passing over every checkpoint of the run).
-void check_dims(const H5File& f, const std::string& state_file, const GPTConfig& model) {
-  for (const auto& d : kDims) {
-    const int64_t saved = f.attr_int(d.name), ours = model.*d.field;
-    if (saved != ours)
-      throw ConfigError(fmt::format(
-          "{}: the checkpoint is of a model with [model] {} = {}, this run's config has {} = {}: "
-          "resume with the model it was trained with, or start a fresh run in another out_dir",
-          state_file, d.name, saved, d.name, ours));
+StoredModel stored_model(const H5File& f, int64_t version) {
+  StoredModel m;
+  const bool v4 = version >= kArchVersion;
+  for (size_t i = 0; i < (v4 ? std::size(kDims) : kDimsBefore4); i++)
+    m.dims[i] = f.attr_int(kDims[i].name);
+  if (v4) {
+    m.arch = f.attr_string("arch");
+  } else {  // GPT-2, the only architecture before version 4
+    m.dims[5] = m.dims[3];
+    m.dims[6] = 4 * m.dims[4];
+    m.dims[7] = 1;
+    m.dims[8] = 1;
+  }
+  return m;
+}
+
+void check_dims(const H5File& f, const std::string& state_file, const ModelConfig& model) {
+  const StoredModel stored = stored_model(f, check_version(f, state_file));
+  const auto mismatch = [&](const std::string& name, const std::string& saved,
+                            const std::string& ours) {
+    throw ConfigError(fmt::format(
+        "{}: the checkpoint is of a model with [model] {} = {}, this run's config has {} = {}: "
+        "resume with the model it was trained with, or start a fresh run in another out_dir",
+        state_file, name, saved, name, ours));
+  };
+  if (stored.arch != arch_name(model.arch))
+    mismatch("arch", "\"" + stored.arch + "\"", fmt::format("\"{}\"", arch_name(model.arch)));
+  for (size_t i = 0; i < std::size(kDims); i++) {
+    const int64_t saved = stored.dims[i], ours = kDims[i].of(model);
+    if (saved != ours) mismatch(kDims[i].name, std::to_string(saved), std::to_string(ours));
   }
 }
 
@@ -138,7 +176,7 @@ void check_dims(const H5File& f, const std::string& state_file, const GPTConfig&
 struct Meta {
   int64_t version = kCheckpointFormatVersion, seed = 0;
   std::string config_hash;
-  int64_t dims[std::size(kDims)] = {};
+  StoredModel model;
   TrainState state;
 };
 
@@ -154,7 +192,10 @@ std::string meta_text(const Meta& m) {
   add("data_samples", s.data_samples);
   add("data_skipped", s.data_skipped);
   add("config_hash", m.config_hash);
-  for (size_t i = 0; i < std::size(kDims); i++) add(kDims[i].name, m.dims[i]);
+  const bool v4 = m.version >= kArchVersion;
+  for (size_t i = 0; i < (v4 ? std::size(kDims) : kDimsBefore4); i++)
+    add(kDims[i].name, m.model.dims[i]);
+  if (v4) add("arch", m.model.arch);
   add("loss_scale", s.scaler.scale);
   add("loss_scale_clean_steps", s.scaler.clean_steps);
   add("loss_scale_hysteresis_left", s.scaler.hysteresis_left);
@@ -192,8 +233,12 @@ Meta read_meta(const H5File& f, const std::string& file) {
   s.step = integer("step", 0, kMax);
   s.data_samples = integer("data_samples", s.step, kMax);  // a step takes at least one sample
   s.data_skipped = integer("data_skipped", 0, s.data_samples);
-  for (size_t i = 0; i < std::size(kDims); i++) m.dims[i] = integer(kDims[i].name, 1, 1 << 24);
-  const int64_t T = m.dims[1];
+  for (size_t i = 0; i < (m.version >= kArchVersion ? std::size(kDims) : kDimsBefore4); i++)
+    integer(kDims[i].name, kDims[i].lo, kDims[i].hi);
+  m.model = stored_model(f, m.version);
+  if (m.model.arch != "gpt2" && m.model.arch != "llama")
+    bad("arch", "\"" + m.model.arch + "\"", "\"gpt2\" or \"llama\"");
+  const int64_t T = m.model.dims[1];
   s.tokens = f.attr_int("tokens");
   if (s.tokens != (s.data_samples - s.data_skipped) * T)
     bad("tokens", std::to_string(s.tokens),
@@ -285,7 +330,7 @@ std::vector<float> comm_state_of(const H5File& f, int rank) {
 
 }  // namespace
 
-void take_snapshot(const GPT& model, const AdamW* optimizer, bool writes, Snapshot& out) {
+void take_snapshot(const StageExecutor& model, const AdamW* optimizer, bool writes, Snapshot& out) {
   out.parts.clear();
   out.has_moments = optimizer != nullptr;
   if (!writes) return out.params.clear(), out.m.clear(), out.v.clear();
@@ -338,9 +383,9 @@ void take_snapshot(const GPT& model, const AdamW* optimizer, bool writes, Snapsh
   }
 }
 
-std::string write_checkpoint(const Snapshot& snap, const GPTConfig& model, Communicator* comm,
+std::string write_checkpoint(const Snapshot& snap, const ModelConfig& model, Communicator* comm,
                              const std::string& dir, int keep_last) {
-  const ParamTable full = gpt2_param_table(model);
+  const ParamTable full = param_table(model);
   const bool leader = !comm || comm->rank() == 0;
   const fs::path root(dir);
   const std::string name = step_name(snap.state.step);
@@ -379,7 +424,8 @@ std::string write_checkpoint(const Snapshot& snap, const GPTConfig& model, Commu
     f.set_attr("data_skipped", s.data_skipped);
     f.set_attr("config", snap.config_text);
     f.set_attr("config_hash", text_hash(snap.config_text));
-    for (const auto& d : kDims) f.set_attr(d.name, int64_t(model.*d.field));
+    for (const auto& d : kDims) f.set_attr(d.name, d.of(model));
+    f.set_attr("arch", std::string(arch_name(model.arch)));
     f.set_attr("loss_scale", s.scaler.scale);
     f.set_attr("loss_scale_clean_steps", s.scaler.clean_steps);
     f.set_attr("loss_scale_hysteresis_left", s.scaler.hysteresis_left);
@@ -395,8 +441,12 @@ std::string write_checkpoint(const Snapshot& snap, const GPTConfig& model, Commu
     f.set_attr("rng_seed", int64_t(snap.seed));
     if (!s.recent_losses.empty()) f.set_attr("recent_losses", s.recent_losses);
     if (!s.recent_norms.empty()) f.set_attr("recent_norms", s.recent_norms);
-    Meta meta{kCheckpointFormatVersion, int64_t(snap.seed), text_hash(snap.config_text), {}, s};
-    for (size_t i = 0; i < std::size(kDims); i++) meta.dims[i] = model.*kDims[i].field;
+    Meta meta;
+    meta.seed = int64_t(snap.seed);
+    meta.config_hash = text_hash(snap.config_text);
+    meta.state = s;
+    meta.model.arch = arch_name(model.arch);
+    for (size_t i = 0; i < std::size(kDims); i++) meta.model.dims[i] = kDims[i].of(model);
     f.set_attr("meta_hash", text_hash(meta_text(meta)));
 
     // Every rank creates every dataset, in the same order, and writes its own boxes (the same
@@ -481,7 +531,7 @@ std::string write_checkpoint(const Snapshot& snap, const GPTConfig& model, Commu
   return final_dir.string();
 }
 
-std::string save_checkpoint(const std::string& dir, const Config& cfg, const GPT& model,
+std::string save_checkpoint(const std::string& dir, const Config& cfg, const StageExecutor& model,
                             const AdamW* optimizer, const TrainState& state) {
   Snapshot snap;
   take_snapshot(model, optimizer, true, snap);
@@ -552,16 +602,16 @@ int64_t checkpoint_step(const std::string& state_file) {
   return read_meta(f, state_file).state.step;
 }
 
-void check_same_model(const std::string& state_file, const GPTConfig& model) {
+void check_same_model(const std::string& state_file, const ModelConfig& model) {
   check_dims(H5File::open_read(state_file), state_file, model);
 }
 
-void verify_checkpoint(const std::string& state_file, const GPTConfig& model) {
+void verify_checkpoint(const std::string& state_file, const ModelConfig& model) {
   H5File f = H5File::open_read(state_file);
   check_dims(f, state_file, model);
   const Meta meta = read_meta(f, state_file);
   stored_config(f, state_file);
-  for (const ParamInfo& q : gpt2_param_table(model).params) {
+  for (const ParamInfo& q : param_table(model).params) {
     std::vector<float> values(q.logical_numel());
     for (const std::string group : {"params/", "optim/m/", "optim/v/"})
       if (group == "params/" || f.exists(group + q.name))
@@ -570,7 +620,7 @@ void verify_checkpoint(const std::string& state_file, const GPTConfig& model) {
   for (int r = 0; r < meta.state.layout.world; r++) comm_state_of(f, r);
 }
 
-std::string newest_valid_checkpoint(const std::string& dir, const GPTConfig& model,
+std::string newest_valid_checkpoint(const std::string& dir, const ModelConfig& model,
                                     std::vector<std::string>& rejected) {
   std::vector<std::string> candidates = complete_checkpoints(dir);
   // `latest` moves only once a checkpoint is complete: the run's newest is the one it names.
@@ -617,8 +667,9 @@ namespace {
 
 // This rank's elements of a group of tensors ("params/", "optim/m/"), in the flat layout of its
 // parameters. Each rank reads only the boxes of its slices (the values arrive in local order).
-std::vector<float> read_local(const H5File& f, const GPT& model, const std::string& group) {
-  const ParamTable full = gpt2_param_table(model.config());
+std::vector<float> read_local(const H5File& f, const StageExecutor& model,
+                              const std::string& group) {
+  const ParamTable full = param_table(model.config());
   std::vector<float> flat(model.table().total, 0.0f);
   for (const ParamInfo& p : model.table().params) {
     std::vector<Box> boxes;
@@ -638,7 +689,7 @@ void upload_state(Kernels& k, const AdamW& optimizer, const std::vector<float>& 
 }
 
 // The weights into the model and, when it computes in 16 bits, the fp32 master.
-void load_params(const H5File& f, GPT& model, AdamW* optimizer) {
+void load_params(const H5File& f, StageExecutor& model, AdamW* optimizer) {
   const std::vector<float> params = read_local(f, model, "params/");
   model.kernels().upload_f32(model.params(), params.data(), model.table().total);
   if (optimizer && optimizer->master())
@@ -651,11 +702,11 @@ std::string shape_text(const std::vector<int64_t>& shape) {
 
 }  // namespace
 
-void check_weights(const std::string& state_file, const GPTConfig& model) {
+void check_weights(const std::string& state_file, const ModelConfig& model) {
   H5File f = H5File::open_read(state_file);
   check_version(f, state_file);
   const int64_t n_layer = f.attr_int("n_layer"), n_head = f.attr_int("n_head");
-  for (const ParamInfo& p : gpt2_param_table(model).params) {
+  for (const ParamInfo& p : param_table(model).params) {
     if (!f.exists("params/" + p.name))
       throw CheckpointError(
           fmt::format("{}: no tensor params/{}, which this model needs ({}; "
@@ -667,8 +718,12 @@ void check_weights(const std::string& state_file, const GPTConfig& model) {
                                         state_file, p.name, shape_text(shape),
                                         shape_text(p.shape)));
   }
-  // A deeper model's blocks would be silently dropped.
-  const std::string extra = "params/h." + std::to_string(model.n_layer) + ".ln1.weight";
+  // A deeper model's blocks would be silently dropped: the first parameter of block n_layer.
+  ModelConfig deeper = model;
+  deeper.n_layer++;
+  std::string extra;
+  for (const ParamInfo& p : param_table(deeper).params)
+    if (p.layer == model.n_layer && extra.empty()) extra = "params/" + p.name;
   if (f.exists(extra))
     throw CheckpointError(
         fmt::format("{}: {} has no place in this model (n_layer = {} there, {} here)", state_file,
@@ -680,13 +735,13 @@ void check_weights(const std::string& state_file, const GPTConfig& model) {
                     state_file, n_head, model.n_head));
 }
 
-void load_weights(const std::string& state_file, GPT& model, AdamW* optimizer) {
+void load_weights(const std::string& state_file, StageExecutor& model, AdamW* optimizer) {
   check_weights(state_file, model.config());
   H5File f = H5File::open_read(state_file);
   load_params(f, model, optimizer);
 }
 
-TrainState load_checkpoint(const std::string& state_file, GPT& model, AdamW* optimizer,
+TrainState load_checkpoint(const std::string& state_file, StageExecutor& model, AdamW* optimizer,
                            std::vector<float>* comm_state, int rank) {
   H5File f = H5File::open_read(state_file);
   check_dims(f, state_file, model.config());

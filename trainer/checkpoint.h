@@ -26,13 +26,13 @@
 #include "comm/communicator.h"
 #include "io/config.h"
 #include "io/errors.h"
-#include "model/gpt.h"
+#include "model/stage_executor.h"
 #include "trainer/adamw.h"
 #include "trainer/loss_scaler.h"
 
 namespace trainer {
 
-constexpr int64_t kCheckpointFormatVersion = 3;  // 3: meta_hash
+constexpr int64_t kCheckpointFormatVersion = 4;  // 3: meta_hash; 4: the architecture
 
 // Writing a checkpoint failed (a full disk, a lost file system): the run's state is intact and
 // the previous checkpoints are still valid.
@@ -81,18 +81,18 @@ struct Snapshot {
 // data-parallel replica that is not the leader, without ZeRO). What it writes: the optimizer's
 // segments of the parameters it owns (tensor-parallel replicas on tp rank 0, the tied
 // embedding on the first stage), or every owned parameter without an optimizer.
-void take_snapshot(const GPT& model, const AdamW* optimizer, bool writes, Snapshot& out);
+void take_snapshot(const StageExecutor& model, const AdamW* optimizer, bool writes, Snapshot& out);
 
 // Writes a snapshot as `<dir>/step_NNNNNNNN` and returns that directory. `comm` (null: a single
 // process) is every rank of the job: the file is written by all of them, collectively, and rank
 // 0 renames it into place, moves `latest` and deletes all but the newest `keep_last` (0: none).
 // Throws CheckpointWriteError on every rank if any rank failed; the temporary is then removed
 // and the previous checkpoints stay as they were.
-std::string write_checkpoint(const Snapshot& snapshot, const GPTConfig& model, Communicator* comm,
+std::string write_checkpoint(const Snapshot& snapshot, const ModelConfig& model, Communicator* comm,
                              const std::string& dir, int keep_last);
 
 // A single process's model and optimizer, written synchronously.
-std::string save_checkpoint(const std::string& dir, const Config& cfg, const GPT& model,
+std::string save_checkpoint(const std::string& dir, const Config& cfg, const StageExecutor& model,
                             const AdamW* optimizer, const TrainState& state);
 
 // <run.out_dir>/checkpoints unless [checkpoint] dir says otherwise.
@@ -111,33 +111,33 @@ int64_t checkpoint_step(const std::string& state_file);
 
 // A checkpoint of another model (vocab_size, seq_len, n_layer, n_head, d_model) is a
 // ConfigError naming the key and both values: the config does not fit the run it resumes.
-void check_same_model(const std::string& state_file, const GPTConfig& model);
+void check_same_model(const std::string& state_file, const ModelConfig& model);
 
 // Reads every tensor of a checkpoint (HDF5 verifies each chunk's Fletcher32 checksum) after its
 // format version, config hash and model dimensions. Throws CheckpointError naming what is wrong.
-void verify_checkpoint(const std::string& state_file, const GPTConfig& model);
+void verify_checkpoint(const std::string& state_file, const ModelConfig& model);
 
 // The state.h5 of the checkpoint to resume under dir ("" if none): the one `latest` names when
 // it verifies, else the newest older one that does (all of them when there is no `latest`).
 // Each one passed over is reported in `rejected` ("<path>: <why>"), those newer than `latest`
 // included.
-std::string newest_valid_checkpoint(const std::string& dir, const GPTConfig& model,
+std::string newest_valid_checkpoint(const std::string& dir, const ModelConfig& model,
                                     std::vector<std::string>& rejected);
 
 // A warm start ([init] from): the checkpoint's weights fit this model, tensor by tensor. Throws
 // CheckpointError naming the first tensor missing from it, of another shape or left over.
-void check_weights(const std::string& state_file, const GPTConfig& model);
+void check_weights(const std::string& state_file, const ModelConfig& model);
 // Loads only the weights of a checkpoint saved in any layout and precision into this rank's
 // shard (and the fp32 master of a 16-bit model), after check_weights; the optimizer's moments
 // stay as they are.
-void load_weights(const std::string& state_file, GPT& model, AdamW* optimizer);
+void load_weights(const std::string& state_file, StageExecutor& model, AdamW* optimizer);
 
 // Loads a checkpoint saved in any parallel layout into this rank's shard, after checking that
 // its model matches: the rank's slice of every parameter (into the fp32 master weights too,
 // when the model is 16-bit) and, with an optimizer, the Adam moments of the elements it holds.
 // With `comm_state`, rank `rank`'s compression state (empty when the checkpoint has none for
 // it). Throws CheckpointError naming the file and the mismatch.
-TrainState load_checkpoint(const std::string& state_file, GPT& model, AdamW* optimizer,
+TrainState load_checkpoint(const std::string& state_file, StageExecutor& model, AdamW* optimizer,
                            std::vector<float>* comm_state = nullptr, int rank = 0);
 
 }  // namespace trainer

@@ -14,7 +14,7 @@ namespace trainer {
 
 constexpr int kWriterNice = 10;
 
-CheckpointWriter::CheckpointWriter(const GPTConfig& model, std::unique_ptr<Communicator> comm,
+CheckpointWriter::CheckpointWriter(const ModelConfig& model, std::unique_ptr<Communicator> comm,
                                    std::string dir, int keep_last, bool threaded, double timeout_s,
                                    std::function<void(int64_t step)> on_hang)
     : model_(model),

@@ -22,7 +22,7 @@ class CheckpointWriter {
   // `comm`: every rank of the job, for the writer alone (null: a single process). `threaded`:
   // whether a writer thread may call MPI (a single process, or MPI_THREAD_MULTIPLE).
   // timeout_s (0: none) and on_hang: what ends the job when an unthreaded write hangs.
-  CheckpointWriter(const GPTConfig& model, std::unique_ptr<Communicator> comm, std::string dir,
+  CheckpointWriter(const ModelConfig& model, std::unique_ptr<Communicator> comm, std::string dir,
                    int keep_last, bool threaded, double timeout_s = 0,
                    std::function<void(int64_t step)> on_hang = nullptr);
   ~CheckpointWriter();  // waits for a write in flight
@@ -57,7 +57,7 @@ class CheckpointWriter {
  private:
   void write();
 
-  GPTConfig model_;
+  ModelConfig model_;
   std::unique_ptr<Communicator> comm_;
   std::string dir_;
   int keep_last_;

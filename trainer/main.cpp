@@ -38,7 +38,7 @@ int generate(const std::string& checkpoint, const std::string& prompt, bool prom
         "token 0 and prints token ids)",
         state, cfg.model.vocab_size));
   auto kernels = make_cpu_kernels();
-  GPT model(cfg.model, *kernels, DType::f32, 1, cfg.model.seq_len);
+  StageExecutor model(cfg.model, *kernels, DType::f32, 1, cfg.model.seq_len);
   load_checkpoint(state, model, nullptr);
   opts.tokens = tokens;
   const std::vector<int32_t> start = bytes ? byte_encode(prompt) : std::vector<int32_t>{0};

@@ -24,8 +24,8 @@ int Pipeline::slots(int stage, int stages, int micro_batches) {
   return std::max(1, std::min(stages - stage, micro_batches));
 }
 
-Pipeline::Pipeline(GPT& model, Communicator& pp, Communicator* tp, int micro_batches, int B, int T,
-                   bool time_phases)
+Pipeline::Pipeline(StageExecutor& model, Communicator& pp, Communicator* tp, int micro_batches,
+                   int B, int T, bool time_phases)
     : model_(model),
       pp_(pp),
       tp_(tp),
@@ -85,13 +85,13 @@ double Pipeline::evaluate(const int32_t* tokens, const int32_t* targets, int B, 
   return loss;
 }
 
-void Pipeline::next_logits(const int32_t* context, int T, std::vector<float>& out) {
+void Pipeline::next_logits(const int32_t* tokens, int T, int pos0, std::vector<float>& out) {
   const int64_t activation = int64_t(T) * model_.config().d_model;
   const int stage = pp_.rank(), last = pp_.size() - 1;
   const VocabSlice vocab = model_.vocab();
   out.resize(size_t(vocab.width) * (tp_ ? tp_->size() : 1));
   if (stage > 0) pp_.recv(model_.input(0), activation, stage - 1, 0);
-  model_.forward(0, context, nullptr, 1, T);
+  model_.infer(tokens, T, pos0);
   if (stage < last) pp_.send(model_.output(0), activation, stage + 1, 0);
   if (stage == last) {
     std::vector<float> mine(vocab.width);

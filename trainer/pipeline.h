@@ -7,7 +7,7 @@
 
 #include "comm/communicator.h"
 #include "io/dataset.h"
-#include "model/gpt.h"
+#include "model/stage_executor.h"
 #include "trainer/pipeline_schedule.h"
 
 namespace trainer {
@@ -25,8 +25,8 @@ class Pipeline {
   // pp: the pipeline group (stage = rank); tp: the tensor-parallel group, or null.
   // time_phases: on an asynchronous device, wait after every forward and backward so that
   // their times are the device's (a host wait per micro-batch; otherwise none in the step).
-  Pipeline(GPT& model, Communicator& pp, Communicator* tp, int micro_batches, int B, int T,
-           bool time_phases = false);
+  Pipeline(StageExecutor& model, Communicator& pp, Communicator* tp, int micro_batches, int B,
+           int T, bool time_phases = false);
 
   // One step's forwards and backwards over the micro-batches. next_batch() is called once per
   // micro-batch, in order; before_last_backward() just before this stage's last backward
@@ -37,14 +37,15 @@ class Pipeline {
 
   // Forward only: the mean loss of (tokens, targets), on every stage.
   double evaluate(const int32_t* tokens, const int32_t* targets, int B, int T);
-  // The padded-vocab logits of the token after context(T), on every rank of the pipeline and
-  // tensor-parallel groups (a sampler's input).
-  void next_logits(const int32_t* context, int T, std::vector<float>& out);
+  // The padded-vocab logits of the token after the T tokens at positions [pos0, pos0 + T), with
+  // the key/value cache of the earlier ones (StageExecutor::infer), on every rank of the
+  // pipeline and tensor-parallel groups (a sampler's input).
+  void next_logits(const int32_t* tokens, int T, int pos0, std::vector<float>& out);
 
   const std::vector<PipeAction>& actions() const { return actions_; }
 
  private:
-  GPT& model_;
+  StageExecutor& model_;
   Communicator& pp_;
   Communicator* tp_;
   int micro_batches_, B_, T_, slots_;

@@ -11,14 +11,14 @@
 
 namespace trainer {
 
-std::vector<int32_t> sample_tokens(GPT& model, int max_T, std::vector<int32_t> prompt,
+std::vector<int32_t> sample_tokens(StageExecutor& model, int max_T, std::vector<int32_t> prompt,
                                    const SampleOptions& opts) {
   if (model.dtype() != DType::f32) throw std::invalid_argument("sampling needs an f32 model");
   const int Vp = model.config().padded_vocab();
-  auto next_logits = [&](const int32_t* context, int T, std::vector<float>& logits) {
-    model.forward(context, nullptr, 1, T);
+  auto next_logits = [&](const int32_t* tokens, int n, int pos0, std::vector<float>& logits) {
+    model.infer(tokens, n, pos0);
     logits.resize(Vp);
-    model.kernels().copy_to_host(logits.data(), model.logits() + int64_t(T - 1) * Vp, Vp);
+    model.kernels().copy_to_host(logits.data(), model.logits() + int64_t(n - 1) * Vp, Vp);
   };
   return sample_tokens(next_logits, model.config().vocab_size, max_T, std::move(prompt), opts);
 }
@@ -35,10 +35,15 @@ std::vector<int32_t> sample_tokens(const NextLogits& next_logits, int V, int max
   std::vector<float> logits;
   std::vector<double> probs(V);
   std::vector<int32_t> out;
+  int cached = 0;  // positions of the prompt in the key/value cache
   for (int i = 0; i < opts.tokens; i++) {
-    const int T = std::min<int>(int(prompt.size()), max_T);
-    const int32_t* context = prompt.data() + prompt.size() - T;
-    next_logits(context, T, logits);
+    const int len = int(prompt.size());
+    if (len <= max_T) {  // the new tokens against the cache
+      next_logits(prompt.data() + cached, len - cached, cached, logits);
+      cached = len;
+    } else {  // the window slides: positions change, so it is run afresh
+      next_logits(prompt.data() + len - max_T, max_T, 0, logits);
+    }
     double mx = *std::max_element(logits.begin(), logits.begin() + V);
     double cutoff = -INFINITY;
     if (opts.top_k > 0 && opts.top_k < V) {

@@ -4,7 +4,7 @@
 #include <string>
 #include <vector>
 
-#include "model/gpt.h"
+#include "model/stage_executor.h"
 
 namespace trainer {
 
@@ -16,13 +16,17 @@ struct SampleOptions {
 };
 
 // Continues `prompt` by `opts.tokens` tokens, sampling autoregressively with the model's
-// context window (the last min(len, max_T) tokens). Deterministic in (weights, prompt, opts).
-std::vector<int32_t> sample_tokens(GPT& model, int max_T, std::vector<int32_t> prompt,
+// context window (the last min(len, max_T) tokens). The prompt is run once, then each new token
+// alone against the key/value cache; once the window is full and slides, every token re-runs
+// it. Deterministic in (weights, prompt, opts).
+std::vector<int32_t> sample_tokens(StageExecutor& model, int max_T, std::vector<int32_t> prompt,
                                    const SampleOptions& opts);
 
 // The same with the model behind a function that gives the (padded) vocabulary's logits of the
-// token after context[0, T): a pipeline of model shards, say.
-using NextLogits = std::function<void(const int32_t* context, int T, std::vector<float>& logits)>;
+// token after position pos0 + n - 1, given the n tokens at positions [pos0, pos0 + n) and the
+// key/value cache of the earlier ones (pos0 = 0 starts afresh): a pipeline of model shards, say.
+using NextLogits =
+    std::function<void(const int32_t* tokens, int n, int pos0, std::vector<float>& logits)>;
 std::vector<int32_t> sample_tokens(const NextLogits& next_logits, int vocab_size, int max_T,
                                    std::vector<int32_t> prompt, const SampleOptions& opts);
 

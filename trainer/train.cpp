@@ -24,7 +24,8 @@
 #include "io/dataset.h"
 #include "io/hdf5_file.h"
 #include "io/tokenizer.h"
-#include "model/gpt.h"
+#include "model/init.h"
+#include "model/stage_executor.h"
 #include "trainer/adamw.h"
 #include "trainer/blas_setup.h"
 #include "trainer/checkpoint.h"
@@ -173,7 +174,7 @@ struct Run {
   std::unique_ptr<Kernels> kernels;  // before the groups: NCCL communicators need the GPU
   Groups groups;
   Dataset train_data, val_data;
-  GPT model;
+  StageExecutor model;
   GradReducer reducer;
   std::vector<Span> spans;  // what this rank updates and sums into the gradient norm
   // Of the spans, those this rank counts in the global gradient norm (each element once), as
@@ -187,11 +188,11 @@ struct Run {
   CheckpointWriter writer;
   std::pair<int64_t, int> inject_inf = injected_overflow();
   std::multiset<int64_t> inject_nan = injected_nan_steps();
-  double flops_per_token;  // model FLOPs, forward and backward (gpt2_flops_per_token)
+  double flops_per_token;  // model FLOPs, forward and backward (flops_per_token)
 
-  static GPTOptions model_options(const Config& c, const RankCoords& me, const ParallelDims& dims,
-                                  Communicator* tp) {
-    GPTOptions o;
+  static StageOptions model_options(const Config& c, const RankCoords& me, const ParallelDims& dims,
+                                    Communicator* tp) {
+    StageOptions o;
     o.shard = ModelShard::make(c.model, me.tp, dims.tp(), me.pp, dims.pp());
     o.tp = tp;
     o.slots = Pipeline::slots(me.pp, dims.pp(), c.train.grad_accum);
@@ -200,7 +201,7 @@ struct Run {
     return o;
   }
 
-  static ReducerOptions reducer_options(const Config& c, const GPT& model) {
+  static ReducerOptions reducer_options(const Config& c, const StageExecutor& model) {
     ReducerOptions o;
     // bucket_mb of the gradient buffer's real elements (2 bytes each for 16-bit gradients).
     o.bucket_elems = int64_t(c.parallel.bucket_mb * (1 << 20) / dtype_size(model.grads().dtype));
@@ -283,7 +284,7 @@ struct Run {
                [&w, limit = c.faults.checkpoint_timeout_s](int64_t step) {
                  end_hung_checkpoint(w, limit, step);
                }),
-        flops_per_token(gpt2_flops_per_token(c.model)) {
+        flops_per_token(trainer::flops_per_token(c.model)) {
     // Backward reports the gradients it has finished; the reducer starts their buckets.
     model.set_grads_ready_hook(
         [this](int64_t frontier, int layers_left) { reducer.ready(frontier, layers_left); });
@@ -313,7 +314,7 @@ struct Run {
     return v;
   }
   const std::vector<NamedGroup> all_groups = traffic_groups();
-  const ParamInfo* tied_embedding = model.table().find("wte.weight");  // null: middle stage
+  const ParamInfo* tied_embedding = model.table().tied();  // null: middle stage, untied
 };
 
 // Runs the set-up on every rank. If it fails anywhere, every rank learns it, the first failing
@@ -363,8 +364,11 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   const double scale = run.scaler.scale();
   s.loss_scale = scale;
   s.data_queue = run.loader->ready_batches();
+  // Dropout's masks: a function of (seed, step, micro-batch x dp + dp rank), as the data is.
+  run.model.train_mode(mix64(uint64_t(cfg.run.seed) ^ mix64(uint64_t(step))), run.me.dp, dp);
   const double loss_sum = run.pipe.step([&]() -> const Batch& { return run.loader->next(); },
                                         float(scale / (M * dp)), [&] { run.reducer.arm(); }, times);
+  run.model.eval_mode();
   if (run.inject_inf.first == step && run.inject_inf.second == run.world.rank())
     poison_gradient(run);
   s.forward_s = times.forward_s;
@@ -372,8 +376,9 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   s.phases_timed = times.timed;
   s.data_s = run.loader->take_wait_seconds();
 
-  // The tied embedding's two copies (first and last stage) get the sum of both gradients.
-  if (run.groups.emb->size() > 1)
+  // The tied embedding's two copies (first and last stage) get the sum of both gradients
+  // (an untied model has none: its head is the last stage's own parameter).
+  if (run.tied_embedding && run.groups.emb->size() > 1)
     run.groups.emb->all_reduce(run.model.grad(*run.tied_embedding), run.tied_embedding->numel,
                                ReduceOp::sum);
   run.reducer.ready(0);
@@ -452,8 +457,8 @@ double validation_loss(Run& run) {
 std::string sample_text(Run& run, int64_t step) {
   SampleOptions opts{run.cfg.train.sample_tokens, run.cfg.train.sample_temperature,
                      run.cfg.train.sample_top_k, run.cfg.run.seed + uint64_t(step)};
-  auto next_logits = [&](const int32_t* context, int T, std::vector<float>& logits) {
-    run.pipe.next_logits(context, T, logits);
+  auto next_logits = [&](const int32_t* tokens, int n, int pos0, std::vector<float>& logits) {
+    run.pipe.next_logits(tokens, n, pos0, logits);
   };
   const int V = run.cfg.model.vocab_size;
   if (!is_byte_vocabulary(V))  // no tokenizer for it yet: token ids, from token 0
@@ -491,8 +496,7 @@ void print_start(const Run& run) {
   fmt::print(
       "model: {} layers, {} heads, d_model {}, seq_len {}, vocab {} (padded {}), {:.2f}M params\n",
       cfg.model.n_layer, cfg.model.n_head, cfg.model.d_model, cfg.model.seq_len,
-      cfg.model.vocab_size, cfg.model.padded_vocab(),
-      double(gpt2_param_table(cfg.model).total) / 1e6);
+      cfg.model.vocab_size, cfg.model.padded_vocab(), double(param_table(cfg.model).total) / 1e6);
   const int64_t tokens_per_step =
       int64_t(cfg.train.micro_batch) * cfg.model.seq_len * cfg.train.grad_accum * dims.dp();
   fmt::print(
@@ -607,14 +611,14 @@ void check_memory(const Config& cfg, World& world, Kernels& kernels, const std::
   const ParallelDims dims = Run::layout(cfg, world.size(), origin);
   const RankCoords me = dims.coords(world.rank());
   const DType dtype = compute_dtype(cfg.precision);
-  const GPTOptions o = Run::model_options(cfg, me, dims, nullptr);
-  const GPT::Memory model =
-      GPT::memory_needed(cfg.model, dtype, cfg.train.micro_batch, cfg.model.seq_len, o,
-                         kernels.attention_keeps_probabilities());
+  const StageOptions o = Run::model_options(cfg, me, dims, nullptr);
+  const StageExecutor::Memory model =
+      StageExecutor::memory_needed(cfg.model, dtype, cfg.train.micro_batch, cfg.model.seq_len, o,
+                                   kernels.attention_keeps_probabilities());
   // AdamW's fp32 moments (and fp32 master weights for 16-bit models) over the elements this
   // rank updates: all of its shard's, or its ZeRO-1 piece (plus that piece's gradients); and
   // the host copy of them a checkpoint takes.
-  const double elems = double(gpt2_param_table(cfg.model, *o.shard, o.total_multiple).total);
+  const double elems = double(param_table(cfg.model, *o.shard, o.total_multiple).total);
   const double owned = cfg.parallel.zero ? elems / dims.dp() : elems;
   const double optimizer = owned * 4 * (is_half(dtype) ? 3 : 2) +
                            (cfg.parallel.zero ? owned * dtype_size(*o.grad_dtype) : 0);

@@ -1,0 +1,252 @@
+// Llama (Touvron et al. 2023; Llama 2 and 3, Mistral, SmolLM and Qwen share the block):
+// pre-RMSNorm blocks of causal grouped-query attention with rotary position embeddings and a
+// SwiGLU MLP, no biases, no position embedding, an untied LM head by default. Parameter names
+// are Meta's (tok_embeddings, layers.N.attention.wq, ..., norm, output), so that checkpoints
+// map onto Meta's and torchtitan's state dicts one to one.
+//
+// wq, wk and wv are packed into one matrix (model/param_table.h), so QKV is one GEMM whose
+// output rows are the kernels' qkv layout (NH query heads, NKV key heads, NKV value heads); w1
+// and w3 likewise give SwiGLU's [gate | up] rows.
+//
+// Tensor parallelism (Megatron): wq, wk, wv, w1 and w3 split by output rows (each rank holds
+// whole query and key/value heads: tp divides n_kv_head, KV heads are split, never replicated),
+// wo and w2 by input columns, the embedding and the head by vocabulary rows; norms replicated.
+#include <cmath>
+#include <numbers>
+#include <string>
+#include <vector>
+
+#include "model/architectures.h"
+
+namespace trainer {
+namespace {
+
+constexpr TpSplit kRows = kSplitRows, kCols = kSplitCols;
+
+class Llama final : public ModelDefinition {
+ public:
+  Llama(const ModelConfig& cfg, const ModelShard& shard, int64_t total_multiple)
+      : ModelDefinition(cfg, shard, llama_param_table(cfg, shard, total_multiple)),
+        C_(cfg.d_model),
+        hs_(cfg.head_size()),
+        NHl_(cfg.n_head / shard.tp_size),
+        NKVl_(cfg.kv_heads() / shard.tp_size),
+        Fl_(cfg.ffn() / shard.tp_size),
+        eps_(float(cfg.norm_eps)) {
+    Cl_ = NHl_ * hs_;
+    QKVl_ = (NHl_ + 2 * NKVl_) * hs_;
+    tok_ = table_.find("tok_embeddings.weight");
+    norm_ = table_.find("norm.weight");
+    head_ = cfg.tie_embeddings ? tok_ : table_.find("output.weight");
+    auto at = [&](const std::string& name) { return &table_.at(name); };
+    for (int l = shard.first_layer; l < shard.end_layer; l++) {
+      const std::string p = "layers." + std::to_string(l) + ".";
+      blocks_.push_back({at(p + "attention_norm.weight"), at(p + "attention.wq.weight"),
+                         at(p + "attention.wo.weight"), at(p + "ffn_norm.weight"),
+                         at(p + "feed_forward.w1.weight"), at(p + "feed_forward.w2.weight")});
+    }
+  }
+
+  enum Act { attn_norm, attn_rstd, qkv, att, atty, res2, ffn_norm, ffn_rstd, gate_up, swi };
+  std::vector<ActSpec> layer_activations(int64_t B, int64_t T, bool keeps_probs) const override {
+    const int64_t BT = B * T;
+    return {{BT * C_},      {BT, true},
+            {BT * QKVl_},   keeps_probs ? ActSpec{B * NHl_ * T * T} : ActSpec{B * NHl_ * T, true},
+            {BT * Cl_},     {BT * C_},
+            {BT * C_},      {BT, true},
+            {BT * 2 * Fl_}, {BT * Fl_}};
+  }
+  enum HeadAct { final_norm, final_rstd };
+  std::vector<ActSpec> head_activations(int64_t B, int64_t T) const override {
+    return {{B * T * C_}, {B * T, true}};
+  }
+  enum Scratch { d_norm, d_qkv, d_att, d_atty, d_gate_up, d_swi };
+  std::vector<ActSpec> backward_scratch(int64_t B, int64_t T, bool keeps_probs) const override {
+    const int64_t BT = B * T;
+    return {{BT * C_},  {BT * QKVl_},   {keeps_probs ? B * NHl_ * T * T : 0},
+            {BT * Cl_}, {BT * 2 * Fl_}, {BT * Fl_}};
+  }
+
+  // The rotary table: cos and sin of every position x frequency, fp32, on the backend.
+  void prepare(Kernels& k, int max_T) override {
+    const std::vector<float> table = rope_table(cfg_, max_T);
+    rope_ = k.alloc(int64_t(table.size()), DType::f32);
+    k.copy_from_host(rope_, table.data(), int64_t(table.size()));
+  }
+  void release(Kernels& k) override {
+    if (rope_) k.free(rope_);
+    rope_ = {};
+  }
+
+  void embed_forward(const LayerCall& c, DPtr x, const int32_t* tokens) const override {
+    c.k.encoder_forward(x, tokens, P(c, tok_), DPtr{}, c.B, c.T, C_, vocab_);
+    c.tp.reduce_forward(x, int64_t(c.B) * c.T * C_);
+  }
+  void embed_backward(const LayerCall& c, DPtr dx, const int32_t* tokens) const override {
+    c.tp.reduce_backward(dx, int64_t(c.B) * c.T * C_);
+    c.k.encoder_backward(G(c, tok_), DPtr{}, dx, tokens, c.B, c.T, C_, vocab_);
+  }
+
+  void layer_forward(const LayerCall& c, int l, DPtr x, DPtr out) const override {
+    const Block& w = blocks_[l - shard_.first_layer];
+    const DPtr* a = c.acts;
+    const int64_t BT = int64_t(c.B) * c.T;
+    Kernels& k = c.k;
+    // In inference the new tokens' q, k, v go to their positions in the cache.
+    const DPtr qkv_rows = c.inference ? a[qkv] + int64_t(c.pos0) * QKVl_ : a[qkv];
+    k.rmsnorm_forward(a[attn_norm], a[attn_rstd], x, P(c, w.attn_norm), BT, C_, eps_);
+    c.tp.copy_forward(a[attn_norm], BT * C_);
+    k.matmul_forward(qkv_rows, a[attn_norm], P(c, w.wqkv), DPtr{}, BT, C_, QKVl_);
+    k.rope_forward(qkv_rows, rope_, c.B, c.T, NHl_, NKVl_, hs_, c.pos0);
+    attention(c, a[atty], a[att], a[qkv], Cl_, NHl_, NKVl_);
+    k.matmul_forward(a[res2], a[atty], P(c, w.wo), DPtr{}, BT, Cl_, C_);
+    c.tp.reduce_forward(a[res2], BT * C_);
+    k.residual_rmsnorm_forward(a[res2], a[ffn_norm], a[ffn_rstd], a[res2], x, P(c, w.ffn_norm), BT,
+                               C_, eps_);
+    c.tp.copy_forward(a[ffn_norm], BT * C_);
+    k.matmul_forward(a[gate_up], a[ffn_norm], P(c, w.w13), DPtr{}, BT, C_, 2 * Fl_);
+    k.swiglu_forward(a[swi], a[gate_up], BT, Fl_);
+    k.matmul_forward(out, a[swi], P(c, w.w2), DPtr{}, BT, Fl_, C_);
+    c.tp.reduce_forward(out, BT * C_);
+    k.residual_forward(out, out, a[res2], BT * C_);
+  }
+
+  void layer_backward(const LayerCall& c, int l, DPtr x, DPtr d_res) const override {
+    const Block& w = blocks_[l - shard_.first_layer];
+    const DPtr *a = c.acts, *s = c.scratch;
+    const int64_t BT = int64_t(c.B) * c.T;
+    Kernels& k = c.k;
+    // out = res2 + w2(swiglu(w13(ffn_norm(res2)))): d_res is the gradient w.r.t. out and res2.
+    c.tp.reduce_backward(d_res, BT * C_);
+    k.matmul_backward(s[d_swi], G(c, w.w2), DPtr{}, d_res, a[swi], P(c, w.w2), BT, Fl_, C_);
+    c.tick();
+    k.swiglu_backward(s[d_gate_up], s[d_swi], a[gate_up], BT, Fl_);
+    k.matmul_backward(s[d_norm], G(c, w.w13), DPtr{}, s[d_gate_up], a[ffn_norm], P(c, w.w13), BT,
+                      C_, 2 * Fl_);
+    c.tp.copy_backward(s[d_norm], BT * C_);
+    c.tick();
+    k.rmsnorm_backward(d_res, G(c, w.ffn_norm), s[d_norm], a[res2], P(c, w.ffn_norm), a[ffn_rstd],
+                       BT, C_);
+    // res2 = x + wo(attention(rope(wqkv(attention_norm(x))))).
+    c.tp.reduce_backward(d_res, BT * C_);
+    k.matmul_backward(s[d_atty], G(c, w.wo), DPtr{}, d_res, a[atty], P(c, w.wo), BT, Cl_, C_);
+    c.tick();
+    k.attention_backward(s[d_qkv], s[d_att], s[d_atty], a[qkv], a[atty], a[att], c.B, c.T, Cl_,
+                         NHl_, NKVl_);
+    c.tick();
+    // The gradient of the rotated q and k, rotated back (qkv holds them rotated).
+    k.rope_backward(s[d_qkv], rope_, c.B, c.T, NHl_, NKVl_, hs_, 0);
+    k.matmul_backward(s[d_norm], G(c, w.wqkv), DPtr{}, s[d_qkv], a[attn_norm], P(c, w.wqkv), BT, C_,
+                      QKVl_);
+    c.tp.copy_backward(s[d_norm], BT * C_);
+    k.rmsnorm_backward(d_res, G(c, w.attn_norm), s[d_norm], x, P(c, w.attn_norm), a[attn_rstd], BT,
+                       C_);
+  }
+
+  void head_forward(const LayerCall& c, DPtr x, DPtr logits) const override {
+    const DPtr* h = c.acts;
+    c.k.rmsnorm_forward(h[final_norm], h[final_rstd], x, P(c, norm_), int64_t(c.B) * c.T, C_, eps_);
+    lm_head_forward(c, head_, h[final_norm], logits);
+  }
+  void head_backward(const LayerCall& c, DPtr x, DPtr dlogits, DPtr dx) const override {
+    const DPtr *h = c.acts, *s = c.scratch;
+    const int64_t BT = int64_t(c.B) * c.T;
+    lm_head_backward(c, head_, h[final_norm], dlogits, s[d_norm]);
+    c.k.zero(dx, BT * C_);
+    c.k.rmsnorm_backward(dx, G(c, norm_), s[d_norm], x, P(c, norm_), h[final_rstd], BT, C_);
+  }
+
+ private:
+  struct Block {
+    const ParamInfo *attn_norm, *wqkv, *wo, *ffn_norm, *w13, *w2;  // wqkv: wq, packed with wk, wv
+  };
+
+  int C_, hs_, NHl_, NKVl_, Fl_;  // this rank's heads and MLP width
+  int Cl_ = 0, QKVl_ = 0;         // this rank's query width and qkv row width
+  float eps_;
+  std::vector<Block> blocks_;  // this stage's, by local index
+  const ParamInfo *tok_ = nullptr, *norm_ = nullptr, *head_ = nullptr;
+  DPtr rope_;
+};
+
+}  // namespace
+
+std::vector<double> rope_frequencies(const ModelConfig& cfg) {
+  const int half = cfg.head_size() / 2;
+  const RopeScaling& s = cfg.rope_scaling;
+  std::vector<double> freqs(half);
+  for (int i = 0; i < half; i++) {
+    double f = 1.0 / std::pow(cfg.rope_theta, 2.0 * i / cfg.head_size());
+    if (s.factor > 0) {
+      // Llama 3.1: long wavelengths slowed down by `factor`, short ones kept, a smooth blend
+      // in between.
+      const double wavelen = 2 * std::numbers::pi / f;
+      const double low_wavelen = s.original_max_pos / s.low_freq_factor;
+      const double high_wavelen = s.original_max_pos / s.high_freq_factor;
+      if (wavelen > low_wavelen) {
+        f /= s.factor;
+      } else if (wavelen >= high_wavelen) {
+        const double smooth = (s.original_max_pos / wavelen - s.low_freq_factor) /
+                              (s.high_freq_factor - s.low_freq_factor);
+        f = (1 - smooth) * f / s.factor + smooth * f;
+      }
+    }
+    freqs[i] = f;
+  }
+  return freqs;
+}
+
+std::vector<float> rope_table(const ModelConfig& cfg, int positions) {
+  const std::vector<double> freqs = rope_frequencies(cfg);
+  const size_t half = freqs.size();
+  std::vector<float> table(size_t(positions) * half * 2);
+  for (int t = 0; t < positions; t++)
+    for (size_t i = 0; i < half; i++) {
+      const double angle = t * freqs[i];
+      table[(t * half + i) * 2] = float(std::cos(angle));
+      table[(t * half + i) * 2 + 1] = float(std::sin(angle));
+    }
+  return table;
+}
+
+ParamTable llama_param_table(const ModelConfig& cfg, const ModelShard& shard,
+                             int64_t total_multiple) {
+  const int64_t C = cfg.d_model, V = cfg.vocab_size, Vp = cfg.padded_vocab(), F = cfg.ffn();
+  const int64_t kv = int64_t(cfg.kv_heads()) * cfg.head_size();
+  const float std_in = float(cfg.init_std);
+  // torchtitan: an untied embedding ~ N(0, 1) (RMSNorm follows it); the untied head
+  // ~ N(0, C^-1/2); matrices that write into the residual stream (wo, w2) and w3 scaled down
+  // with depth, init_std / sqrt(2 (l + 1)). (torchtitan truncates its normals at 3 sigma; these
+  // are not truncated.)
+  const float std_embed = cfg.tie_embeddings ? std_in : 1.0f;
+  const float std_head = float(1.0 / std::sqrt(double(C)));
+  ParamTableBuilder b(shard);
+  const TpSplit vocab_rows{0, 1, Vp};
+  add_token_embedding(b, cfg, shard, "tok_embeddings.weight", std_embed);
+  for (int l = shard.first_layer; l < shard.end_layer; l++) {
+    const std::string p = "layers." + std::to_string(l) + ".";
+    const float std_depth = std_in / std::sqrt(2.0f * float(l + 1));
+    b.add(p + "attention_norm.weight", {C}, ParamKind::norm, l, 0);
+    b.add(p + "attention.wq.weight", {C, C}, ParamKind::matrix, l, std_in, kRows);
+    b.add(p + "attention.wk.weight", {kv, C}, ParamKind::matrix, l, std_in, kRows, true);
+    b.add(p + "attention.wv.weight", {kv, C}, ParamKind::matrix, l, std_in, kRows, true);
+    b.add(p + "attention.wo.weight", {C, C}, ParamKind::matrix, l, std_depth, kCols);
+    b.add(p + "ffn_norm.weight", {C}, ParamKind::norm, l, 0);
+    b.add(p + "feed_forward.w1.weight", {F, C}, ParamKind::matrix, l, std_in, kRows);
+    b.add(p + "feed_forward.w3.weight", {F, C}, ParamKind::matrix, l, std_depth, kRows, true);
+    b.add(p + "feed_forward.w2.weight", {C, F}, ParamKind::matrix, l, std_depth, kCols);
+  }
+  if (shard.last_stage()) {
+    b.add("norm.weight", {C}, ParamKind::norm, -1, 0);
+    if (!cfg.tie_embeddings)
+      b.add("output.weight", {V, C}, ParamKind::matrix, -1, std_head, vocab_rows);
+  }
+  return b.finish(total_multiple);
+}
+
+std::unique_ptr<ModelDefinition> make_llama(const ModelConfig& cfg, const ModelShard& shard,
+                                            int64_t total_multiple) {
+  return std::make_unique<Llama>(cfg, shard, total_multiple);
+}
+
+}  // namespace trainer

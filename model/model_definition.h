@@ -1,0 +1,150 @@
+#pragma once
+// A model definition: one architecture (GPT-2, Llama) on one shard. It describes its parameters
+// (logical names, full shapes, the tensor-parallel split of each: the parameter table) and
+// supplies the forward and backward of its embedding, its blocks and its head over the kernel
+// interface, and nothing else: the stage executor (model/stage_executor.h) owns the layer loop,
+// the activation memory of every micro-batch in flight, the loss and the hooks around each layer.
+// Tensor-parallel communication goes through the conjugate pairs of model/tensor_parallel.h.
+//
+// Shapes below: B sequences of T tokens, C = d_model; a layer's input and output are the
+// residual stream, (B, T, C) and replicated over the tensor-parallel group.
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels/kernels.h"
+#include "model/model_config.h"
+#include "model/param_table.h"
+#include "model/tensor_parallel.h"
+
+namespace trainer {
+
+// One activation a definition keeps (or scratch it uses), in elements. Per-row statistics (norm
+// statistics, attention's log-sum-exps) are kept in fp32 when activations are 16-bit.
+struct ActSpec {
+  int64_t elems = 0;
+  bool stats = false;
+};
+
+// What one call of a definition sees.
+struct LayerCall {
+  Kernels& k;
+  const TensorParallel& tp;
+  DPtr params, grads;  // the shard's flat buffers (parameter table offsets)
+  int B = 0, T = 0;
+  // Inference with a key/value cache (one sequence): the T tokens are at positions
+  // [pos0, pos0 + T), and every earlier position's keys and values are in the layers' attention
+  // activations from earlier calls. Nothing is kept for a backward.
+  bool inference = false;
+  int pos0 = 0;
+  // Dropout of this micro-batch (training forwards and their backwards only; 0 otherwise): the
+  // probability, and the key its masks are a function of (with each site's number).
+  float dropout = 0;
+  uint64_t dropout_key = 0;
+  const DPtr* acts = nullptr;     // the layer's (or the head's) activations, in declared order
+  const DPtr* scratch = nullptr;  // backward scratch shared by all layers, in declared order
+  // Backward calls it between kernels, so that collectives already in flight (the data-parallel
+  // reducer's buckets) make progress while backward goes on.
+  const std::function<void()>* progress = nullptr;
+  void tick() const {
+    if (progress && *progress) (*progress)();
+  }
+};
+
+class ModelDefinition {
+ public:
+  ModelDefinition(const ModelConfig& cfg, const ModelShard& shard, ParamTable table);
+  virtual ~ModelDefinition() = default;
+  ModelDefinition(const ModelDefinition&) = delete;
+  ModelDefinition& operator=(const ModelDefinition&) = delete;
+
+  const ModelConfig& config() const { return cfg_; }
+  const ModelShard& shard() const { return shard_; }
+  const ParamTable& table() const { return table_; }
+  VocabSlice vocab() const { return vocab_; }  // the vocabulary rows this rank holds
+
+  // --- the plan, from shapes alone (keeps_probs: Kernels::attention_keeps_probabilities()) ----
+  // What one block keeps from its forward for its backward (its output aside: the executor's).
+  virtual std::vector<ActSpec> layer_activations(int64_t B, int64_t T, bool keeps_probs) const = 0;
+  // The same for the head (the final norm's output and statistics; the logits are the
+  // executor's).
+  virtual std::vector<ActSpec> head_activations(int64_t B, int64_t T) const = 0;
+  // Backward's working memory, shared by the layers and the head (the residual stream's
+  // gradient aside: the executor's).
+  virtual std::vector<ActSpec> backward_scratch(int64_t B, int64_t T, bool keeps_probs) const = 0;
+
+  // Constant tables (RoPE's angles), made once per backend and freed with it.
+  virtual void prepare(Kernels&, int /*max_T*/) {}
+  virtual void release(Kernels&) {}
+
+  // --- compute ---------------------------------------------------------------------------------
+  // x = the embedding of tokens (B, T) (first stage).
+  virtual void embed_forward(const LayerCall& c, DPtr x, const int32_t* tokens) const = 0;
+  // Accumulates the embedding's gradients from dx.
+  virtual void embed_backward(const LayerCall& c, DPtr dx, const int32_t* tokens) const = 0;
+  // out = block l (its global index) applied to x.
+  virtual void layer_forward(const LayerCall& c, int l, DPtr x, DPtr out) const = 0;
+  // d holds the gradient of the block's output and is replaced by that of its input x;
+  // parameter gradients accumulate.
+  virtual void layer_backward(const LayerCall& c, int l, DPtr x, DPtr d) const = 0;
+  // logits (B, T, vocab().width) from the last block's output x: the final norm and the LM head
+  // (last stage).
+  virtual void head_forward(const LayerCall& c, DPtr x, DPtr logits) const = 0;
+  // dx = the gradient of x, from dlogits; parameter gradients accumulate.
+  virtual void head_backward(const LayerCall& c, DPtr x, DPtr dlogits, DPtr dx) const = 0;
+
+ protected:
+  DPtr P(const LayerCall& c, const ParamInfo* p) const { return p ? c.params + p->offset : DPtr{}; }
+  DPtr G(const LayerCall& c, const ParamInfo* p) const { return p ? c.grads + p->offset : DPtr{}; }
+  // Causal self-attention of a block, for training or (c.inference) over the key/value cache
+  // that `qkv`, the layer's full-length activation, holds: the new tokens' q, k and v are
+  // expected at rows [pos0, pos0 + T) then.
+  static void attention(const LayerCall& c, DPtr out, DPtr att, DPtr qkv, int C, int NH, int NKV);
+  // The vocab-parallel LM head w (this rank's vocabulary rows; the token embedding when tied):
+  // logits(BT, vocab().width) = x @ w^T, x (the final norm's output) entering the tensor-parallel
+  // region. Backward: d_x = the gradient of x; w's gradient accumulates.
+  void lm_head_forward(const LayerCall& c, const ParamInfo* w, DPtr x, DPtr logits) const;
+  void lm_head_backward(const LayerCall& c, const ParamInfo* w, DPtr x, DPtr dlogits,
+                        DPtr d_x) const;
+  // x(n) through dropout at `site` (a number unique within the model): counter-based, so the
+  // backward applies the same call to the gradient. Nothing when c.dropout is 0.
+  static void dropout(const LayerCall& c, DPtr x, int64_t n, uint64_t site);
+
+  ModelConfig cfg_;
+  ModelShard shard_;
+  ParamTable table_;
+  VocabSlice vocab_;
+};
+
+// Adds the token embedding (V, C), split by vocabulary rows, to a table: on the first stage, and
+// with a tied head on the last stage too (the copy).
+void add_token_embedding(ParamTableBuilder& b, const ModelConfig& cfg, const ModelShard& shard,
+                         const std::string& name, float init_std);
+
+// The definition of cfg.arch on one shard; the table's flat length is padded to a multiple of
+// total_multiple elements (16 for aligned views, 16 x dp for even ZeRO shards).
+std::unique_ptr<ModelDefinition> make_model_definition(const ModelConfig& cfg,
+                                                       const ModelShard& shard,
+                                                       int64_t total_multiple = 16);
+
+// The parameter table of cfg.arch on one shard (the whole model by default), in forward order.
+ParamTable param_table(const ModelConfig& cfg, const ModelShard& shard,
+                       int64_t total_multiple = 16);
+inline ParamTable param_table(const ModelConfig& cfg) {
+  return param_table(cfg, ModelShard::whole(cfg));
+}
+
+// The weights that take part in matrix multiplies (the blocks' matrices and the LM head, its
+// vocab unpadded): 2 FLOPs each per token forward, 4 backward.
+int64_t matmul_params(const ModelConfig& cfg);
+
+// Model FLOPs per token trained (forward and backward), the MFU numerator: 6 per matmul weight
+// and 6 L C T for causal attention (QK^T and AV over the lower triangle; PaLM and nanoGPT count
+// the full square, 12 L C T, which no causal kernel executes). Every FLOP counted here is
+// executed by a matmul or attention call, which is what bounds MFU by 100% on the CPU
+// (kernels/flop_meter.h).
+double flops_per_token(const ModelConfig& cfg);
+
+}  // namespace trainer

@@ -1,0 +1,353 @@
+#include "model/stage_executor.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "model/init.h"
+
+namespace trainer {
+
+namespace {
+
+int64_t round16(int64_t elems) {  // 64-byte aligned f32
+  return (elems + 15) / 16 * 16;
+}
+
+struct Loc {
+  bool stats = false;
+  int64_t offset = 0;
+};
+
+}  // namespace
+
+struct StageExecutor::Plan {
+  struct Slot {
+    Loc input, logits, losses, rowmax, sumexp;
+    std::vector<Loc> outputs;
+    std::vector<std::vector<Loc>> layers;
+    std::vector<Loc> head;
+  };
+  int64_t acts = 0, stats = 0;  // elements of each slab
+  std::vector<Slot> slots;
+  Loc d_res;
+  std::vector<Loc> scratch;
+
+  Loc take(int64_t elems, bool in_stats = false) {
+    int64_t& cursor = in_stats ? stats : acts;
+    const Loc at{in_stats, cursor};
+    cursor += round16(elems);
+    return at;
+  }
+  std::vector<Loc> take(const std::vector<ActSpec>& specs) {
+    std::vector<Loc> locs;
+    for (const ActSpec& s : specs) locs.push_back(take(s.elems, s.stats));
+    return locs;
+  }
+};
+
+StageExecutor::Plan StageExecutor::plan(const ModelDefinition& def, int max_B, int max_T, int slots,
+                                        bool keeps_probs) {
+  const ModelShard& shard = def.shard();
+  const int64_t BT = int64_t(max_B) * max_T, C = def.config().d_model;
+  const std::vector<ActSpec> layer = def.layer_activations(max_B, max_T, keeps_probs);
+  Plan p;
+  for (int s = 0; s < slots; s++) {
+    Plan::Slot slot;
+    slot.input = p.take(BT * C);
+    for (int l = shard.first_layer; l < shard.end_layer; l++) {
+      slot.outputs.push_back(p.take(BT * C));
+      slot.layers.push_back(p.take(layer));
+    }
+    if (shard.last_stage()) {
+      slot.head = p.take(def.head_activations(max_B, max_T));
+      slot.logits = p.take(BT * def.vocab().width);
+      slot.losses = p.take(BT, true);
+      slot.rowmax = p.take(BT, true);
+      slot.sumexp = p.take(2 * BT, true);
+    }
+    p.slots.push_back(std::move(slot));
+  }
+  // Backward scratch, shared by the slots.
+  p.d_res = p.take(BT * C);
+  p.scratch = p.take(def.backward_scratch(max_B, max_T, keeps_probs));
+  return p;
+}
+
+StageExecutor::Memory StageExecutor::memory_needed(const ModelConfig& cfg, DType dtype, int max_B,
+                                                   int max_T, const StageOptions& o,
+                                                   bool keeps_probs) {
+  const ModelShard shard = o.shard ? *o.shard : ModelShard::whole(cfg);
+  const auto def = make_model_definition(cfg, shard, o.total_multiple);
+  const int64_t total = def->table().total;
+  const Plan p = plan(*def, max_B, max_T, o.slots, keeps_probs);
+  const int64_t stats_bytes = dtype_size(is_half(dtype) ? DType::f32 : dtype);
+  return {total * int64_t(dtype_size(dtype)),
+          total * int64_t(dtype_size(o.grad_dtype ? *o.grad_dtype : dtype)),
+          p.acts * int64_t(dtype_size(dtype)), p.stats * stats_bytes};
+}
+
+StageExecutor::StageExecutor(const ModelConfig& cfg, Kernels& kernels, DType dtype, int max_B,
+                             int max_T, const StageOptions& o)
+    : def_(make_model_definition(cfg, o.shard ? *o.shard : ModelShard::whole(cfg),
+                                 o.total_multiple)),
+      k_(kernels),
+      dtype_(dtype),
+      grad_dtype_(o.grad_dtype ? *o.grad_dtype : dtype),
+      stats_dtype_(is_half(dtype) ? DType::f32 : dtype),
+      keeps_probs_(kernels.attention_keeps_probabilities()),
+      slots_(o.slots),
+      layers_(def_->shard().end_layer - def_->shard().first_layer),
+      max_B_(max_B),
+      max_T_(max_T) {
+  if (max_T > cfg.seq_len) throw std::invalid_argument("max_T exceeds seq_len");
+  if ((o.tp ? o.tp->size() : 1) != shard().tp_size)
+    throw std::invalid_argument("the tp communicator does not match the shard");
+  if (Communicator* tp = o.tp)
+    tp_ = TensorParallel(tp->rank(), tp->size(), [tp](DPtr buf, int64_t n, bool max) {
+      tp->all_reduce(buf, n, max ? ReduceOp::max : ReduceOp::sum);
+    });
+  params_ = k_.alloc(table().total, dtype);
+  grads_ = k_.alloc(table().total, grad_dtype_);
+  const Plan p = plan(*def_, max_B, max_T, slots_, keeps_probs_);
+  acts_ = k_.alloc(p.acts, dtype);
+  stats_ = k_.alloc(p.stats, stats_dtype_);
+  auto at = [&](Loc l) { return (l.stats ? stats_ : acts_) + l.offset; };
+  auto all = [&](const std::vector<Loc>& locs) {
+    std::vector<DPtr> v;
+    for (Loc l : locs) v.push_back(at(l));
+    return v;
+  };
+  for (const Plan::Slot& s : p.slots) {
+    std::vector<std::vector<DPtr>> layers;
+    for (const auto& layer : s.layers) layers.push_back(all(layer));
+    SlotViews v{at(s.input),  at(s.logits),   at(s.losses),      at(s.rowmax),
+                at(s.sumexp), all(s.outputs), std::move(layers), all(s.head)};
+    views_.push_back(std::move(v));
+  }
+  d_res_ = at(p.d_res);
+  scratch_ = all(p.scratch);
+  def_->prepare(k_, max_T);
+  // What the gradient-ready hook reports: after a layer's backward, everything from its first
+  // parameter on is final; after the head's, everything after the last block (the final norm
+  // and an untied head; a tied embedding copy, ahead of the blocks, is final only at the end).
+  for (int l = shard().first_layer; l < shard().end_layer; l++)
+    layer_frontier_.push_back(table().layer_offset(l));
+  head_frontier_ = table().total;
+  const int64_t blocks_end = layers_ > 0 ? layer_frontier_.back() : -1;
+  for (const ParamInfo& p : table().params)
+    if (p.layer < 0 && p.offset > blocks_end) head_frontier_ = std::min(head_frontier_, p.offset);
+  have_probs_.assign(slots_, 0);
+  dropout_keys_.assign(slots_, 0);
+  tokens_.assign(slots_, std::vector<int32_t>(size_t(max_B) * max_T));
+  targets_.assign(slots_, std::vector<int32_t>(size_t(max_B) * max_T));
+}
+
+StageExecutor::~StageExecutor() {
+  def_->release(k_);
+  k_.free(params_);
+  k_.free(grads_);
+  k_.free(acts_);
+  k_.free(stats_);
+}
+
+void StageExecutor::init_parameters(uint64_t seed, DPtr into) {
+  for (const auto& p : table().params) {
+    std::vector<double> values(p.local_numel());
+    const uint64_t stream = hash_name(p.name);
+    if (p.kind == ParamKind::norm) {
+      std::fill(values.begin(), values.end(), 1.0);
+    } else if (p.kind != ParamKind::bias) {
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < int64_t(values.size()); i++)
+        values[i] = p.init_std * normal_at(seed, stream, p.logical_index(i));
+    }
+    write(p, into, values);
+  }
+}
+
+// Host values in H to and from a buffer of any dtype, through a temporary in H's dtype.
+template <class H>
+std::vector<H> StageExecutor::read(const ParamInfo& p, DPtr buffer) const {
+  const int64_t n = p.local_numel();
+  std::vector<H> out(n);
+  if (buffer.dtype == dtype_of<H>()) {
+    k_.copy_to_host(out.data(), buffer + p.offset, n);
+    return out;
+  }
+  DPtr tmp = k_.alloc(n, dtype_of<H>());
+  k_.convert(tmp, buffer + p.offset, n, 0);
+  k_.copy_to_host(out.data(), tmp, n);
+  k_.free(tmp);
+  return out;
+}
+
+template <class H>
+void StageExecutor::write(const ParamInfo& p, DPtr buffer, const std::vector<H>& values) {
+  const int64_t n = p.local_numel();
+  if (int64_t(values.size()) != n) throw std::invalid_argument("size mismatch for " + p.name);
+  if (buffer.dtype == dtype_of<H>()) {
+    k_.copy_from_host(buffer + p.offset, values.data(), n);
+    return;
+  }
+  DPtr tmp = k_.alloc(n, dtype_of<H>());
+  k_.copy_from_host(tmp, values.data(), n);
+  k_.convert(buffer + p.offset, tmp, n, 0);
+  k_.free(tmp);
+}
+
+template std::vector<float> StageExecutor::read<float>(const ParamInfo&, DPtr) const;
+template std::vector<double> StageExecutor::read<double>(const ParamInfo&, DPtr) const;
+template void StageExecutor::write<float>(const ParamInfo&, DPtr, const std::vector<float>&);
+template void StageExecutor::write<double>(const ParamInfo&, DPtr, const std::vector<double>&);
+
+DPtr StageExecutor::input(int slot) const {
+  return views_.at(slot).input;
+}
+DPtr StageExecutor::output(int slot) const {
+  const SlotViews& v = views_.at(slot);
+  return layers_ > 0 ? v.outputs.back() : v.input;
+}
+DPtr StageExecutor::grad_io() const {
+  return d_res_;
+}
+DPtr StageExecutor::logits(int slot) const {
+  return views_.at(slot).logits;
+}
+DPtr StageExecutor::losses(int slot) const {
+  return views_.at(slot).losses;
+}
+
+void StageExecutor::zero_grad() {
+  k_.zero(grads_, table().total);
+}
+
+void StageExecutor::train_mode(uint64_t step_key, int first, int stride) {
+  training_ = true;
+  step_key_ = step_key;
+  next_micro_ = first;
+  micro_stride_ = stride;
+}
+
+LayerCall StageExecutor::call(int slot, int B, int T, const DPtr* acts) const {
+  LayerCall c{k_, tp_, params_, grads_, B, T};
+  c.inference = inference_;
+  c.pos0 = pos0_;
+  c.dropout_key = dropout_keys_[slot];
+  c.dropout = c.dropout_key ? float(config().dropout) : 0.0f;
+  c.acts = acts;
+  c.scratch = scratch_.data();
+  return c;
+}
+
+// Vocab-parallel softmax + cross-entropy: only the per-row max, exp-sum and target logit cross
+// the tensor-parallel group, never the logits.
+double StageExecutor::cross_entropy(int slot, int64_t BT) {
+  const SlotViews& s = views_[slot];
+  const int32_t* targets = targets_[slot].data();
+  const VocabSlice vocab = def_->vocab();
+  // The target logits right after the BT sums, so that one all-reduce carries both.
+  const DPtr target_logit = s.sumexp + BT;
+  k_.crossentropy_max(s.rowmax, s.logits, BT, vocab);
+  tp_.row_max(s.rowmax, BT);
+  k_.crossentropy_sumexp(s.sumexp, target_logit, s.logits, s.rowmax, targets, BT, vocab);
+  tp_.row_sum(s.sumexp, 2 * BT);
+  return k_.crossentropy_finish(s.losses, s.logits, s.rowmax, s.sumexp, target_logit, BT, vocab);
+}
+
+void StageExecutor::run_layers_forward(int slot, int B, int T, bool inference, int pos0) {
+  inference_ = inference;
+  pos0_ = pos0;
+  const SlotViews& v = views_[slot];
+  const ModelShard& sh = shard();
+  DPtr x = v.input;
+  if (sh.first_stage()) def_->embed_forward(call(slot, B, T, nullptr), x, tokens_[slot].data());
+  for (int l = sh.first_layer; l < sh.end_layer; l++) {
+    const int local = l - sh.first_layer;
+    for (auto& h : layer_hooks_)
+      if (h.before_forward) h.before_forward(slot, l);
+    def_->layer_forward(call(slot, B, T, v.layers[local].data()), l, x, v.outputs[local]);
+    for (auto& h : layer_hooks_)
+      if (h.after_forward) h.after_forward(slot, l);
+    x = v.outputs[local];
+  }
+  if (sh.last_stage()) def_->head_forward(call(slot, B, T, v.head.data()), x, v.logits);
+  inference_ = false;
+  pos0_ = 0;
+}
+
+double StageExecutor::forward(int slot, const int32_t* tokens, const int32_t* targets, int B,
+                              int T) {
+  if (slot < 0 || slot >= slots_) throw std::out_of_range("activation slot out of range");
+  if (B > max_B_ || T > max_T_) throw std::invalid_argument("batch larger than planned");
+  B_ = B;
+  T_ = T;
+  const int64_t BT = int64_t(B) * T;
+  if (shard().first_stage()) std::copy(tokens, tokens + BT, tokens_[slot].begin());
+  have_probs_[slot] = false;
+  dropout_keys_[slot] = 0;
+  if (training_ && targets && config().dropout > 0) {
+    dropout_keys_[slot] = mix64(step_key_ ^ mix64(uint64_t(next_micro_))) | 1;  // never 0
+    next_micro_ += micro_stride_;
+  }
+  run_layers_forward(slot, B, T, false, 0);
+  if (!shard().last_stage() || !targets) return 0.0;
+  have_probs_[slot] = true;
+  std::copy(targets, targets + BT, targets_[slot].begin());
+  return cross_entropy(slot, BT);
+}
+
+void StageExecutor::infer(const int32_t* tokens, int T, int pos0) {
+  if (pos0 < 0 || pos0 + T > max_T_)
+    throw std::invalid_argument("inference past the planned context");
+  if (shard().first_stage()) std::copy(tokens, tokens + T, tokens_[0].begin());
+  have_probs_[0] = false;
+  dropout_keys_[0] = 0;
+  run_layers_forward(0, 1, T, true, pos0);
+}
+
+void StageExecutor::backward(int slot, float loss_scale) {
+  const int B = B_, T = T_;
+  const int64_t BT = int64_t(B) * T;
+  const SlotViews& v = views_.at(slot);
+  const ModelShard& sh = shard();
+  // Reports the gradients finished so far; called between kernels as well (with the same
+  // frontier) so that collectives already in flight are driven on while backward runs.
+  const int first = sh.first_layer, end = sh.end_layer;
+  int64_t frontier = table().total;
+  int layers_left = end - first;
+  const std::function<void()> progress = [&] {
+    if (grads_ready_) grads_ready_(frontier, layers_left);
+  };
+  auto with_progress = [&](LayerCall c) {
+    c.progress = &progress;
+    return c;
+  };
+
+  const DPtr x_last = output(slot);
+  if (sh.last_stage()) {
+    if (!have_probs_[slot]) throw std::logic_error("backward() needs a forward() with targets");
+    have_probs_[slot] = false;  // the probabilities become gradients
+    // The mean over B*T tokens: each token's loss has weight loss_scale / (B*T).
+    k_.crossentropy_backward(v.logits, targets_[slot].data(), loss_scale / float(BT), BT,
+                             def_->vocab());
+    def_->head_backward(with_progress(call(slot, B, T, v.head.data())), x_last, v.logits, d_res_);
+    frontier = head_frontier_;
+    progress();
+  }  // else d_res holds the output's gradient, received from the next stage
+  for (int l = end - 1; l >= first; l--) {
+    const int local = l - first;
+    layers_left = local;  // this one has started
+    for (auto& h : layer_hooks_)
+      if (h.before_backward) h.before_backward(slot, l);
+    const DPtr x = l == first ? v.input : v.outputs[local - 1];
+    def_->layer_backward(with_progress(call(slot, B, T, v.layers[local].data())), l, x, d_res_);
+    frontier = layer_frontier_[local];
+    progress();
+    for (auto& h : layer_hooks_)
+      if (h.after_backward) h.after_backward(slot, l);
+  }
+  if (sh.first_stage())
+    def_->embed_backward(call(slot, B, T, nullptr), d_res_, tokens_[slot].data());
+}
+
+}  // namespace trainer

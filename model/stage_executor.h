@@ -1,0 +1,191 @@
+#pragma once
+// The stage executor: runs one shard of any model (model/model_definition.h) for training and
+// inference. It owns the parameters and gradients (two flat buffers described by the parameter
+// table), the activations of every micro-batch in flight (planned once for the largest (B, T),
+// so a steady-state step allocates nothing), the layer loop, the vocab-parallel loss, and hooks
+// before and after each layer's forward and backward: the data-parallel reducer's gradient-ready
+// hook is one; activation recomputation and parameter gathering will be others. The trainer,
+// the pipeline, the optimizer, checkpoints and the sampler see an executor and its table, never
+// an architecture.
+//
+// A shard is the blocks of one pipeline stage and one tensor-parallel rank's slice of them.
+// Pipeline parallelism is left to the caller: a stage reads its input from input(slot) and
+// leaves its output in output(slot); backward reads the output's gradient from grad_io() and
+// leaves the input's gradient there. Each of `slots` micro-batches in flight has its own
+// activations.
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "kernels/kernels.h"
+#include "model/model_config.h"
+#include "model/model_definition.h"
+#include "model/param_table.h"
+#include "model/tensor_parallel.h"
+
+namespace trainer {
+
+struct StageOptions {
+  std::optional<ModelShard> shard;  // default: the whole model
+  Communicator* tp = nullptr;       // the tensor-parallel group (null: tp_size 1)
+  int slots = 1;                    // micro-batches whose activations are kept at once
+  int64_t total_multiple = 16;
+  // Gradients' storage; default: the model's dtype. (Mixed precision: bf16/fp16 weights and
+  // activations with fp32 gradients, say.)
+  std::optional<DType> grad_dtype;
+};
+
+class StageExecutor {
+ public:
+  // What a shard allocates, in bytes, known before anything is: parameters, gradients,
+  // activations with the backward scratch, and per-row statistics. keeps_probs: the backend's
+  // Kernels::attention_keeps_probabilities().
+  struct Memory {
+    int64_t params = 0, grads = 0, activations = 0, stats = 0;
+    int64_t total() const { return params + grads + activations + stats; }
+  };
+  static Memory memory_needed(const ModelConfig& cfg, DType dtype, int max_B, int max_T,
+                              const StageOptions& options, bool keeps_probs);
+
+  // max_B x max_T is the largest batch forward() will be given; max_T <= cfg.seq_len.
+  StageExecutor(const ModelConfig& cfg, Kernels& kernels, DType dtype, int max_B, int max_T,
+                const StageOptions& options = {});
+  ~StageExecutor();
+  StageExecutor(const StageExecutor&) = delete;
+  StageExecutor& operator=(const StageExecutor&) = delete;
+
+  const ModelConfig& config() const { return def_->config(); }
+  const ModelDefinition& definition() const { return *def_; }
+  const ModelShard& shard() const { return def_->shard(); }
+  const ParamTable& table() const { return def_->table(); }
+  DType dtype() const { return dtype_; }
+  Kernels& kernels() const { return k_; }
+  VocabSlice vocab() const { return def_->vocab(); }  // the vocabulary rows this rank holds
+
+  DPtr params() const { return params_; }  // flat (table().total)
+  DPtr grads() const { return grads_; }    // flat, same offsets
+  DPtr param(const ParamInfo& p) const { return params_ + p.offset; }
+  DPtr grad(const ParamInfo& p) const { return grads_ + p.offset; }
+
+  // Initialisation is a pure function of (seed, parameter name, logical index): it does not
+  // depend on how the model is split, nor on the dtype.
+  void init_parameters(uint64_t seed) { init_parameters(seed, params_); }
+  // The same values into another buffer laid out like params() (fp32 master weights, say).
+  void init_parameters(uint64_t seed, DPtr into);
+
+  // This rank's real elements of a parameter (padding excluded, ParamInfo::local_shape) to and
+  // from host fp32 or fp64.
+  template <class H>
+  std::vector<H> read(const ParamInfo& p, DPtr buffer) const;
+  template <class H>
+  void write(const ParamInfo& p, DPtr buffer, const std::vector<H>& values);
+
+  // The whole model (one stage, slot 0): tokens, targets are (B, T) host arrays. With targets,
+  // returns the mean loss and keeps the probabilities for backward(); without, returns 0 and
+  // leaves the logits in logits().
+  double forward(const int32_t* tokens, const int32_t* targets, int B, int T) {
+    return forward(0, tokens, targets, B, T);
+  }
+  // One stage on micro-batch `slot`: the first stage embeds `tokens`, the others start from
+  // input(slot); the last stage computes the loss when targets are given (else the logits),
+  // the others leave their output in output(slot). Returns the mean loss (last stage).
+  double forward(int slot, const int32_t* tokens, const int32_t* targets, int B, int T);
+  // Inference with a key/value cache, one sequence (slot 0): the T tokens at positions
+  // [pos0, pos0 + T) (the first stage embeds them, the others start from input(0)), attending
+  // to every earlier position of the previous infer() calls since one with pos0 = 0. The last
+  // stage leaves the T rows' logits in logits(), the others their output in output(0).
+  void infer(const int32_t* tokens, int T, int pos0);
+  // Accumulates d(loss_scale * mean loss)/dparams into grads(). The last stage starts from its
+  // loss; the others from the output gradient in grad_io(). Afterwards grad_io() holds the
+  // input's gradient (on all but the first stage).
+  void backward(int slot, float loss_scale);
+  void backward(float loss_scale = 1.0f) { backward(0, loss_scale); }
+  void zero_grad();
+
+  // Dropout (a model with dropout > 0) acts between train_mode() and eval_mode() (the default),
+  // in forwards with targets and their backwards. The n-th such forward since train_mode() is
+  // micro-batch first + n x stride of the step, and its masks are a function of (step_key, that
+  // index) alone: with the step's key from (seed, step), and first = dp rank, stride = dp, every
+  // layout draws the same masks for the same sample, and a resumed run those of the
+  // uninterrupted one. (stride 0: every forward the same masks, for finite differences.)
+  void train_mode(uint64_t step_key, int first, int stride);
+  void eval_mode() { training_ = false; }
+
+  DPtr input(int slot) const;       // (B, T, C): where a later stage receives its input
+  DPtr output(int slot) const;      // (B, T, C): what a stage sends on
+  DPtr grad_io() const;             // (B, T, C): gradient received from the next / sent back
+  DPtr logits(int slot = 0) const;  // (B, T, vocab().width)
+  DPtr losses(int slot = 0) const;  // (B, T) per-token losses of the last forward with targets
+
+  // Called during backward with an offset into the flat gradient buffer, every gradient at or
+  // above which is final for this backward, and the number of this stage's layers whose
+  // backward has not started yet (the data-parallel reducer starts buckets while backward goes
+  // on, and records how early).
+  using GradsReadyHook = std::function<void(int64_t frontier, int layers_left)>;
+  void set_grads_ready_hook(GradsReadyHook hook) { grads_ready_ = std::move(hook); }
+
+  // Called around each layer's forward and backward with the micro-batch slot and the layer's
+  // global index; any of them may be empty.
+  struct LayerHooks {
+    std::function<void(int slot, int layer)> before_forward, after_forward, before_backward,
+        after_backward;
+  };
+  void add_layer_hooks(LayerHooks hooks) { layer_hooks_.push_back(std::move(hooks)); }
+
+ private:
+  // Where every activation of a shard goes, in elements of the two slabs: the activation dtype
+  // and the statistics (fp32 with 16-bit activations). Planned from shapes alone, by the
+  // constructor and by memory_needed().
+  struct Plan;
+  static Plan plan(const ModelDefinition& def, int max_B, int max_T, int slots, bool keeps_probs);
+  LayerCall call(int slot, int B, int T, const DPtr* acts) const;
+  double cross_entropy(int slot, int64_t BT);
+  void run_layers_forward(int slot, int B, int T, bool inference, int pos0);
+
+  std::unique_ptr<ModelDefinition> def_;
+  Kernels& k_;
+  DType dtype_, grad_dtype_;
+  // Per-row statistics (norm statistics, losses, the softmax's max and sum) stay in fp32 when
+  // the activations are 16-bit, as on GPUs.
+  DType stats_dtype_;
+  bool keeps_probs_;  // the backend's attention keeps probabilities (else log-sum-exps)
+  TensorParallel tp_;
+  int slots_, layers_;
+  int max_B_, max_T_;
+  int B_ = 0, T_ = 0;  // shape of the last forward
+  bool inference_ = false, last_inference_ = false;
+  int pos0_ = 0;
+  std::vector<char> have_probs_;  // per slot: forward computed probabilities for backward
+  bool training_ = false;         // dropout on (train_mode)
+  uint64_t step_key_ = 0;
+  int64_t next_micro_ = 0;
+  int micro_stride_ = 0;
+  std::vector<uint64_t> dropout_keys_;  // per slot: its forward's key, 0 = no dropout
+  std::vector<std::vector<int32_t>> tokens_, targets_;  // per slot
+  GradsReadyHook grads_ready_;
+  std::vector<int64_t> layer_frontier_;  // by local layer: its first parameter's offset
+  int64_t head_frontier_ = 0;            // the first parameter after the blocks
+  std::vector<LayerHooks> layer_hooks_;
+
+  DPtr params_, grads_;
+  DPtr acts_;   // one slab for all activations and backward scratch
+  DPtr stats_;  // one slab for the per-row statistics
+  // Views into the slabs, by slot: the stage's input, each layer's output and activations, the
+  // head's activations, the logits and the loss's statistics (losses, rowmax, then the exp-sums
+  // followed by the target logits: 2 BT, so that one all-reduce carries both).
+  struct SlotViews {
+    DPtr input, logits, losses, rowmax, sumexp;
+    std::vector<DPtr> outputs;              // by local layer
+    std::vector<std::vector<DPtr>> layers;  // by local layer, in declared order
+    std::vector<DPtr> head;
+  };
+  std::vector<SlotViews> views_;
+  DPtr d_res_;
+  std::vector<DPtr> scratch_;
+};
+
+}  // namespace trainer

@@ -1,0 +1,309 @@
+// The model family: the Llama description (its dimensions, parameter table, rotary frequencies)
+// against published numbers, and the stage executor's mechanisms that every model shares: the
+// key/value cache of inference and the hooks around each layer.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numbers>
+#include <string>
+#include <vector>
+
+#include "model/architectures.h"
+#include "model/init.h"
+#include "model/stage_executor.h"
+#include "test_util.h"
+
+namespace trainer::test {
+namespace {
+
+ModelConfig llama(int d_model, int n_layer, int n_head, int n_kv_head, int vocab) {
+  ModelConfig c;
+  c.arch = Arch::llama;
+  c.d_model = d_model;
+  c.n_layer = n_layer;
+  c.n_head = n_head;
+  c.n_kv_head = n_kv_head;
+  c.vocab_size = vocab;
+  c.tie_embeddings = false;
+  return c;
+}
+
+int64_t logical_params(const ModelConfig& cfg) {
+  int64_t n = 0;
+  for (const ParamInfo& p : param_table(cfg).params) n += p.logical_numel();
+  return n;
+}
+
+// Llama's FFN rule (2/3 of 4 C, times ffn_dim_multiplier, rounded up to multiple_of) gives the
+// published widths.
+TEST(LlamaConfig, FfnWidthsOfPublishedModels) {
+  ModelConfig l2 = llama(4096, 32, 32, 32, 32000);  // Llama 2 7B
+  EXPECT_EQ(l2.ffn(), 11008);
+  ModelConfig l3 = llama(4096, 32, 32, 8, 128256);  // Llama 3 8B
+  l3.ffn_dim_multiplier = 1.3;
+  l3.multiple_of = 1024;
+  EXPECT_EQ(l3.ffn(), 14336);
+  ModelConfig l70 = llama(8192, 80, 64, 8, 128256);  // Llama 3 70B
+  l70.ffn_dim_multiplier = 1.3;
+  l70.multiple_of = 4096;
+  EXPECT_EQ(l70.ffn(), 28672);
+  l70.ffn_hidden = 1000;  // given explicitly, it wins
+  EXPECT_EQ(l70.ffn(), 1000);
+  ModelConfig g;  // GPT-2: 4 C
+  EXPECT_EQ(g.ffn(), 4 * g.d_model);
+}
+
+// The parameter counts of the published checkpoints, from the table alone (nothing allocated).
+TEST(LlamaConfig, ParameterCountsOfPublishedModels) {
+  ModelConfig l2 = llama(4096, 32, 32, 32, 32000);
+  EXPECT_EQ(logical_params(l2), 6738415616);  // Llama 2 7B
+  ModelConfig l3 = llama(4096, 32, 32, 8, 128256);
+  l3.ffn_dim_multiplier = 1.3;
+  l3.multiple_of = 1024;
+  EXPECT_EQ(logical_params(l3), 8030261248);  // Llama 3 8B
+  // FLOPs: 6 per matmul weight (every block matrix and the head, not the embedding) plus
+  // causal attention's 6 L C T.
+  l3.seq_len = 8192;
+  const int64_t matmul = logical_params(l3) - int64_t(128256) * 4096 - (2 * 32 + 1) * 4096;
+  EXPECT_EQ(matmul_params(l3), matmul);
+  EXPECT_DOUBLE_EQ(flops_per_token(l3), 6.0 * double(matmul) + 6.0 * 32 * 4096 * 8192.0);
+}
+
+TEST(LlamaParamTable, MetaNamesPackedQkvAndGateUp) {
+  ModelConfig cfg = llama(64, 2, 8, 2, 100);
+  cfg.ffn_hidden = 96;
+  const ParamTable t = param_table(cfg);
+  const std::vector<std::string> layer0 = {
+      "layers.0.attention_norm.weight",  "layers.0.attention.wq.weight",
+      "layers.0.attention.wk.weight",    "layers.0.attention.wv.weight",
+      "layers.0.attention.wo.weight",    "layers.0.ffn_norm.weight",
+      "layers.0.feed_forward.w1.weight", "layers.0.feed_forward.w3.weight",
+      "layers.0.feed_forward.w2.weight"};
+  ASSERT_EQ(t.params.size(), 1 + 2 * layer0.size() + 2);
+  EXPECT_EQ(t.params.front().name, "tok_embeddings.weight");
+  for (size_t i = 0; i < layer0.size(); i++) EXPECT_EQ(t.params[1 + i].name, layer0[i]);
+  EXPECT_EQ(t.params[t.params.size() - 2].name, "norm.weight");
+  EXPECT_EQ(t.params.back().name, "output.weight");
+  EXPECT_EQ(t.at("layers.1.attention.wk.weight").shape, (std::vector<int64_t>{16, 64}));
+  // Packed: q, k and v one (96, 64) matrix; gate and up one (192, 64) matrix.
+  auto end = [&](const char* n) { return t.at(n).offset + t.at(n).numel; };
+  EXPECT_EQ(t.at("layers.0.attention.wk.weight").offset, end("layers.0.attention.wq.weight"));
+  EXPECT_EQ(t.at("layers.0.attention.wv.weight").offset, end("layers.0.attention.wk.weight"));
+  EXPECT_EQ(t.at("layers.0.feed_forward.w3.weight").offset, end("layers.0.feed_forward.w1.weight"));
+  // Tensor-parallel rank 1 of 2 holds query heads 4..7 and key/value head 1, still packed.
+  const ParamTable r1 = param_table(cfg, ModelShard::make(cfg, 1, 2, 0, 1));
+  const ParamInfo& wk = r1.at("layers.0.attention.wk.weight");
+  EXPECT_EQ(wk.local_shape(), (std::vector<int64_t>{8, 64}));
+  EXPECT_EQ(wk.logical_index(0), 8 * 64);
+  EXPECT_EQ(wk.offset, r1.at("layers.0.attention.wq.weight").offset + 32 * 64);
+  EXPECT_EQ(r1.at("layers.0.feed_forward.w2.weight").local_shape(), (std::vector<int64_t>{64, 48}));
+  // Tied: no output.weight; the last stage of a pipeline holds a copy of the embedding.
+  cfg.tie_embeddings = true;
+  const ParamTable last = param_table(cfg, ModelShard::make(cfg, 0, 1, 1, 2));
+  EXPECT_EQ(last.find("output.weight"), nullptr);
+  ASSERT_NE(last.tied(), nullptr);
+  EXPECT_TRUE(last.tied()->tied_copy);
+}
+
+// theta^(-2i/hs), and Llama 3.1's three bands: short wavelengths kept, long ones divided by the
+// factor, a blend in between (Meta's apply_scaling, written out by hand here).
+TEST(Rope, FrequenciesAndLlama31Scaling) {
+  ModelConfig cfg = llama(32, 1, 4, 4, 10);  // head size 8: four frequencies
+  cfg.rope_theta = 500.0;
+  const std::vector<double> plain = rope_frequencies(cfg);
+  ASSERT_EQ(plain.size(), 4u);
+  for (int i = 0; i < 4; i++) EXPECT_DOUBLE_EQ(plain[i], std::pow(500.0, -2.0 * i / 8));
+  cfg.rope_scaling = {8.0, 1.0, 4.0, 32};
+  const std::vector<double> scaled = rope_frequencies(cfg);
+  // Wavelengths 2 pi / f: 6.3 (< 32 / 4: kept), 29.8 (between: blended), 140 and 664 (> 32:
+  // divided by 8).
+  EXPECT_DOUBLE_EQ(scaled[0], plain[0]);
+  const double wavelen = 2 * std::numbers::pi / plain[1];
+  const double smooth = (32 / wavelen - 1.0) / (4.0 - 1.0);
+  EXPECT_DOUBLE_EQ(scaled[1], (1 - smooth) * plain[1] / 8 + smooth * plain[1]);
+  EXPECT_DOUBLE_EQ(scaled[2], plain[2] / 8);
+  EXPECT_DOUBLE_EQ(scaled[3], plain[3] / 8);
+  const std::vector<float> table = rope_table(cfg, 3);
+  ASSERT_EQ(table.size(), 3u * 4 * 2);
+  EXPECT_FLOAT_EQ(table[(2 * 4 + 1) * 2], float(std::cos(2 * scaled[1])));
+  EXPECT_FLOAT_EQ(table[(2 * 4 + 1) * 2 + 1], float(std::sin(2 * scaled[1])));
+}
+
+ModelConfig tiny(Arch arch) {
+  ModelConfig cfg;
+  cfg.arch = arch;
+  cfg.vocab_size = 50;
+  cfg.vocab_multiple = 16;
+  cfg.seq_len = 12;
+  cfg.n_layer = 2;
+  cfg.n_head = 4;
+  cfg.d_model = 16;
+  if (arch == Arch::llama) {
+    cfg.n_kv_head = 2;
+    cfg.ffn_hidden = 24;
+    cfg.tie_embeddings = false;
+  }
+  return cfg;
+}
+
+void perturb(StageExecutor& model) {
+  for (const ParamInfo& p : model.table().params) {
+    std::vector<double> v = model.read<double>(p, model.params());
+    for (size_t i = 0; i < v.size(); i++) v[i] += 0.1 * normal_at(5, hash_name(p.name), i);
+    model.write(p, model.params(), v);
+  }
+}
+
+// Generation with the key/value cache (a prompt, then one token at a time) gives the logits of
+// the full forward over the whole sequence, row for row.
+class KvCache : public ::testing::TestWithParam<Arch> {};
+
+TEST_P(KvCache, IncrementalInferenceMatchesTheFullForward) {
+  const ModelConfig cfg = tiny(GetParam());
+  const int T = cfg.seq_len, prompt = 5, Vp = cfg.padded_vocab();
+  auto k = make_cpu_kernels();
+  StageExecutor full(cfg, *k, DType::f64, 1, T);
+  full.init_parameters(3);
+  perturb(full);
+  std::vector<int32_t> tokens(T);
+  for (int t = 0; t < T; t++) tokens[t] = int32_t(mix64(t) % cfg.vocab_size);
+  full.forward(tokens.data(), nullptr, 1, T);
+  std::vector<double> want(size_t(T) * Vp);
+  k->copy_to_host(want.data(), full.logits(), int64_t(want.size()));
+
+  StageExecutor gen(cfg, *k, DType::f64, 1, T);
+  gen.init_parameters(3);
+  perturb(gen);
+  std::vector<double> got(size_t(T) * Vp);
+  gen.infer(tokens.data(), prompt, 0);
+  k->copy_to_host(got.data(), gen.logits(), int64_t(prompt) * Vp);
+  for (int t = prompt; t < T; t++) {
+    gen.infer(&tokens[t], 1, t);
+    k->copy_to_host(got.data() + size_t(t) * Vp, gen.logits(), Vp);
+  }
+  // The same kernels on the same rows, in a different grouping: equal to rounding.
+  EXPECT_TRUE(all_close(got, want, 1e-11, 1e-12));
+  // A second prompt from position 0 starts afresh.
+  gen.infer(tokens.data(), prompt, 0);
+  std::vector<double> again(size_t(prompt) * Vp);
+  k->copy_to_host(again.data(), gen.logits(), int64_t(again.size()));
+  EXPECT_TRUE(all_close(again, std::vector<double>(want.begin(), want.begin() + again.size()),
+                        1e-11, 1e-12));
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, KvCache, ::testing::Values(Arch::gpt2, Arch::llama),
+                         [](const auto& info) { return std::string(arch_name(info.param)); });
+
+// Every numeric [model] knob reaches the model: changing it alone changes the logits.
+TEST(ModelKnobs, EachChangesTheLogits) {
+  auto k = make_cpu_kernels();
+  auto logits_of = [&](const ModelConfig& cfg) {
+    StageExecutor m(cfg, *k, DType::f64, 1, cfg.seq_len);
+    m.init_parameters(3);
+    std::vector<int32_t> tokens(cfg.seq_len);
+    for (int t = 0; t < cfg.seq_len; t++) tokens[t] = int32_t(mix64(t) % cfg.vocab_size);
+    m.forward(tokens.data(), nullptr, 1, cfg.seq_len);
+    std::vector<double> out(size_t(cfg.seq_len) * cfg.padded_vocab());
+    k->copy_to_host(out.data(), m.logits(), int64_t(out.size()));
+    return out;
+  };
+  const ModelConfig base = tiny(Arch::llama);
+  const std::vector<double> want = logits_of(base);
+  // Long enough a context (12) against a small original one (4), so that scaling matters.
+  const std::vector<std::pair<const char*, void (*)(ModelConfig&)>> knobs = {
+      {"rope_theta", [](ModelConfig& c) { c.rope_theta = 100; }},
+      {"norm_eps", [](ModelConfig& c) { c.norm_eps = 0.5; }},
+      {"rope_scaling_factor",
+       [](ModelConfig& c) {
+         c.rope_scaling = {4.0, 1.0, 4.0, 4};
+       }},
+      {"init_std", [](ModelConfig& c) { c.init_std = 0.05; }},
+      {"n_kv_head", [](ModelConfig& c) { c.n_kv_head = 4; }},
+      {"ffn_hidden", [](ModelConfig& c) { c.ffn_hidden = 32; }},
+      {"tie_embeddings", [](ModelConfig& c) { c.tie_embeddings = true; }}};
+  for (const auto& [name, change] : knobs) {
+    ModelConfig cfg = base;
+    change(cfg);
+    EXPECT_FALSE(all_close(logits_of(cfg), want, 1e-9, 0)) << name;
+  }
+  ModelConfig gpt2 = tiny(Arch::gpt2);
+  const std::vector<double> gpt2_logits = logits_of(gpt2);
+  gpt2.bias = false;  // biases start at 0, so the table itself must lose them
+  EXPECT_EQ(param_table(gpt2).find("h.0.attn.qkv.bias"), nullptr);
+  EXPECT_NE(param_table(tiny(Arch::gpt2)).find("h.0.attn.qkv.bias"), nullptr);
+  gpt2.bias = true;
+  gpt2.init_std = 0.05;
+  EXPECT_FALSE(all_close(logits_of(gpt2), gpt2_logits, 1e-9, 0)) << "gpt2 init_std";
+}
+
+// Dropout acts in training forwards only, with masks that are a function of the key and the
+// micro-batch index: eval mode is the model without dropout, bit for bit; the same index draws
+// the same masks; another index, other masks.
+TEST(Dropout, TrainModeOnlyAndAFunctionOfKeyAndMicroBatch) {
+  ModelConfig cfg = tiny(Arch::gpt2);
+  auto k = make_cpu_kernels();
+  StageExecutor plain(cfg, *k, DType::f64, 2, 8);
+  cfg.dropout = 0.2;
+  StageExecutor model(cfg, *k, DType::f64, 2, 8);
+  plain.init_parameters(1);
+  model.init_parameters(1);
+  std::vector<int32_t> tokens(16), targets(16);
+  for (int i = 0; i < 16; i++) tokens[i] = i % 50, targets[i] = (3 * i) % 50;
+  auto loss = [&](StageExecutor& m) { return m.forward(tokens.data(), targets.data(), 2, 8); };
+  const double without = loss(plain);
+  EXPECT_EQ(loss(model), without);  // eval mode: the default
+  model.train_mode(7, 3, 2);        // micro-batches 3, 5, 7, ...
+  const double m3 = loss(model), m5 = loss(model);
+  EXPECT_NE(m3, without);
+  EXPECT_NE(m3, m5);
+  model.train_mode(7, 5, 2);
+  EXPECT_EQ(loss(model), m5);
+  model.train_mode(8, 3, 2);
+  EXPECT_NE(loss(model), m3);
+  model.eval_mode();
+  EXPECT_EQ(loss(model), without);
+  // Validation-style forwards (no targets) never drop.
+  model.train_mode(7, 3, 2);
+  model.forward(tokens.data(), nullptr, 2, 8);
+  plain.forward(tokens.data(), nullptr, 2, 8);
+  std::vector<double> a(16 * 64), b(16 * 64);
+  k->copy_to_host(a.data(), model.logits(), int64_t(a.size()));
+  k->copy_to_host(b.data(), plain.logits(), int64_t(b.size()));
+  EXPECT_EQ(a, b);
+}
+
+// The hooks around each layer fire in order: forward ascending with before/after pairs, backward
+// descending; each micro-batch's slot is passed through; and the gradient-ready hook's frontier
+// reaches every layer's first parameter as that layer's backward ends.
+TEST(StageExecutorHooks, FireAroundEveryLayerInOrder) {
+  const ModelConfig cfg = tiny(Arch::llama);
+  auto k = make_cpu_kernels();
+  StageOptions o;
+  o.slots = 2;
+  StageExecutor model(cfg, *k, DType::f32, 2, 8, o);
+  model.init_parameters(1);
+  std::vector<std::string> events;
+  auto log = [&](const char* what) {
+    return [&events, what](int slot, int layer) {
+      events.push_back(std::string(what) + std::to_string(slot) + "." + std::to_string(layer));
+    };
+  };
+  model.add_layer_hooks({log("F"), log("f"), log("B"), log("b")});
+  std::vector<int64_t> frontiers;
+  model.set_grads_ready_hook([&](int64_t frontier, int) {
+    if (frontiers.empty() || frontiers.back() != frontier) frontiers.push_back(frontier);
+  });
+  std::vector<int32_t> tokens(16, 1), targets(16, 2);
+  model.forward(1, tokens.data(), targets.data(), 2, 8);
+  model.backward(1, 1.0f);
+  const std::vector<std::string> want = {"F1.0", "f1.0", "F1.1", "f1.1",
+                                         "B1.1", "b1.1", "B1.0", "b1.0"};
+  EXPECT_EQ(events, want);
+  const ParamTable& t = model.table();
+  const std::vector<int64_t> want_frontiers = {t.at("norm.weight").offset, t.layer_offset(1),
+                                               t.layer_offset(0)};
+  EXPECT_EQ(frontiers, want_frontiers);
+}
+
+}  // namespace
+}  // namespace trainer::test
