@@ -100,12 +100,9 @@ StageExecutor::StageExecutor(const ModelConfig& cfg, Kernels& kernels, DType dty
       max_B_(max_B),
       max_T_(max_T) {
   if (max_T > cfg.seq_len) throw std::invalid_argument("max_T exceeds seq_len");
-  if ((o.tp ? o.tp->size() : 1) != shard().tp_size)
-    throw std::invalid_argument("the tp communicator does not match the shard");
-  if (Communicator* tp = o.tp)
-    tp_ = TensorParallel(tp->rank(), tp->size(), [tp](DPtr buf, int64_t n, bool max) {
-      tp->all_reduce(buf, n, max ? ReduceOp::max : ReduceOp::sum);
-    });
+  if (o.tp.size() != shard().tp_size)
+    throw std::invalid_argument("the tensor-parallel group does not match the shard");
+  tp_ = o.tp;
   params_ = k_.alloc(table().total, dtype);
   grads_ = k_.alloc(table().total, grad_dtype_);
   const Plan p = plan(*def_, max_B, max_T, slots_, keeps_probs_);

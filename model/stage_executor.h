@@ -20,7 +20,6 @@
 #include <string>
 #include <vector>
 
-#include "comm/communicator.h"
 #include "kernels/kernels.h"
 #include "model/model_config.h"
 #include "model/model_definition.h"
@@ -31,8 +30,10 @@ namespace trainer {
 
 struct StageOptions {
   std::optional<ModelShard> shard;  // default: the whole model
-  Communicator* tp = nullptr;       // the tensor-parallel group (null: tp_size 1)
-  int slots = 1;                    // micro-batches whose activations are kept at once
+  // The tensor-parallel group's reduction (default: one rank). The caller adapts its
+  // communicator, so that model code depends on no communication library.
+  TensorParallel tp;
+  int slots = 1;  // micro-batches whose activations are kept at once
   int64_t total_multiple = 16;
   // Gradients' storage; default: the model's dtype. (Mixed precision: bf16/fp16 weights and
   // activations with fp32 gradients, say.)

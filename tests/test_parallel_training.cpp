@@ -348,19 +348,36 @@ double val_loss_at_end(const std::string& metrics) {
 
 // bf16 and fp16 (16-bit weights, activations and gradients, fp32 master weights) follow the
 // fp32 run over 200 steps: final validation loss within 1% and the mean training loss of the
-// last 50 steps within 1%.
-TEST_F(MpiCli, MixedPrecisionFollowsTheFp32Run) {
+// last 50 steps within 1%; for GPT-2 and for Llama (multi-query attention, SwiGLU, RMSNorm and
+// rotary embeddings in 16 bits).
+class MixedPrecision : public MpiCli {
+ protected:
+  void expect_follows_fp32(const std::string& model);
+};
+
+// The Llama of MpiCli's run.toml: head size 8, one key/value head.
+const char* const kCliLlama =
+    "--set model.arch=\\\"llama\\\" --set model.n_kv_head=1 --set model.ffn_hidden=48 ";
+
+TEST_F(MixedPrecision, Gpt2FollowsTheFp32Run) {
+  expect_follows_fp32("");
+}
+TEST_F(MixedPrecision, LlamaFollowsTheFp32Run) {
+  expect_follows_fp32(kCliLlama);
+}
+
+void MixedPrecision::expect_follows_fp32(const std::string& model) {
   std::map<std::string, double> val, tail;
   for (const std::string compute : {"fp32", "bf16", "fp16"}) {
     const std::string out = path("out_" + compute);
-    const auto r = mpirun(1,
-                          "--set train.steps=200 --set train.val_every=200 "
-                          "--set optim.lr=3e-3 --set precision.grads=\\\"compute\\\" "
-                          "--set precision.compute=\\\"" +
-                              compute +
-                              "\\\" --set "
-                              "run.out_dir=\\\"" +
-                              out + "\\\"");
+    const auto r = mpirun(1, model +
+                                 "--set train.steps=200 --set train.val_every=200 "
+                                 "--set optim.lr=3e-3 --set precision.grads=\\\"compute\\\" "
+                                 "--set precision.compute=\\\"" +
+                                 compute +
+                                 "\\\" --set "
+                                 "run.out_dir=\\\"" +
+                                 out + "\\\"");
     ASSERT_EQ(r.code, 0) << r.output;
     val[compute] = val_loss_at_end(out + "/metrics.jsonl");
     const auto s = steps_of(out + "/metrics.jsonl");
@@ -419,8 +436,23 @@ namespace {
 // 16-bit gradients through every parallel path at once: reduced in bf16 by the data-parallel
 // reduce-scatter (ZeRO-1), tensor-parallel all-reduces of bf16 activations, pipeline sends of
 // bf16 activations; the same 60 steps as the single bf16 process, within 1% of its losses.
-TEST_F(MpiCli, Bf16InEveryParallelLayout) {
+class Bf16Layout : public MpiCli {
+ protected:
+  void expect_follows_one_process(const std::string& model);
+};
+
+TEST_F(Bf16Layout, Gpt2InEveryParallelPathFollowsOneProcess) {
+  expect_follows_one_process("");
+}
+// tp 2 of Llama's two key/value heads (n_head 2 on run.toml's d_model 16).
+TEST_F(Bf16Layout, LlamaInEveryParallelPathFollowsOneProcess) {
+  expect_follows_one_process(
+      "--set model.arch=\\\"llama\\\" --set model.n_kv_head=2 --set model.ffn_hidden=48 ");
+}
+
+void Bf16Layout::expect_follows_one_process(const std::string& model) {
   const std::string common =
+      model +
       "--set train.steps=60 --set optim.lr=3e-3 --set precision.compute=\\\"bf16\\\" "
       "--set precision.grads=\\\"compute\\\" --set model.n_layer=2 --set model.n_head=2 ";
   auto serial = mpirun(
@@ -498,6 +530,19 @@ TEST_F(MpiCli, CompressionMethodsTrainCloseToUncompressed) {
   EXPECT_NEAR(val3d, base, 0.06 * base);
   EXPECT_GT(p3d, 0);
   std::printf("[ powersgd dp2 x tp2 x pp2 ZeRO-1 ] final val loss %.4f\n", val3d);
+  // Llama's gradients (packed q/k/v and gate/up, an untied vocab-parallel head) the same way.
+  const std::string llama =
+      "--set model.arch=\\\"llama\\\" --set model.n_kv_head=2 --set model.ffn_hidden=64 ";
+  const auto llama_base = std::get<0>(train("llama_none", 2, llama + "--set parallel.dp=2"));
+  const auto [llama_3d, l3_sent_unused, l3_plain] =
+      train("llama_powersgd_3d", 8,
+            llama +
+                "--set parallel.dp=2 --set parallel.tp=2 --set parallel.pp=2 --set parallel.zero=1 "
+                "--set comm.compression.method=powersgd");  // the same batch as llama_none
+  EXPECT_NEAR(llama_3d, llama_base, 0.06 * llama_base);
+  EXPECT_GT(l3_plain, 0);
+  std::printf("[ llama powersgd dp2 x tp2 x pp2 ZeRO-1 ] final val loss %.4f vs %.4f\n", llama_3d,
+              llama_base);
 }
 
 }  // namespace

@@ -194,7 +194,10 @@ struct Run {
                                     Communicator* tp) {
     StageOptions o;
     o.shard = ModelShard::make(c.model, me.tp, dims.tp(), me.pp, dims.pp());
-    o.tp = tp;
+    if (tp)
+      o.tp = TensorParallel(tp->rank(), tp->size(), [tp](DPtr buf, int64_t n, bool max) {
+        tp->all_reduce(buf, n, max ? ReduceOp::max : ReduceOp::sum);
+      });
     o.slots = Pipeline::slots(me.pp, dims.pp(), c.train.grad_accum);
     o.total_multiple = 16 * int64_t(dims.dp());
     o.grad_dtype = c.precision.grads == "fp32" ? DType::f32 : compute_dtype(c.precision);
