@@ -25,10 +25,10 @@ WORKLOADS = {
     # name: (n_layer, n_head, d_model, seq_len, batch, default warm-up, default timed steps)
     "W-S": (6, 6, 384, 256, 4, 2, 5),
     "W-M": (12, 12, 768, 1024, 1, 1, 3),
-    "W-L": (6, 6, 384, 256, 4, 2, 5),  # Llama: 2 key/value heads, SwiGLU width 1024
+    "W-L": (12, 12, 768, 1024, 1, 1, 3),  # a 125M Llama
 }
-LLAMA = {"W-L": (2, 1024)}  # n_kv_head, ffn_hidden
-VOCAB = 50257
+LLAMA = {"W-L": (4, 2048, 32000)}  # n_kv_head, ffn_hidden, vocabulary
+VOCAB = 50257  # GPT-2's
 
 
 class Block(nn.Module):
@@ -247,9 +247,10 @@ def main():
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
-    vocab_rows = (VOCAB + args.pad_vocab - 1) // args.pad_vocab * args.pad_vocab
+    vocab = LLAMA[args.workload][2] if args.workload in LLAMA else VOCAB
+    vocab_rows = (vocab + args.pad_vocab - 1) // args.pad_vocab * args.pad_vocab
     if args.workload in LLAMA:
-        n_kv, ffn = LLAMA[args.workload]
+        n_kv, ffn, _ = LLAMA[args.workload]
         model = Llama(L, NH, n_kv, C, ffn, T, vocab_rows)
         embedding = model.tok_embeddings.weight
     else:
@@ -260,12 +261,12 @@ def main():
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
         lr=3e-4, betas=(0.9, 0.95), eps=1e-8, foreach=bool(args.foreach))
-    idx = torch.randint(0, VOCAB, (B, T))
-    targets = torch.randint(0, VOCAB, (B, T))
+    idx = torch.randint(0, vocab, (B, T))
+    targets = torch.randint(0, vocab, (B, T))
 
     torch_peak = matmul_peak()
     peak = args.peak_gflops * 1e9 if args.peak_gflops else torch_peak
-    n_params = matmul_params(model, VOCAB, C)
+    n_params = matmul_params(model, vocab, C)
     flops_per_token = 6.0 * n_params + 6.0 * L * C * T  # causal attention, as trainer counts
 
     times, fwd, bwd, upd = [], [], [], []

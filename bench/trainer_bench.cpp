@@ -57,11 +57,12 @@ Workload workload(const std::string& name) {
   } else if (name == "W-M") {
     w.model.n_layer = 12, w.model.n_head = 12, w.model.d_model = 768, w.model.seq_len = 1024;
     w.B = 1, w.default_warmup = 1, w.default_steps = 3;
-  } else if (name == "W-L") {  // W-S's shapes as a Llama: GQA 6/2 heads, SwiGLU, untied head
+  } else if (name == "W-L") {  // a 125M Llama: GQA 12/4 heads, SwiGLU 2048, untied head
     w.model.arch = trainer::Arch::llama;
-    w.model.n_layer = 6, w.model.n_head = 6, w.model.d_model = 384, w.model.seq_len = 256;
-    w.model.n_kv_head = 2, w.model.ffn_hidden = 1024, w.model.tie_embeddings = false;
-    w.B = 4, w.default_warmup = 2, w.default_steps = 5;
+    w.model.vocab_size = 32000;
+    w.model.n_layer = 12, w.model.n_head = 12, w.model.d_model = 768, w.model.seq_len = 1024;
+    w.model.n_kv_head = 4, w.model.ffn_hidden = 2048, w.model.tie_embeddings = false;
+    w.B = 1, w.default_warmup = 1, w.default_steps = 3;
   } else {
     throw std::invalid_argument("unknown workload '" + name + "' (W-S, W-M or W-L)");
   }

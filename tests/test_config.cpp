@@ -197,7 +197,7 @@ TEST(Config, EveryShippedConfigValidates) {
     }
     checked++;
   }
-  EXPECT_GE(checked, 8);  // tiny and llama-tiny, GPT-2 124M, 350M, 1.5B, Llama 135M, 3 8B, 3 70B
+  EXPECT_GE(checked, 9);  // tiny, llama-tiny, GPT-2 124M/350M/1.5B, Llama 125M/135M, 3 8B, 3 70B
 }
 
 TEST(Config, MissingFile) {

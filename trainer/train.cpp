@@ -496,10 +496,14 @@ void print_start(const Run& run) {
         "reserved per rank\n",
         TRAINER_VERSION, cfg.run.name, run.kernels->name(), run.world.size(),
         run.placement.collectives, double(run.kernels->memory().reserved) / (1 << 30));
+  const ModelConfig& m = cfg.model;
   fmt::print(
-      "model: {} layers, {} heads, d_model {}, seq_len {}, vocab {} (padded {}), {:.2f}M params\n",
-      cfg.model.n_layer, cfg.model.n_head, cfg.model.d_model, cfg.model.seq_len,
-      cfg.model.vocab_size, cfg.model.padded_vocab(), double(param_table(cfg.model).total) / 1e6);
+      "model: {}, {} layers, {} heads{}, d_model {}, MLP {}, seq_len {}, vocab {} (padded {}, {}), "
+      "{:.2f}M params\n",
+      arch_name(m.arch), m.n_layer, m.n_head,
+      m.kv_heads() != m.n_head ? fmt::format(" ({} key/value)", m.kv_heads()) : "", m.d_model,
+      m.ffn(), m.seq_len, m.vocab_size, m.padded_vocab(), m.tie_embeddings ? "tied" : "untied",
+      double(param_table(m).total) / 1e6);
   const int64_t tokens_per_step =
       int64_t(cfg.train.micro_batch) * cfg.model.seq_len * cfg.train.grad_accum * dims.dp();
   fmt::print(
