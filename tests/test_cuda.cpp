@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "kernels/kernels.h"
+#include "model/architectures.h"
 #include "model/stage_executor.h"
 #include "mpi_cli.h"
 #include "test_util.h"
@@ -441,13 +442,11 @@ TEST_P(CudaKernels, RopeForwardBackward) {
   Backends b;
   const int B = 3, T = 17, NH = 8, NKV = 2, hs = 16, pos0 = 5, max_pos = 32;
   const int64_t n = int64_t(B) * T * (NH + 2 * NKV) * hs;
-  std::vector<float> table(size_t(max_pos) * hs);
-  for (int pos = 0; pos < max_pos; pos++)
-    for (int i = 0; i < hs / 2; i++) {
-      const double angle = pos * std::pow(10000.0, -2.0 * i / hs);
-      table[(size_t(pos) * hs / 2 + i) * 2] = float(std::cos(angle));
-      table[(size_t(pos) * hs / 2 + i) * 2 + 1] = float(std::sin(angle));
-    }
+  ModelConfig llama;
+  llama.arch = Arch::llama;
+  llama.n_head = NH;
+  llama.d_model = NH * hs;
+  const std::vector<float> table = rope_table(llama, max_pos);
   Twin cos_sin = b.make(table, DType::f32), x = b.random(n, t, 1), g = b.random(n, t, 2);
   b.both([&](Kernels& k, auto at) {
     k.rope_forward(at(x), at(cos_sin), B, T, NH, NKV, hs, pos0);

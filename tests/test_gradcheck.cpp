@@ -9,6 +9,7 @@
 #include <functional>
 #include <string>
 
+#include "model/architectures.h"
 #include "model/init.h"
 #include "model/stage_executor.h"
 #include "test_util.h"
@@ -159,13 +160,11 @@ TEST_F(GradCheck, GroupedQueryAttention) {
 // f64 activations).
 TEST_F(GradCheck, Rope) {
   const int B = 2, T = 3, NH = 2, NKV = 1, hs = 4, pos0 = 2, W = (NH + 2 * NKV) * hs;
-  std::vector<float> table(size_t(pos0 + T) * hs);
-  for (int pos = 0; pos < pos0 + T; pos++)
-    for (int i = 0; i < hs / 2; i++) {
-      const double angle = pos * std::pow(10000.0, -2.0 * i / hs);
-      table[(size_t(pos) * hs / 2 + i) * 2] = float(std::cos(angle));
-      table[(size_t(pos) * hs / 2 + i) * 2 + 1] = float(std::sin(angle));
-    }
+  ModelConfig llama;
+  llama.arch = Arch::llama;
+  llama.n_head = NH;
+  llama.d_model = NH * hs;
+  const std::vector<float> table = rope_table(llama, pos0 + T);
   Vec qkv = random_vector<double>(B * T * W, 36), r = random_vector<double>(B * T * W, 37);
   auto f = [&] {
     Device d;

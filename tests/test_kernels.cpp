@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "kernels/half.h"
+#include "model/architectures.h"
 #include "test_util.h"
 
 namespace trainer::test {
@@ -550,16 +551,14 @@ TYPED_TEST(LlamaKernels, AttentionInferenceIsTheForwardsLastRows) {
   }
 }
 
-// Llama's table: angle(pos, i) = pos * 10000^(-2i / hs), stored as fp32 (cos, sin) pairs.
+// Llama's table (model/architectures.h): angle(pos, i) = pos * 10000^(-2i / hs), stored as fp32
+// (cos, sin) pairs.
 std::vector<float> rope_table(int max_pos, int hs) {
-  std::vector<float> table(size_t(max_pos) * hs);
-  for (int pos = 0; pos < max_pos; pos++)
-    for (int i = 0; i < hs / 2; i++) {
-      const double angle = pos * std::pow(10000.0, -2.0 * i / hs);
-      table[(size_t(pos) * hs / 2 + i) * 2] = float(std::cos(angle));
-      table[(size_t(pos) * hs / 2 + i) * 2 + 1] = float(std::sin(angle));
-    }
-  return table;
+  ModelConfig cfg;
+  cfg.arch = Arch::llama;
+  cfg.n_head = 1;
+  cfg.d_model = hs;
+  return trainer::rope_table(cfg, max_pos);
 }
 
 // Meta's apply_rotary_emb: (x[2i] + i x[2i+1]) * (cos + i sin) on each query and key head, at
