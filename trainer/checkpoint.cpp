@@ -144,12 +144,13 @@ StoredModel stored_model(const H5File& f, int64_t version) {
     m.dims[i] = f.attr_int(kDims[i].name);
   if (v4) {
     m.arch = f.attr_string("arch");
-  } else {  // GPT-2, the only architecture before version 4
-    m.dims[5] = m.dims[3];
-    m.dims[6] = 4 * m.dims[4];
-    m.dims[7] = 1;
-    m.dims[8] = 1;
+    return m;
   }
+  // GPT-2, the only architecture before version 4: the rest are its values for these sizes.
+  ModelConfig gpt2;
+  gpt2.n_head = int(m.dims[3]);
+  gpt2.d_model = int(m.dims[4]);
+  for (size_t i = kDimsBefore4; i < std::size(kDims); i++) m.dims[i] = kDims[i].of(gpt2);
   return m;
 }
 
