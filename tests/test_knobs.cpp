@@ -251,6 +251,25 @@ TEST_F(MpiCli, StochasticRoundingChangesTheBf16Trajectory) {
   EXPECT_NE(sr, nearest);
 }
 
+// model.dropout reaches the training forwards (the first step's loss already differs: the same
+// weights, dropped activations), deterministically.
+TEST_F(MpiCli, DropoutReachesTrainingOnly) {
+  auto records = [&](const std::string& name, double p) {
+    const std::string out = path(name);
+    const auto r = mpirun(1, "--set train.steps=3 --set train.val_every=3 --set model.dropout=" +
+                                 std::to_string(p) + " --set run.out_dir=" + quoted(out));
+    EXPECT_EQ(r.code, 0) << r.output;
+    std::vector<double> loss;
+    for (const auto& j : step_records(out)) loss.push_back(j["loss"]);
+    return loss;
+  };
+  const auto plain = records("plain", 0), dropped = records("dropped", 0.2),
+             again = records("again", 0.2);
+  ASSERT_EQ(dropped.size(), 3u);
+  EXPECT_NE(dropped[0], plain[0]);
+  EXPECT_EQ(dropped, again);
+}
+
 // run.peak_tflops is the MFU denominator; run.threads the OpenMP threads each rank runs.
 TEST_F(MpiCli, PeakAndThreadsReachTheRun) {
   auto run = [&](const std::string& name, const std::string& settings) {
