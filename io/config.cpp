@@ -309,9 +309,9 @@ Config parse_config(const std::string& text, const std::string& origin,
   Origins origins;
   for (const auto& item : overrides) apply_override(root, item, origins);
 
-  static const std::set<std::string> sections = {"run",   "init",       "model",    "data",
-                                                 "train", "optim",      "parallel", "precision",
-                                                 "comm",  "checkpoint", "faults"};
+  static const std::set<std::string> sections = {"run",       "init",  "model",      "data",
+                                                 "train",     "optim", "parallel",   "memory",
+                                                 "precision", "comm",  "checkpoint", "faults"};
   for (auto& [k, v] : root)
     if (!sections.count(std::string(k.str()))) {
       std::string at = where(k.source(), origin);
@@ -319,7 +319,7 @@ Config parse_config(const std::string& text, const std::string& origin,
         if (key.starts_with(std::string(k.str()) + ".")) at = o;
       throw ConfigError(fmt::format(
           "{}: unknown section [{}] (expected run, init, model, data, train, optim, parallel, "
-          "precision, comm.compression, checkpoint or faults)",
+          "memory, precision, comm.compression, checkpoint or faults)",
           at, k.str()));
     }
 
@@ -439,6 +439,13 @@ Config parse_config(const std::string& text, const std::string& origin,
             r.origin("micro_batches"), p.micro_batches, c.train.grad_accum));
       c.train.grad_accum = p.micro_batches;
     }
+  }
+  {
+    SectionReader r(root, "memory", origin, origins);
+    MemoryConfig& m = c.memory;
+    r.field("recompute", m.recompute, one_of({"none", "selective", "full"}));
+    r.field("recompute_layers", m.recompute_layers, in_range(0, 1 << 20));
+    r.finish();
   }
   {
     SectionReader r(root, "precision", origin, origins);
@@ -606,6 +613,8 @@ std::string config_to_toml(const Config& c) {
                                {"overlap", c.parallel.overlap},
                                {"allreduce", c.parallel.allreduce},
                                {"ranks_per_node", c.parallel.ranks_per_node}}},
+      {"memory", toml::table{{"recompute", c.memory.recompute},
+                             {"recompute_layers", c.memory.recompute_layers}}},
       {"precision", toml::table{{"compute", c.precision.compute},
                                 {"grads", c.precision.grads},
                                 {"loss_scale", c.precision.loss_scale},

@@ -134,6 +134,12 @@ struct FaultsConfig {
   double checkpoint_timeout_s = 0;     // the same for waiting on a checkpoint write
 };
 
+// [memory]: what is kept from forward to backward (model/stage_executor.h, Recompute).
+struct MemoryConfig {
+  std::string recompute = "none";  // none | selective | full
+  int recompute_layers = 0;        // the first N blocks of each pipeline stage; 0 = all
+};
+
 // [init]: where a fresh run's weights come from.
 struct InitConfig {
   // "" = random (GPT-2's init from run.seed); else a checkpoint (step directory, run directory
@@ -151,6 +157,7 @@ struct Config {
   TrainConfig train;
   OptimConfig optim;
   ParallelConfig parallel;
+  MemoryConfig memory;
   PrecisionConfig precision;
   CommConfig comm;
   CheckpointConfig checkpoint;

@@ -63,15 +63,17 @@ class Gpt2 final : public ModelDefinition {
     return {{BT * C_},
             {BT, true},
             {BT, true},
-            {BT * 3 * Cl_},
-            keeps_probs ? ActSpec{B * NHl_ * T * T} : ActSpec{B * NHl_ * T, true},
+            {.elems = BT * 3 * Cl_, .kv_cache = true},
+            // The probabilities (remade from qkv), or the log-sum-exps a backend keeps instead.
+            keeps_probs ? ActSpec{.elems = B * NHl_ * T * T, .selective = true}
+                        : ActSpec{.elems = B * NHl_ * T, .stats = true},
             {BT * Cl_},
             {BT * C_},
             {BT * C_},
             {BT, true},
             {BT, true},
             {BT * 4 * Cl_},
-            {BT * 4 * Cl_}};
+            {.elems = BT * 4 * Cl_, .selective = true}};
   }
   enum HeadAct { lnf, lnf_mean, lnf_rstd };
   std::vector<ActSpec> head_activations(int64_t B, int64_t T) const override {
@@ -120,6 +122,13 @@ class Gpt2 final : public ModelDefinition {
     c.tp.reduce_forward(out, BT * C_);
     dropout(c, out, BT * C_, mlp_site(l));
     k.residual_forward(out, out, a[res2], BT * C_);
+  }
+
+  void layer_recompute(const LayerCall& c, int) const override {
+    const DPtr* a = c.acts;
+    // attention() rewrites atty with the bits it holds: the same kernel on the same inputs.
+    if (c.k.attention_keeps_probabilities()) attention(c, a[atty], a[att], a[qkv], Cl_, NHl_, NHl_);
+    c.k.gelu_forward(a[fch_gelu], a[fch], int64_t(c.B) * c.T * 4 * Cl_);
   }
 
   void layer_backward(const LayerCall& c, int l, DPtr x, DPtr d_res) const override {

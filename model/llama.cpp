@@ -50,11 +50,18 @@ class Llama final : public ModelDefinition {
   enum Act { attn_norm, attn_rstd, qkv, att, atty, res2, ffn_norm, ffn_rstd, gate_up, swi };
   std::vector<ActSpec> layer_activations(int64_t B, int64_t T, bool keeps_probs) const override {
     const int64_t BT = B * T;
-    return {{BT * C_},      {BT, true},
-            {BT * QKVl_},   keeps_probs ? ActSpec{B * NHl_ * T * T} : ActSpec{B * NHl_ * T, true},
-            {BT * Cl_},     {BT * C_},
-            {BT * C_},      {BT, true},
-            {BT * 2 * Fl_}, {BT * Fl_}};
+    return {{BT * C_},
+            {BT, true},
+            {.elems = BT * QKVl_, .kv_cache = true},
+            // The probabilities (remade from qkv), or the log-sum-exps a backend keeps instead.
+            keeps_probs ? ActSpec{.elems = B * NHl_ * T * T, .selective = true}
+                        : ActSpec{.elems = B * NHl_ * T, .stats = true},
+            {BT * Cl_},
+            {BT * C_},
+            {BT * C_},
+            {BT, true},
+            {BT * 2 * Fl_},
+            {.elems = BT * Fl_, .selective = true}};
   }
   enum HeadAct { final_norm, final_rstd };
   std::vector<ActSpec> head_activations(int64_t B, int64_t T) const override {
@@ -109,6 +116,14 @@ class Llama final : public ModelDefinition {
     k.matmul_forward(out, a[swi], P(c, w.w2), DPtr{}, BT, Fl_, C_);
     c.tp.reduce_forward(out, BT * C_);
     k.residual_forward(out, out, a[res2], BT * C_);
+  }
+
+  void layer_recompute(const LayerCall& c, int) const override {
+    const DPtr* a = c.acts;
+    // attention() rewrites atty with the bits it holds: the same kernel on the same inputs.
+    if (c.k.attention_keeps_probabilities())
+      attention(c, a[atty], a[att], a[qkv], Cl_, NHl_, NKVl_);
+    c.k.swiglu_forward(a[swi], a[gate_up], int64_t(c.B) * c.T, Fl_);
   }
 
   void layer_backward(const LayerCall& c, int l, DPtr x, DPtr d_res) const override {

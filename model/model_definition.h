@@ -26,6 +26,13 @@ namespace trainer {
 struct ActSpec {
   int64_t elems = 0;
   bool stats = false;
+  // Cheap to remake from the block's other activations (attention's probabilities, the MLP's
+  // activation): under selective recomputation it is not kept, and layer_recompute() remakes it
+  // before the block's backward (Megatron's selective recomputation).
+  bool selective = false;
+  // Holds the keys and values of every position in inference (the key/value cache): kept per
+  // block for infer() whatever the recomputation.
+  bool kv_cache = false;
 };
 
 // What one call of a definition sees.
@@ -86,6 +93,9 @@ class ModelDefinition {
   virtual void embed_backward(const LayerCall& c, DPtr dx, const int32_t* tokens) const = 0;
   // out = block l (its global index) applied to x.
   virtual void layer_forward(const LayerCall& c, int l, DPtr x, DPtr out) const = 0;
+  // Remakes block l's `selective` activations from its kept ones, with the kernels
+  // layer_forward() made them with, so that they are bitwise the forward's (same backend).
+  virtual void layer_recompute(const LayerCall& c, int l) const = 0;
   // d holds the gradient of the block's output and is replaced by that of its input x;
   // parameter gradients accumulate.
   virtual void layer_backward(const LayerCall& c, int l, DPtr x, DPtr d) const = 0;

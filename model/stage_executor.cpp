@@ -18,7 +18,31 @@ struct Loc {
   int64_t offset = 0;
 };
 
+// How many of a stage's `layers` blocks are recomputed.
+int recomputed_layers(const StageOptions& o, int layers) {
+  if (o.recompute == Recompute::none) return 0;
+  return o.recompute_layers <= 0 ? layers : std::min(o.recompute_layers, layers);
+}
+
 }  // namespace
+
+Recompute parse_recompute(const std::string& name) {
+  if (name == "none") return Recompute::none;
+  if (name == "selective") return Recompute::selective;
+  if (name == "full") return Recompute::full;
+  throw std::invalid_argument("recompute must be none, selective or full, not \"" + name + "\"");
+}
+
+const char* recompute_name(Recompute r) {
+  switch (r) {
+    case Recompute::selective:
+      return "selective";
+    case Recompute::full:
+      return "full";
+    default:
+      return "none";
+  }
+}
 
 struct StageExecutor::Plan {
   struct Slot {
@@ -31,6 +55,7 @@ struct StageExecutor::Plan {
   std::vector<Slot> slots;
   Loc d_res;
   std::vector<Loc> scratch;
+  Loc recompute_out;  // full recomputation's discarded block output
 
   Loc take(int64_t elems, bool in_stats = false) {
     int64_t& cursor = in_stats ? stats : acts;
@@ -45,18 +70,30 @@ struct StageExecutor::Plan {
   }
 };
 
-StageExecutor::Plan StageExecutor::plan(const ModelDefinition& def, int max_B, int max_T, int slots,
-                                        bool keeps_probs) {
+StageExecutor::Plan StageExecutor::plan(const ModelDefinition& def, int max_B, int max_T,
+                                        const StageOptions& o, bool keeps_probs) {
   const ModelShard& shard = def.shard();
   const int64_t BT = int64_t(max_B) * max_T, C = def.config().d_model;
   const std::vector<ActSpec> layer = def.layer_activations(max_B, max_T, keeps_probs);
+  const int recomputed = recomputed_layers(o, shard.end_layer - shard.first_layer);
   Plan p;
-  for (int s = 0; s < slots; s++) {
+  // What recomputed blocks do not keep: one set of buffers that they all share.
+  std::vector<std::optional<Loc>> shared(layer.size());
+  for (size_t i = 0; i < layer.size() && recomputed > 0; i++)
+    if (o.recompute == Recompute::full || layer[i].selective)
+      shared[i] = p.take(layer[i].elems, layer[i].stats);
+  if (recomputed > 0 && o.recompute == Recompute::full) p.recompute_out = p.take(BT * C);
+  for (int s = 0; s < o.slots; s++) {
     Plan::Slot slot;
     slot.input = p.take(BT * C);
     for (int l = shard.first_layer; l < shard.end_layer; l++) {
       slot.outputs.push_back(p.take(BT * C));
-      slot.layers.push_back(p.take(layer));
+      std::vector<Loc> acts;
+      for (size_t i = 0; i < layer.size(); i++)
+        acts.push_back(l - shard.first_layer < recomputed && shared[i]
+                           ? *shared[i]
+                           : p.take(layer[i].elems, layer[i].stats));
+      slot.layers.push_back(std::move(acts));
     }
     if (shard.last_stage()) {
       slot.head = p.take(def.head_activations(max_B, max_T));
@@ -79,7 +116,7 @@ StageExecutor::Memory StageExecutor::memory_needed(const ModelConfig& cfg, DType
   const ModelShard shard = o.shard ? *o.shard : ModelShard::whole(cfg);
   const auto def = make_model_definition(cfg, shard, o.total_multiple);
   const int64_t total = def->table().total;
-  const Plan p = plan(*def, max_B, max_T, o.slots, keeps_probs);
+  const Plan p = plan(*def, max_B, max_T, o, keeps_probs);
   const int64_t stats_bytes = dtype_size(is_half(dtype) ? DType::f32 : dtype);
   return {total * int64_t(dtype_size(dtype)),
           total * int64_t(dtype_size(o.grad_dtype ? *o.grad_dtype : dtype)),
@@ -95,6 +132,7 @@ StageExecutor::StageExecutor(const ModelConfig& cfg, Kernels& kernels, DType dty
       grad_dtype_(o.grad_dtype ? *o.grad_dtype : dtype),
       stats_dtype_(is_half(dtype) ? DType::f32 : dtype),
       keeps_probs_(kernels.attention_keeps_probabilities()),
+      recompute_(o.recompute),
       slots_(o.slots),
       layers_(def_->shard().end_layer - def_->shard().first_layer),
       max_B_(max_B),
@@ -103,9 +141,10 @@ StageExecutor::StageExecutor(const ModelConfig& cfg, Kernels& kernels, DType dty
   if (o.tp.size() != shard().tp_size)
     throw std::invalid_argument("the tensor-parallel group does not match the shard");
   tp_ = o.tp;
+  recompute_layers_ = recomputed_layers(o, layers_);
   params_ = k_.alloc(table().total, dtype);
   grads_ = k_.alloc(table().total, grad_dtype_);
-  const Plan p = plan(*def_, max_B, max_T, slots_, keeps_probs_);
+  const Plan p = plan(*def_, max_B, max_T, o, keeps_probs_);
   acts_ = k_.alloc(p.acts, dtype);
   stats_ = k_.alloc(p.stats, stats_dtype_);
   auto at = [&](Loc l) { return (l.stats ? stats_ : acts_) + l.offset; };
@@ -123,6 +162,7 @@ StageExecutor::StageExecutor(const ModelConfig& cfg, Kernels& kernels, DType dty
   }
   d_res_ = at(p.d_res);
   scratch_ = all(p.scratch);
+  if (recompute_ == Recompute::full && recompute_layers_ > 0) recompute_out_ = at(p.recompute_out);
   def_->prepare(k_, max_T);
   // What the gradient-ready hook reports: after a layer's backward, everything from its first
   // parameter on is final; after the head's, everything after the last block (the final norm
@@ -145,6 +185,7 @@ StageExecutor::~StageExecutor() {
   k_.free(grads_);
   k_.free(acts_);
   k_.free(stats_);
+  if (kv_caches_) k_.free(kv_caches_);
 }
 
 void StageExecutor::init_parameters(uint64_t seed, DPtr into) {
@@ -262,7 +303,8 @@ void StageExecutor::run_layers_forward(int slot, int B, int T, bool inference, i
     const int local = l - sh.first_layer;
     for (auto& h : layer_hooks_)
       if (h.before_forward) h.before_forward(slot, l);
-    def_->layer_forward(call(slot, B, T, v.layers[local].data()), l, x, v.outputs[local]);
+    const DPtr* acts = inference ? inference_acts(local) : v.layers[local].data();
+    def_->layer_forward(call(slot, B, T, acts), l, x, v.outputs[local]);
     for (auto& h : layer_hooks_)
       if (h.after_forward) h.after_forward(slot, l);
     x = v.outputs[local];
@@ -337,6 +379,7 @@ void StageExecutor::backward(int slot, float loss_scale) {
     for (auto& h : layer_hooks_)
       if (h.before_backward) h.before_backward(slot, l);
     const DPtr x = l == first ? v.input : v.outputs[local - 1];
+    if (recomputed(local)) recompute(slot, local, x);
     def_->layer_backward(with_progress(call(slot, B, T, v.layers[local].data())), l, x, d_res_);
     frontier = layer_frontier_[local];
     progress();
@@ -345,6 +388,38 @@ void StageExecutor::backward(int slot, float loss_scale) {
   }
   if (sh.first_stage())
     def_->embed_backward(call(slot, B, T, nullptr), d_res_, tokens_[slot].data());
+}
+
+void StageExecutor::recompute(int slot, int local, DPtr x) {
+  const int l = shard().first_layer + local;
+  const LayerCall c = call(slot, B_, T_, views_[slot].layers[local].data());
+  if (recompute_ == Recompute::full)
+    def_->layer_forward(c, l, x, recompute_out_);
+  else
+    def_->layer_recompute(c, l);
+}
+
+const DPtr* StageExecutor::inference_acts(int local) {
+  if (recompute_ != Recompute::full || !recomputed(local)) return views_[0].layers[local].data();
+  if (inference_layers_.empty()) {
+    // One sequence of up to max_T positions per recomputed block.
+    const std::vector<ActSpec> specs = def_->layer_activations(1, max_T_, keeps_probs_);
+    int64_t per_layer = 0;
+    for (const ActSpec& a : specs)
+      if (a.kv_cache) per_layer += round16(a.elems);
+    kv_caches_ = k_.alloc(std::max<int64_t>(per_layer * recompute_layers_, 16), dtype_);
+    DPtr next = kv_caches_;
+    for (int i = 0; i < recompute_layers_; i++) {
+      std::vector<DPtr> acts = views_[0].layers[i];
+      for (size_t j = 0; j < specs.size(); j++)
+        if (specs[j].kv_cache) {
+          acts[j] = next;
+          next = next + round16(specs[j].elems);
+        }
+      inference_layers_.push_back(std::move(acts));
+    }
+  }
+  return inference_layers_[local].data();
 }
 
 }  // namespace trainer

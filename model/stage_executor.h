@@ -28,6 +28,19 @@
 
 namespace trainer {
 
+// Activation recomputation (Chen et al. 2016; Korthikanti et al. 2022, Megatron's "selective"):
+// memory traded for compute, per block. none: every activation is kept from forward to
+// backward. selective: attention's probabilities and the MLP's activation (ActSpec::selective)
+// are not kept but remade from the block's kept activations just before its backward. full: only
+// the block's input is kept (the previous block's output), and the whole block is run forward
+// again just before its backward. Blocks under recomputation share one set of buffers for what
+// they do not keep, so a stage of L such blocks holds one block's worth instead of L. The
+// recomputing forward runs the forward's kernels on the forward's inputs (with the same dropout
+// masks): gradients are bitwise those of none on a deterministic backend.
+enum class Recompute { none, selective, full };
+Recompute parse_recompute(const std::string& name);  // "none" | "selective" | "full"
+const char* recompute_name(Recompute r);
+
 struct StageOptions {
   std::optional<ModelShard> shard;  // default: the whole model
   // The tensor-parallel group's reduction (default: one rank). The caller adapts its
@@ -38,6 +51,8 @@ struct StageOptions {
   // Gradients' storage; default: the model's dtype. (Mixed precision: bf16/fp16 weights and
   // activations with fp32 gradients, say.)
   std::optional<DType> grad_dtype;
+  Recompute recompute = Recompute::none;
+  int recompute_layers = 0;  // recomputation applies to the stage's first N blocks; 0 = all
 };
 
 class StageExecutor {
@@ -142,8 +157,15 @@ class StageExecutor {
   // and the statistics (fp32 with 16-bit activations). Planned from shapes alone, by the
   // constructor and by memory_needed().
   struct Plan;
-  static Plan plan(const ModelDefinition& def, int max_B, int max_T, int slots, bool keeps_probs);
+  static Plan plan(const ModelDefinition& def, int max_B, int max_T, const StageOptions& o,
+                   bool keeps_probs);
   LayerCall call(int slot, int B, int T, const DPtr* acts) const;
+  bool recomputed(int local_layer) const { return local_layer < recompute_layers_; }
+  // Remakes what block l (local index `local`) did not keep of micro-batch `slot`'s forward.
+  void recompute(int slot, int local, DPtr x);
+  // The activations infer() gives block `local`: slot 0's, with a key/value cache of its own for
+  // a block under full recomputation (allocated by the first infer()).
+  const DPtr* inference_acts(int local);
   double cross_entropy(int slot, int64_t BT);
   void run_layers_forward(int slot, int B, int T, bool inference, int pos0);
 
@@ -154,6 +176,8 @@ class StageExecutor {
   // the activations are 16-bit, as on GPUs.
   DType stats_dtype_;
   bool keeps_probs_;  // the backend's attention keeps probabilities (else log-sum-exps)
+  Recompute recompute_;
+  int recompute_layers_;  // local blocks [0, recompute_layers_) are recomputed
   TensorParallel tp_;
   int slots_, layers_;
   int max_B_, max_T_;
@@ -187,6 +211,11 @@ class StageExecutor {
   std::vector<SlotViews> views_;
   DPtr d_res_;
   std::vector<DPtr> scratch_;
+  DPtr recompute_out_;  // where full recomputation writes a block's output again (discarded)
+  // Inference under full recomputation: the key/value caches of the recomputed blocks, and slot
+  // 0's activation views with them in place.
+  DPtr kv_caches_;
+  std::vector<std::vector<DPtr>> inference_layers_;
 };
 
 }  // namespace trainer

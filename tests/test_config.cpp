@@ -57,7 +57,7 @@ TEST(Config, UnknownKeyNamesFileLineColumnAndKey) {
 TEST(Config, UnknownSection) {
   EXPECT_EQ(error_of("[modle]\nn_layer = 2\n"),
             "run.toml:1:2: unknown section [modle] (expected run, init, model, data, train, optim, "
-            "parallel, precision, comm.compression, checkpoint or faults)");
+            "parallel, memory, precision, comm.compression, checkpoint or faults)");
 }
 
 TEST(Config, WrongType) {
@@ -79,6 +79,9 @@ TEST(Config, OutOfRange) {
             "found \"exp\"");
   EXPECT_EQ(error_of("[model]\nseq_len = 4294967296\n"),
             "run.toml:2:11: [model] seq_len: 4294967296 does not fit in 32 bits");
+  EXPECT_EQ(error_of("[memory]\nrecompute = \"some\"\n"),
+            "run.toml:2:13: [memory] recompute: must be one of \"none\", \"selective\", "
+            "\"full\", found \"some\"");
 }
 
 TEST(Config, CrossFieldChecksNameTheKeys) {
@@ -114,7 +117,7 @@ TEST(Config, OverridesUseTheSameRules) {
   EXPECT_EQ(
       error_of("", {"modle.n_layer=2"}),
       "--set modle.n_layer=2: unknown section [modle] (expected run, init, model, data, train, "
-      "optim, parallel, precision, comm.compression, checkpoint or faults)");
+      "optim, parallel, memory, precision, comm.compression, checkpoint or faults)");
   EXPECT_EQ(error_of("[model]\nd_model = 64\n", {"model.n_head=5"}),
             "--set model.n_head=5: [model] n_head: n_head = 5 must divide d_model = 64");
 }

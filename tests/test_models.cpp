@@ -6,6 +6,7 @@
 #include <cmath>
 #include <numbers>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "model/architectures.h"
@@ -156,10 +157,10 @@ void perturb(StageExecutor& model) {
 
 // Generation with the key/value cache (a prompt, then one token at a time) gives the logits of
 // the full forward over the whole sequence, row for row.
-class KvCache : public ::testing::TestWithParam<Arch> {};
+class KvCache : public ::testing::TestWithParam<std::tuple<Arch, Recompute>> {};
 
 TEST_P(KvCache, IncrementalInferenceMatchesTheFullForward) {
-  const ModelConfig cfg = tiny(GetParam());
+  const ModelConfig cfg = tiny(std::get<0>(GetParam()));
   const int T = cfg.seq_len, prompt = 5, Vp = cfg.padded_vocab();
   auto k = make_cpu_kernels();
   StageExecutor full(cfg, *k, DType::f64, 1, T);
@@ -171,7 +172,11 @@ TEST_P(KvCache, IncrementalInferenceMatchesTheFullForward) {
   std::vector<double> want(size_t(T) * Vp);
   k->copy_to_host(want.data(), full.logits(), int64_t(want.size()));
 
-  StageExecutor gen(cfg, *k, DType::f64, 1, T);
+  // Under full recomputation the blocks keep their key/value caches apart from the buffers they
+  // share in training.
+  StageOptions o;
+  o.recompute = std::get<1>(GetParam());
+  StageExecutor gen(cfg, *k, DType::f64, 1, T, o);
   gen.init_parameters(3);
   perturb(gen);
   std::vector<double> got(size_t(T) * Vp);
@@ -191,8 +196,91 @@ TEST_P(KvCache, IncrementalInferenceMatchesTheFullForward) {
                         1e-11, 1e-12));
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, KvCache, ::testing::Values(Arch::gpt2, Arch::llama),
-                         [](const auto& info) { return std::string(arch_name(info.param)); });
+std::string arch_and_recompute(const ::testing::TestParamInfo<std::tuple<Arch, Recompute>>& info) {
+  return std::string(arch_name(std::get<0>(info.param))) + "_" +
+         recompute_name(std::get<1>(info.param));
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, KvCache,
+                         ::testing::Combine(::testing::Values(Arch::gpt2, Arch::llama),
+                                            ::testing::Values(Recompute::none, Recompute::full)),
+                         arch_and_recompute);
+
+// Recomputation changes memory, never results: two micro-batches in flight (forward, forward,
+// backward, backward, as a pipeline runs them), with dropout on GPT-2, give the losses and
+// gradients of keeping everything, bit for bit, for every block recomputed or only the first.
+// Blocks under recomputation share the buffers of what they do not keep, so a recomputation
+// that did not run would leave the last block's activations in the earlier blocks' backward.
+class Recomputation : public ::testing::TestWithParam<std::tuple<Arch, Recompute>> {};
+
+TEST_P(Recomputation, BitwiseTheGradientsOfKeepingEverything) {
+  ModelConfig cfg = tiny(std::get<0>(GetParam()));
+  cfg.n_layer = 3;
+  if (cfg.arch == Arch::gpt2) cfg.dropout = 0.2;
+  const Recompute mode = std::get<1>(GetParam());
+  const int B = 2, T = cfg.seq_len;
+  auto k = make_cpu_kernels();
+  std::vector<int32_t> tokens(2 * B * T), targets(2 * B * T);
+  for (size_t i = 0; i < tokens.size(); i++) {
+    tokens[i] = int32_t(mix64(i) % cfg.vocab_size);
+    targets[i] = int32_t(mix64(i + 1000) % cfg.vocab_size);
+  }
+  auto run = [&](Recompute r, int layers, std::vector<double>& losses) {
+    StageOptions o;
+    o.slots = 2;
+    o.recompute = r;
+    o.recompute_layers = layers;
+    StageExecutor model(cfg, *k, DType::f32, B, T, o);
+    model.init_parameters(7);
+    model.zero_grad();
+    model.train_mode(11, 0, 1);
+    for (int s = 0; s < 2; s++)
+      losses.push_back(model.forward(s, &tokens[s * B * T], &targets[s * B * T], B, T));
+    model.backward(1, 1.0f);
+    model.backward(0, 1.0f);
+    std::vector<float> grads(model.table().total);
+    k->copy_to_host(grads.data(), model.grads(), int64_t(grads.size()));
+    return grads;
+  };
+  std::vector<double> want_losses, losses, first_losses;
+  const std::vector<float> want = run(Recompute::none, 0, want_losses);
+  EXPECT_EQ(run(mode, 0, losses), want);
+  EXPECT_EQ(losses, want_losses);
+  EXPECT_EQ(run(mode, 1, first_losses), want);
+  EXPECT_EQ(first_losses, want_losses);
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, Recomputation,
+                         ::testing::Combine(::testing::Values(Arch::gpt2, Arch::llama),
+                                            ::testing::Values(Recompute::selective,
+                                                              Recompute::full)),
+                         arch_and_recompute);
+
+// What each mode keeps, from the plan: selective drops the probabilities and the MLP activation
+// of every recomputed block but one, full everything but the block outputs; recompute_layers
+// limits it to the first blocks.
+TEST(Recomputation, ActivationMemoryFollowsTheMode) {
+  ModelConfig cfg = tiny(Arch::llama);
+  cfg.n_layer = 4;
+  const int B = 2, T = cfg.seq_len;
+  auto acts = [&](Recompute r, int layers) {
+    StageOptions o;
+    o.recompute = r;
+    o.recompute_layers = layers;
+    return StageExecutor::memory_needed(cfg, DType::f32, B, T, o, true).activations;
+  };
+  const int64_t none = acts(Recompute::none, 0), selective = acts(Recompute::selective, 0),
+                full = acts(Recompute::full, 0);
+  EXPECT_LT(selective, none);
+  EXPECT_LT(full, selective);
+  EXPECT_LT(acts(Recompute::full, 2), none);
+  EXPECT_GT(acts(Recompute::full, 2), full);
+  EXPECT_EQ(acts(Recompute::none, 2), none);
+  // Selective over 4 blocks keeps 3 fewer copies of the probabilities (B NH T T) and of the
+  // SwiGLU output (B T F), to 64-byte rounding.
+  const int64_t saved = 3 * (int64_t(B) * cfg.n_head * T * T + int64_t(B) * T * cfg.ffn()) * 4;
+  EXPECT_NEAR(double(none - selective), double(saved), 3 * 2 * 64.0);
+}
 
 // Every numeric [model] knob reaches the model: changing it alone changes the logits.
 TEST(ModelKnobs, EachChangesTheLogits) {

@@ -201,6 +201,8 @@ struct Run {
     o.slots = Pipeline::slots(me.pp, dims.pp(), c.train.grad_accum);
     o.total_multiple = 16 * int64_t(dims.dp());
     o.grad_dtype = c.precision.grads == "fp32" ? DType::f32 : compute_dtype(c.precision);
+    o.recompute = parse_recompute(c.memory.recompute);
+    o.recompute_layers = c.memory.recompute_layers;
     return o;
   }
 
@@ -483,6 +485,31 @@ double peak_rss_mb() {
   return 0;
 }
 
+// What one rank will hold, in bytes, from the same plan the model allocates by: the model's
+// buffers, AdamW's fp32 moments (and fp32 master weights for 16-bit models) over the elements
+// this rank updates (all of its shard's, or its ZeRO-1 piece plus that piece's gradients), and
+// the host copy of them a checkpoint takes.
+struct MemoryBudget {
+  StageExecutor::Memory model;
+  double optimizer = 0, snapshot = 0;
+  double total() const { return double(model.total()) + optimizer + snapshot; }
+};
+
+MemoryBudget memory_budget(const Config& cfg, const ParallelDims& dims, const RankCoords& me,
+                           bool keeps_probs) {
+  const DType dtype = compute_dtype(cfg.precision);
+  const StageOptions o = Run::model_options(cfg, me, dims, nullptr);
+  MemoryBudget b;
+  b.model = StageExecutor::memory_needed(cfg.model, dtype, cfg.train.micro_batch, cfg.model.seq_len,
+                                         o, keeps_probs);
+  const double elems = double(param_table(cfg.model, *o.shard, o.total_multiple).total);
+  const double owned = cfg.parallel.zero ? elems / dims.dp() : elems;
+  b.optimizer = owned * 4 * (is_half(dtype) ? 3 : 2) +
+                (cfg.parallel.zero ? owned * dtype_size(*o.grad_dtype) : 0);
+  b.snapshot = owned * 4 * 3;
+  return b;
+}
+
 void print_start(const Run& run) {
   const Config& cfg = run.cfg;
   const ParallelDims& dims = run.dims;
@@ -526,6 +553,18 @@ void print_start(const Run& run) {
       stages += fmt::format(" {}:[{}, {})", s, bounds[s], bounds[s + 1]);
     fmt::print("pipeline stages (blocks; embedding on the first, head on the last):{}\n", stages);
   }
+  const MemoryBudget b =
+      memory_budget(cfg, dims, dims.coords(0), run.kernels->attention_keeps_probabilities());
+  const double MB = 1 << 20;
+  fmt::print(
+      "memory: recompute {}{}, rank 0 expects {:.1f} MB (weights {:.1f}, gradients {:.1f}, "
+      "activations {:.2f}, optimizer state {:.1f}, checkpoint copy {:.1f})\n",
+      cfg.memory.recompute,
+      cfg.memory.recompute != "none" && cfg.memory.recompute_layers > 0
+          ? fmt::format(" (first {} blocks of each stage)", cfg.memory.recompute_layers)
+          : "",
+      b.total() / MB, double(b.model.params) / MB, double(b.model.grads) / MB,
+      double(b.model.activations + b.model.stats) / MB, b.optimizer / MB, b.snapshot / MB);
   fmt::print("precision: compute {}, gradients {}, master weights and AdamW state fp32{}\n",
              precision_name(run.model.params().dtype), precision_name(run.model.grads().dtype),
              cfg.precision.compute != "fp16" ? ""
@@ -612,25 +651,13 @@ double available_bytes(Kernels& kernels, const World& world) {
 }
 
 // A run that cannot fit is refused before anything is allocated (allocating first grows for
-// tens of seconds and then fails somewhere): what this rank will hold, from the same plan the
-// model allocates by, against what is available to it.
+// tens of seconds and then fails somewhere).
 void check_memory(const Config& cfg, World& world, Kernels& kernels, const std::string& origin) {
   const ParallelDims dims = Run::layout(cfg, world.size(), origin);
-  const RankCoords me = dims.coords(world.rank());
-  const DType dtype = compute_dtype(cfg.precision);
-  const StageOptions o = Run::model_options(cfg, me, dims, nullptr);
-  const StageExecutor::Memory model =
-      StageExecutor::memory_needed(cfg.model, dtype, cfg.train.micro_batch, cfg.model.seq_len, o,
-                                   kernels.attention_keeps_probabilities());
-  // AdamW's fp32 moments (and fp32 master weights for 16-bit models) over the elements this
-  // rank updates: all of its shard's, or its ZeRO-1 piece (plus that piece's gradients); and
-  // the host copy of them a checkpoint takes.
-  const double elems = double(param_table(cfg.model, *o.shard, o.total_multiple).total);
-  const double owned = cfg.parallel.zero ? elems / dims.dp() : elems;
-  const double optimizer = owned * 4 * (is_half(dtype) ? 3 : 2) +
-                           (cfg.parallel.zero ? owned * dtype_size(*o.grad_dtype) : 0);
-  const double snapshot = owned * 4 * 3;
-  const double need = double(model.total()) + optimizer + snapshot;
+  const MemoryBudget b =
+      memory_budget(cfg, dims, dims.coords(world.rank()), kernels.attention_keeps_probabilities());
+  const StageExecutor::Memory& model = b.model;
+  const double need = b.total(), optimizer = b.optimizer, snapshot = b.snapshot;
   const double have = available_bytes(kernels, world);
   if (have <= 0 || need <= have) return;
   const double GB = 1 << 30;
