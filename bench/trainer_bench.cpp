@@ -182,8 +182,9 @@ int run(const Options& opt) {
   std::vector<double> total_s, forward_s, backward_s, optimizer_s;
   double loss = 0, first_loss = 0;
   CpuSample cpu0;
+  trainer::Kernels::MatmulTotals mm0;
   for (int step = 0; step < warmup + steps; step++) {
-    if (step == warmup) cpu0 = cpu_sample();
+    if (step == warmup) cpu0 = cpu_sample(), mm0 = kernels->matmul_totals();
     const auto t_step = Clock::now();
     model.zero_grad();
     auto t0 = Clock::now();
@@ -212,6 +213,11 @@ int run(const Options& opt) {
   }
 
   const CpuSample cpu1 = cpu_sample();
+  // Inside matmul and attention calls (CPU): their time per step and their own rate, so that
+  // MFU splits into how fast the products run and how much of the step is anything else.
+  const trainer::Kernels::MatmulTotals mm1 = kernels->matmul_totals();
+  const double matmul_s = (mm1.seconds - mm0.seconds) / steps;
+  const double matmul_flops = (mm1.flops - mm0.flops) / steps;
   const double timed_s = std::chrono::duration<double>(cpu1.wall - cpu0.wall).count();
   const double self_cores = (cpu1.self_s - cpu0.self_s) / timed_s;
   const double other_cores =
@@ -231,6 +237,9 @@ int run(const Options& opt) {
       {"dtype", opt.dtype},
       {"mfu", peak > 0 ? flops_per_token * tokens_per_s / peak : 0.0},
       {"peak_gflops", peak / 1e9},
+      {"matmul_ms", matmul_s * 1e3},  // per step, in matmul and attention calls
+      {"matmul_gflops", matmul_s > 0 ? matmul_flops / matmul_s / 1e9 : 0.0},
+      {"matmul_share", matmul_s / step_s},  // of the step's time
       {"peak_gpu_mb", double(kernels->memory().peak) / (1 << 20)},
       {"flops_per_token", flops_per_token},
       {"matmul_params", trainer::matmul_params(w.model)},

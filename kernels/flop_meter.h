@@ -20,6 +20,8 @@ class FlopMeter {
     record(flops, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   void record(double flops, double seconds) {
+    flops_.fetch_add(flops, std::memory_order_relaxed);
+    seconds_.fetch_add(seconds, std::memory_order_relaxed);
     if (seconds > 0) raise(flops / seconds);
   }
   // Keeps `flops_per_s` if it is above the best so far (thread-safe: calls may come from
@@ -31,9 +33,13 @@ class FlopMeter {
     }
   }
   double best() const { return best_.load(std::memory_order_relaxed); }
+  // The FLOPs and seconds of every timed call so far: where a step's time goes (matrix
+  // multiplies at what rate, and everything else).
+  double total_flops() const { return flops_.load(std::memory_order_relaxed); }
+  double total_seconds() const { return seconds_.load(std::memory_order_relaxed); }
 
  private:
-  std::atomic<double> best_{0};
+  std::atomic<double> best_{0}, flops_{0}, seconds_{0};
 };
 
 }  // namespace trainer

@@ -73,6 +73,12 @@ class Kernels {
   // Measures the peak where the backend can (the CPU: the best of several short sgemm bursts),
   // makes it the floor and returns it; 0 where it cannot.
   virtual double measure_peak_flops() { return 0; }
+  // The FLOPs executed by matmul and attention calls so far and the seconds they took (the
+  // CPU; zeros where calls are not timed, as on an asynchronous GPU).
+  struct MatmulTotals {
+    double flops = 0, seconds = 0;
+  };
+  virtual MatmulTotals matmul_totals() const { return {}; }
   // fp32 host values from and to a buffer of any dtype (16-bit and f64 converted on the way).
   void download_f32(float* dst, DPtr src, int64_t elems) {
     if (src.dtype == DType::f32) return copy_to_host(dst, src, elems);

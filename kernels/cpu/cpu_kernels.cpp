@@ -149,6 +149,9 @@ class CpuKernels final : public Kernels {
   std::string name() const override { return "cpu"; }
 
   double peak_flops(DType) const override { return meter_.best(); }
+  MatmulTotals matmul_totals() const override {
+    return {meter_.total_flops(), meter_.total_seconds()};
+  }
   void set_peak_flops(double flops_per_s) override { meter_.raise(flops_per_s); }
   // The best of several short sgemm bursts at the size of a large layer, each timed alone so
   // that a disturbance (another process, a page fault, threads waking up) spoils one burst
