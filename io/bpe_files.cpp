@@ -118,13 +118,9 @@ std::vector<RankedToken> parse_tiktoken_ranks(std::string_view bytes, const std:
   std::string token;
   for (size_t pos = 0; pos < bytes.size();) {
     line_no++;
-    const size_t eol = bytes.find('\n', pos);
-    if (eol == std::string_view::npos) {
-      throw ConfigError(
-          fmt::format("{}: line {} (offset {}): expected a line ending in a newline, "
-                      "found the end of the file after {} (truncated?)",
-                      origin, line_no, pos, quote_bytes(bytes, pos)));
-    }
+    size_t eol = bytes.find('\n', pos);
+    const bool unterminated = eol == std::string_view::npos;
+    if (unterminated) eol = bytes.size();
     const std::string_view line = bytes.substr(pos, eol - pos);
     const size_t line_pos = pos;
     pos = eol + 1;
@@ -135,6 +131,15 @@ std::vector<RankedToken> parse_tiktoken_ranks(std::string_view bytes, const std:
                       "{} ({})",
                       origin, line_no, line_pos, quote_bytes(line), what));
     };
+    // A last line without its newline, after good lines, is where a download stopped. On line 1
+    // it is more likely a file of another kind (encoder.json): its form is checked first.
+    auto truncated = [&] {
+      throw ConfigError(
+          fmt::format("{}: line {} (offset {}): expected a line ending in a newline, "
+                      "found the end of the file after {} (truncated?)",
+                      origin, line_no, line_pos, quote_bytes(line)));
+    };
+    if (unterminated && !tokens.empty()) truncated();
     const size_t space = line.find(' ');
     if (space == std::string_view::npos) fail("no space");
     const long bad = base64_decode(line.substr(0, space), token);
@@ -151,6 +156,7 @@ std::vector<RankedToken> parse_tiktoken_ranks(std::string_view bytes, const std:
     if (auto [it, fresh] = by_bytes.emplace(token, rank); !fresh) {
       fail(fmt::format("the token already has rank {}", it->second));
     }
+    if (unterminated) truncated();
     tokens.push_back({token, rank});
   }
   if (tokens.empty()) {
