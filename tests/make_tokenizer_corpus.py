@@ -34,6 +34,8 @@ samples = [
     "👩‍👩‍👧‍👦 👨🏽‍💻 🏳️‍🌈 🇫🇷🇯🇵 1️⃣ #️⃣ ❤️ 🧑🏿‍🤝‍🧑🏻 😀😃😄",
     "tab\there\t\tand\n\nnewlines\r\nCRLF\r\n\r\n\n\n   \n\t \n",
     "nel\u0085next mvs\u180enext nbsp\u00a0x ideo\u3000x ls\u2028ps\u2029 thin\u2009x\u200bzw",
+    "a \u180e b \u180e\u180e c\u180e \u180e\n d \u0085 e\u0085\u0085 \u0085\n \u00a0\u00a0x \u3000 y",
+    "x \u180ea \u180e! \u180e\n1 \u180e\u180ea\n\u180e a  \u180e!",
     "12345678901234567890 3.14159 1,000,000 0x7fffffff 1e-9 ١٢٣ ४५६ ⅷ ½",
     "<|endoftext|> text <|fim_prefix|><|fim_middle|><|fim_suffix|> <|endofprompt|>",
     "<|begin_of_text|><|start_header_id|>user<|end_header_id|> hi<|eot_id|>",
