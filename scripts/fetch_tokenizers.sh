@@ -21,6 +21,10 @@ die() { echo "fetch_tokenizers.sh: $*" >&2; exit 1; }
 command -v npm >/dev/null || die "npm not found (run scripts/install_deps.sh)"
 command -v node >/dev/null || die "node not found (run scripts/install_deps.sh)"
 mkdir -p "$CACHE"
+# Tests running in parallel may all find the cache empty: one fetches, the others wait and reuse.
+exec 9>"$CACHE/.lock"
+flock 9
+have_all && exit 0
 # Everything is made in a scratch directory and moved in at the end, so that an interrupted run
 # leaves no half-written file that a later run would take as present.
 work="$(mktemp -d "$CACHE/.fetch.XXXXXX")"
