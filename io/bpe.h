@@ -58,6 +58,7 @@ class BpeTokenizer : public Tokenizer {
   std::vector<int32_t> encode_ordinary(std::string_view text) const override;
   std::string decode(const std::vector<int32_t>& tokens) const override;
   int vocab_size() const override { return static_cast<int>(decoder_.size()); }
+  bool has_token(int32_t id) const override { return id >= 0 && id < vocab_size() && has_id_[id]; }
 
  private:
   BpeRanks ranks_;

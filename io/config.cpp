@@ -309,18 +309,19 @@ Config parse_config(const std::string& text, const std::string& origin,
   Origins origins;
   for (const auto& item : overrides) apply_override(root, item, origins);
 
-  static const std::set<std::string> sections = {"run",       "init",  "model",      "data",
-                                                 "train",     "optim", "parallel",   "memory",
-                                                 "precision", "comm",  "checkpoint", "faults"};
+  static const std::set<std::string> sections = {
+      "run",      "init",   "model",     "data", "tokenizer",  "train", "optim",
+      "parallel", "memory", "precision", "comm", "checkpoint", "faults"};
   for (auto& [k, v] : root)
     if (!sections.count(std::string(k.str()))) {
       std::string at = where(k.source(), origin);
       for (const auto& [key, o] : origins)
         if (key.starts_with(std::string(k.str()) + ".")) at = o;
-      throw ConfigError(fmt::format(
-          "{}: unknown section [{}] (expected run, init, model, data, train, optim, parallel, "
-          "memory, precision, comm.compression, checkpoint or faults)",
-          at, k.str()));
+      throw ConfigError(
+          fmt::format("{}: unknown section [{}] (expected run, init, model, data, tokenizer, "
+                      "train, optim, parallel, "
+                      "memory, precision, comm.compression, checkpoint or faults)",
+                      at, k.str()));
     }
 
   if (toml::table* comm = root["comm"].as_table())  // [comm] holds [comm.compression] only
@@ -371,6 +372,25 @@ Config parse_config(const std::string& text, const std::string& origin,
     r.finish();
   }
   {
+    SectionReader r(root, "tokenizer", origin, origins);
+    TokenizerConfig& t = c.tokenizer;
+    r.field("kind", t.kind, one_of({"bytes", "gpt2", "tiktoken", "sentencepiece"}));
+    r.field("path", t.path);
+    r.field("pattern", t.pattern, one_of({"", "gpt2", "cl100k", "llama3"}));
+    r.finish();
+    if (t.kind != "bytes" && t.path.empty())
+      throw ConfigError(
+          fmt::format("{}: [tokenizer] path: kind = \"{}\" needs its files, found none",
+                      r.origin("kind"), t.kind));
+    if ((t.kind == "tiktoken") != !t.pattern.empty())
+      throw ConfigError(fmt::format(
+          "{}: [tokenizer] pattern: {}", r.origin(t.pattern.empty() ? "kind" : "pattern"),
+          t.kind == "tiktoken"
+              ? std::string("a tiktoken rank file needs its pre-tokenisation pattern (gpt2, "
+                            "cl100k or llama3), found none")
+              : fmt::format("applies to kind = \"tiktoken\" only, found kind = \"{}\"", t.kind)));
+  }
+  {
     SectionReader r(root, "train", origin, origins);
     TrainConfig& t = c.train;
     r.field("micro_batch", t.micro_batch, in_range(1, 1 << 16));
@@ -387,7 +407,7 @@ Config parse_config(const std::string& text, const std::string& origin,
     r.field("sample_top_k", t.sample_top_k, at_least(0));
     r.finish();
     for (unsigned char byte : t.sample_prompt)  // the byte-level tokenizer's ids
-      if (byte >= c.model.vocab_size)
+      if (c.tokenizer.kind == "bytes" && byte >= c.model.vocab_size)
         throw ConfigError(fmt::format(
             "{}: [train] sample_prompt: byte {} is outside the vocabulary (vocab_size = {})",
             r.origin("sample_prompt"), byte, c.model.vocab_size));
@@ -521,6 +541,11 @@ Config parse_config(const std::string& text, const std::string& origin,
   return c;
 }
 
+std::string tokenizer_name(const TokenizerConfig& t) {
+  if (t.kind == "bytes") return "bytes";
+  return t.kind + (t.pattern.empty() ? "" : " " + t.pattern) + " (" + t.path + ")";
+}
+
 Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
   if (path.empty()) return parse_config("", "<defaults>", overrides);
   std::ifstream in(path);
@@ -581,6 +606,9 @@ std::string config_to_toml(const Config& c) {
                            {"val", strings(c.data.val)},
                            {"prefetch", c.data.prefetch},
                            {"format", c.data.format}}},
+      {"tokenizer", toml::table{{"kind", c.tokenizer.kind},
+                                {"path", c.tokenizer.path},
+                                {"pattern", c.tokenizer.pattern}}},
       {"train", toml::table{{"micro_batch", c.train.micro_batch},
                             {"grad_accum", c.train.grad_accum},
                             {"steps", c.train.steps},

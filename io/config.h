@@ -37,6 +37,20 @@ struct DataConfig {
   std::string format = "auto";
 };
 
+// [tokenizer]: how text becomes tokens (io/tokenizer.h): for `prepare`, for the in-training
+// samples, and stored in every checkpoint for `generate`. Shards record the tokenizer they were
+// prepared with, and a run refuses shards of another.
+struct TokenizerConfig {
+  std::string kind = "bytes";  // bytes | gpt2 | tiktoken | sentencepiece
+  // gpt2: the directory of encoder.json and vocab.bpe (or the encoder.json); tiktoken: a .tiktoken
+  // rank file; sentencepiece: a .model file
+  std::string path;
+  std::string pattern;  // tiktoken's pre-tokenisation: gpt2 | cl100k | llama3
+};
+
+// "bytes", "gpt2 (dir)", "tiktoken cl100k (file)": a tokenizer in messages.
+std::string tokenizer_name(const TokenizerConfig& t);
+
 struct TrainConfig {
   int micro_batch = 8;  // sequences per forward/backward
   int grad_accum = 1;   // micro-batches per optimizer step
@@ -154,6 +168,7 @@ struct Config {
   InitConfig init;
   ModelConfig model;
   DataConfig data;
+  TokenizerConfig tokenizer;
   TrainConfig train;
   OptimConfig optim;
   ParallelConfig parallel;

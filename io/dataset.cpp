@@ -43,6 +43,16 @@ Dataset::Dataset(const std::vector<std::string>& patterns, int vocab_size, int T
   }
 }
 
+void Dataset::check_tokenizer(uint64_t hash, const std::string& tokenizer) const {
+  for (const TokenShard& s : shards_)
+    if (s.tokenizer_hash() != 0 && s.tokenizer_hash() != hash)
+      throw DataError(fmt::format(
+          "{}: prepared with another tokenizer (identity hash {:016x}) than [tokenizer] {} "
+          "({:016x}): prepare the data again with this tokenizer, or configure the one it was "
+          "prepared with",
+          s.path(), s.tokenizer_hash(), tokenizer, hash));
+}
+
 std::string Dataset::describe() const {
   std::map<std::string, int> by_format;
   for (const TokenShard& s : shards_) by_format[s.format()]++;

@@ -30,6 +30,9 @@ class Dataset {
   // The shards and the layouts their headers said: "1 shard, trainer format", "100 shards,
   // llm.c format", "3 shards: 2 trainer, 1 llm.c".
   std::string describe() const;
+  // Refuses (DataError) a shard that records another tokenizer than the one whose identity hash
+  // is `hash`; `tokenizer` names it. Shards that record none pass.
+  void check_tokenizer(uint64_t hash, const std::string& tokenizer) const;
   // Window w: T+1 tokens split into inputs (T) and targets (T).
   void window(int64_t w, int32_t* inputs, int32_t* targets) const;
 

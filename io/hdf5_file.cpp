@@ -95,7 +95,7 @@ namespace {
 // A float dataset of any rank, chunked along its first dimension with HDF5's Fletcher32
 // checksum filter (a flipped byte fails the read); groups on its path are created.
 hid_t create_dataset(hid_t file, const std::string& path, const std::string& name,
-                     const std::vector<hsize_t>& dims) {
+                     const std::vector<hsize_t>& dims, hid_t type = H5T_IEEE_F32LE) {
   Handle space{H5Screate_simple(int(dims.size()), dims.data(), nullptr), H5Sclose};
   Handle lcpl{H5Pcreate(H5P_LINK_CREATE), H5Pclose};
   H5Pset_create_intermediate_group(lcpl.id, 1);
@@ -112,8 +112,7 @@ hid_t create_dataset(hid_t file, const std::string& path, const std::string& nam
     H5Pset_chunk(dcpl.id, int(chunk.size()), chunk.data());
     H5Pset_fletcher32(dcpl.id);
   }
-  const hid_t ds =
-      H5Dcreate2(file, name.c_str(), H5T_IEEE_F32LE, space.id, lcpl.id, dcpl.id, H5P_DEFAULT);
+  const hid_t ds = H5Dcreate2(file, name.c_str(), type, space.id, lcpl.id, dcpl.id, H5P_DEFAULT);
   if (ds < 0) throw H5Error(fmt::format("{}: cannot create dataset {}", path, name));
   return ds;
 }
@@ -161,6 +160,37 @@ void H5File::write_part(const std::string& name, const std::vector<int64_t>& sha
       throw H5Error(fmt::format("{}: cannot write dataset {} (disk full?)", path_, name));
     if (!empty) values += b.rows * b.cols;
   }
+}
+
+void H5File::write_bytes(const std::string& name, const std::string& bytes) {
+  const hsize_t n = bytes.size();
+  Handle ds{create_dataset(id_, path_, name, {n}, H5T_STD_U8LE), H5Dclose};
+  Handle space{H5Dget_space(ds.id), H5Sclose};
+  // In a parallel file every rank holds the same bytes and rank 0 writes them.
+  int rank = 0;
+  if (comm_ != MPI_COMM_NULL) MPI_Comm_rank(comm_, &rank);
+  Handle memory{H5Screate_simple(1, &n, nullptr), H5Sclose};
+  if (rank != 0 || n == 0) {
+    H5Sselect_none(space.id);
+    H5Sselect_none(memory.id);
+  }
+  const char dummy = 0;
+  if (H5Dwrite(ds.id, H5T_NATIVE_UCHAR, memory.id, space.id, xfer_ >= 0 ? xfer_ : H5P_DEFAULT,
+               n ? bytes.data() : &dummy) < 0)
+    throw H5Error(fmt::format("{}: cannot write dataset {} (disk full?)", path_, name));
+}
+
+std::string H5File::read_bytes(const std::string& name) const {
+  const std::vector<int64_t> found = shape(name);
+  if (found.size() != 1)
+    throw H5Error(fmt::format("{}: dataset {} has shape {}, expected bytes (one dimension)", path_,
+                              name, shape_string(found)));
+  std::string bytes(size_t(found[0]), '\0');
+  Handle ds{H5Dopen2(id_, name.c_str(), H5P_DEFAULT), H5Dclose};
+  if (!bytes.empty() &&
+      H5Dread(ds.id, H5T_NATIVE_UCHAR, H5S_ALL, H5S_ALL, H5P_DEFAULT, bytes.data()) < 0)
+    throw H5Error(fmt::format("{}: cannot read dataset {} (corrupt?)", path_, name));
+  return bytes;
 }
 
 std::vector<int64_t> H5File::shape(const std::string& name) const {

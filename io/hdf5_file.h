@@ -52,6 +52,10 @@ class H5File {
   // order.
   void write_part(const std::string& name, const std::vector<int64_t>& shape,
                   const std::vector<Box>& boxes, const float* values);
+  // A 1-D dataset of raw bytes (chunked and checksummed like the others). In a parallel file
+  // every rank passes the same bytes.
+  void write_bytes(const std::string& name, const std::string& bytes);
+  std::string read_bytes(const std::string& name) const;
   std::vector<int64_t> shape(const std::string& name) const;
   // Reads into data, after checking the stored shape equals `shape`.
   void read(const std::string& name, const std::vector<int64_t>& shape, float* data) const;

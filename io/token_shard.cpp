@@ -27,7 +27,9 @@ struct Header {
   uint32_t token_bytes;
   uint64_t count;
   uint32_t vocab_size;
-  uint8_t reserved[36];
+  uint32_t reserved0;
+  uint64_t tokenizer_hash;  // version 2: Tokenizer::identity_hash() of the tokenizer used
+  uint8_t reserved[24];
 };
 static_assert(sizeof(Header) == kHeaderBytes);
 
@@ -87,13 +89,15 @@ TokenShard::TokenShard(const std::string& path, int vocab_size, bool headerless)
                        map_bytes_));
     Header h;
     std::memcpy(&h, bytes, sizeof h);
-    if (h.version != 1) fail(fmt::format("offset 8: expected version 1, found {}", h.version));
+    if (h.version != 1 && h.version != 2)
+      fail(fmt::format("offset 8: expected version 1 or 2, found {}", h.version));
     if (h.token_bytes != 2 && h.token_bytes != 4)
       fail(fmt::format("offset 12: expected 2 or 4 bytes per token, found {}", h.token_bytes));
     format_ = "trainer";
     header = kHeaderBytes;
     width_ = int(h.token_bytes);
     declared = h.count;
+    tokenizer_hash_ = h.version >= 2 ? h.tokenizer_hash : 0;
   } else if (map_bytes_ >= 4 && reinterpret_cast<const int32_t*>(bytes)[0] == kLlmcMagic) {
     if (map_bytes_ < kLlmcHeaderBytes)
       fail(fmt::format("llm.c header truncated: expected {} bytes, file has {}", kLlmcHeaderBytes,
@@ -143,7 +147,8 @@ TokenShard::TokenShard(TokenShard&& o) noexcept
       map_bytes_(o.map_bytes_),
       tokens_(o.tokens_),
       width_(o.width_),
-      count_(o.count_) {
+      count_(o.count_),
+      tokenizer_hash_(o.tokenizer_hash_) {
   o.map_ = nullptr;
 }
 
@@ -161,11 +166,12 @@ void TokenShard::read(int64_t start, int64_t n, int32_t* out) const {
   }
 }
 
-void write_token_shard(const std::string& path, const std::vector<int32_t>& tokens,
-                       int vocab_size) {
+void write_token_shard(const std::string& path, const std::vector<int32_t>& tokens, int vocab_size,
+                       uint64_t tokenizer_hash) {
   Header h{};
   std::memcpy(h.magic, kMagic, 8);
-  h.version = 1;
+  h.version = 2;
+  h.tokenizer_hash = tokenizer_hash;
   h.token_bytes = vocab_size <= 65536 ? 2 : 4;
   h.count = tokens.size();
   h.vocab_size = uint32_t(vocab_size);

@@ -1,7 +1,8 @@
 #pragma once
 // Token shards, memory-mapped. Three layouts are read:
-//  - ours: a 64-byte header {magic "TRTOKENS", u32 version = 1, u32 bytes per token (2 | 4),
-//    u64 token count, u32 vocab size, zero padding}, then the tokens, little-endian;
+//  - ours: a 64-byte header {magic "TRTOKENS", u32 version (2; 1 is read), u32 bytes per token
+//    (2 | 4), u64 token count, u32 vocab size, u32 zero, u64 the tokenizer's identity hash
+//    (version 2; io/tokenizer.h), zero padding}, then the tokens, little-endian;
 //  - llm.c: 256 x int32 header {20240520, 1, token count, ...}, then uint16 tokens;
 //  - nanoGPT: a headerless file of uint16 tokens, only when asked for (data.format =
 //    "nanogpt"): with no magic to check, a damaged header would otherwise be read as tokens.
@@ -32,6 +33,9 @@ class TokenShard {
   const std::string& path() const { return path_; }
   const char* format() const { return format_; }
   int64_t size() const { return count_; }
+  // The identity hash of the tokenizer the shard was prepared with; 0 where the file does not
+  // record one (our version 1, llm.c, nanoGPT).
+  uint64_t tokenizer_hash() const { return tokenizer_hash_; }
   // tokens [start, start + n) as int32
   void read(int64_t start, int64_t n, int32_t* out) const;
 
@@ -43,9 +47,12 @@ class TokenShard {
   const uint8_t* tokens_ = nullptr;
   int width_ = 2;
   int64_t count_ = 0;
+  uint64_t tokenizer_hash_ = 0;
 };
 
-// Writes our shard layout atomically (temporary file, then rename).
-void write_token_shard(const std::string& path, const std::vector<int32_t>& tokens, int vocab_size);
+// Writes our shard layout atomically (temporary file, then rename); tokenizer_hash 0: not
+// recorded.
+void write_token_shard(const std::string& path, const std::vector<int32_t>& tokens, int vocab_size,
+                       uint64_t tokenizer_hash = 0);
 
 }  // namespace trainer

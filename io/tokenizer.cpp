@@ -198,4 +198,11 @@ std::unique_ptr<Tokenizer> tokenizer_from_bytes(std::string_view bytes, const st
   }
 }
 
+std::optional<int32_t> end_of_text_token(const Tokenizer& tokenizer) {
+  for (const char* name : {"<|endoftext|>", "<|end_of_text|>", "</s>"})
+    if (auto it = tokenizer.special_tokens().find(name); it != tokenizer.special_tokens().end())
+      return it->second;
+  return std::nullopt;
+}
+
 }  // namespace trainer

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <string_view>
@@ -42,6 +43,8 @@ class Tokenizer {
   // throws std::out_of_range.
   virtual std::string decode(const std::vector<int32_t>& tokens) const = 0;
   virtual int vocab_size() const = 0;  // one past the largest id, special tokens included
+  // Whether decode() knows `id` (a rank file may leave ids below vocab_size() unused).
+  virtual bool has_token(int32_t id) const { return id >= 0 && id < vocab_size(); }
   const SpecialTokens& special_tokens() const { return specials_; }
   std::set<std::string> all_special() const;
   const std::string& kind() const { return kind_; }  // "bytes", "gpt2", "tiktoken", ...
@@ -74,6 +77,10 @@ struct TokenizerOptions {
 // line or offset, what was expected and what was found.
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& kind, const std::string& path,
                                           const TokenizerOptions& options = {});
+// The token that ends a document: <|endoftext|> (GPT-2, cl100k), <|end_of_text|> (Llama 3) or
+// SentencePiece's </s>; none for bytes.
+std::optional<int32_t> end_of_text_token(const Tokenizer& tokenizer);
+
 // Rebuilds a tokenizer from its serialize() bytes; `source` names them in errors (e.g. a
 // checkpoint's path). Damaged bytes throw CheckpointError.
 std::unique_ptr<Tokenizer> tokenizer_from_bytes(std::string_view bytes, const std::string& source);

@@ -274,7 +274,7 @@ TEST_F(Cli, RedirectedLogIsLiveAndSaysWhereTheRunStands) {
   }
 }
 
-// A model whose vocabulary is not the 256 bytes (no tokenizer for it yet): its samples and
+// A model whose vocabulary is not the 256 bytes, with the bytes tokenizer: its samples and
 // generate print token ids, never bytes of id & 0xFF, and a text prompt for it is an error.
 TEST_F(Cli, NonByteVocabularyPrintsTokenIds) {
   prepare_data();
@@ -282,7 +282,8 @@ TEST_F(Cli, NonByteVocabularyPrintsTokenIds) {
   Result r = run("train " + config +
                  " --set model.vocab_size=512 --set train.sample_every=1 --set train.val_every=0");
   ASSERT_EQ(r.code, 0) << r.output;
-  EXPECT_NE(r.output.find("step      0 | sample (token ids after token 0, no tokenizer yet): "),
+  EXPECT_NE(r.output.find("step      0 | sample (token ids after token 0: a vocabulary of 512 "
+                          "tokens has no tokenizer): "),
             std::string::npos)
       << r.output;
   auto all_ids = [](const std::string& line, int vocab) {

@@ -55,9 +55,10 @@ TEST(Config, UnknownKeyNamesFileLineColumnAndKey) {
 }
 
 TEST(Config, UnknownSection) {
-  EXPECT_EQ(error_of("[modle]\nn_layer = 2\n"),
-            "run.toml:1:2: unknown section [modle] (expected run, init, model, data, train, optim, "
-            "parallel, memory, precision, comm.compression, checkpoint or faults)");
+  EXPECT_EQ(
+      error_of("[modle]\nn_layer = 2\n"),
+      "run.toml:1:2: unknown section [modle] (expected run, init, model, data, tokenizer, train, "
+      "optim, parallel, memory, precision, comm.compression, checkpoint or faults)");
 }
 
 TEST(Config, WrongType) {
@@ -79,6 +80,14 @@ TEST(Config, OutOfRange) {
             "found \"exp\"");
   EXPECT_EQ(error_of("[model]\nseq_len = 4294967296\n"),
             "run.toml:2:11: [model] seq_len: 4294967296 does not fit in 32 bits");
+  EXPECT_EQ(error_of("[tokenizer]\nkind = \"gpt2\"\n"),
+            "run.toml:2:8: [tokenizer] path: kind = \"gpt2\" needs its files, found none");
+  EXPECT_EQ(error_of("[tokenizer]\nkind = \"tiktoken\"\npath = \"r.tiktoken\"\n"),
+            "run.toml:2:8: [tokenizer] pattern: a tiktoken rank file needs its pre-tokenisation "
+            "pattern (gpt2, cl100k or llama3), found none");
+  EXPECT_EQ(error_of("[tokenizer]\nkind = \"gpt2\"\npath = \"g\"\npattern = \"cl100k\"\n"),
+            "run.toml:4:11: [tokenizer] pattern: applies to kind = \"tiktoken\" only, found kind = "
+            "\"gpt2\"");
   EXPECT_EQ(error_of("[memory]\nrecompute = \"some\"\n"),
             "run.toml:2:13: [memory] recompute: must be one of \"none\", \"selective\", "
             "\"full\", found \"some\"");
@@ -116,8 +125,8 @@ TEST(Config, OverridesUseTheSameRules) {
   EXPECT_EQ(error_of("", {"nolayers"}), "--set nolayers: expected section.key=value");
   EXPECT_EQ(
       error_of("", {"modle.n_layer=2"}),
-      "--set modle.n_layer=2: unknown section [modle] (expected run, init, model, data, train, "
-      "optim, parallel, memory, precision, comm.compression, checkpoint or faults)");
+      "--set modle.n_layer=2: unknown section [modle] (expected run, init, model, data, tokenizer, "
+      "train, optim, parallel, memory, precision, comm.compression, checkpoint or faults)");
   EXPECT_EQ(error_of("[model]\nd_model = 64\n", {"model.n_head=5"}),
             "--set model.n_head=5: [model] n_head: n_head = 5 must divide d_model = 64");
 }

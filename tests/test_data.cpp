@@ -135,7 +135,7 @@ TEST_F(DataTest, BadVersionAndWidth) {
   f.seekp(8);
   f.write(reinterpret_cast<const char*>(&bad), 4);
   f.close();
-  EXPECT_EQ(error_of("v.bin"), path("v.bin") + ": offset 8: expected version 1, found 7");
+  EXPECT_EQ(error_of("v.bin"), path("v.bin") + ": offset 8: expected version 1 or 2, found 7");
 }
 
 TEST_F(DataTest, AbsurdTokenCountIsAnErrorNotACrash) {

@@ -316,7 +316,8 @@ int64_t file_size_bound(const Snapshot& snap, const ParamTable& full) {
     datasets += snap.has_moments ? 3 : 1;
   }
   for (int64_t n : snap.comm_state_sizes) values += n, datasets += n > 0;
-  return values * 4 + datasets * 16384 + int64_t(snap.config_text.size()) + (1 << 20);
+  return values * 4 + datasets * 16384 + int64_t(snap.config_text.size()) +
+         int64_t(snap.tokenizer.size()) + (1 << 20);
 }
 
 // Rank r's compression state (empty when it has none).
@@ -425,6 +426,7 @@ std::string write_checkpoint(const Snapshot& snap, const ModelConfig& model, Com
     f.set_attr("data_skipped", s.data_skipped);
     f.set_attr("config", snap.config_text);
     f.set_attr("config_hash", text_hash(snap.config_text));
+    if (!snap.tokenizer.empty()) f.write_bytes("tokenizer", snap.tokenizer);
     for (const auto& d : kDims) f.set_attr(d.name, d.of(model));
     f.set_attr("arch", std::string(arch_name(model.arch)));
     f.set_attr("loss_scale", s.scaler.scale);
@@ -533,11 +535,13 @@ std::string write_checkpoint(const Snapshot& snap, const ModelConfig& model, Com
 }
 
 std::string save_checkpoint(const std::string& dir, const Config& cfg, const StageExecutor& model,
-                            const AdamW* optimizer, const TrainState& state) {
+                            const AdamW* optimizer, const TrainState& state,
+                            const Tokenizer* tokenizer) {
   Snapshot snap;
   take_snapshot(model, optimizer, true, snap);
   snap.state = state;
   snap.config_text = config_to_toml(cfg);
+  if (tokenizer) snap.tokenizer = tokenizer->serialize();
   snap.seed = cfg.run.seed;
   return write_checkpoint(snap, cfg.model, nullptr, dir, 0);
 }
@@ -596,6 +600,13 @@ Config checkpoint_config(const std::string& state_file) {
   } catch (const ConfigError& e) {  // the stored config is part of the checkpoint
     throw CheckpointError(e.what());
   }
+}
+
+std::unique_ptr<Tokenizer> checkpoint_tokenizer(const std::string& state_file) {
+  H5File f = H5File::open_read(state_file);
+  check_version(f, state_file);
+  if (!f.exists("tokenizer")) return nullptr;
+  return tokenizer_from_bytes(f.read_bytes("tokenizer"), state_file + ":tokenizer");
 }
 
 int64_t checkpoint_step(const std::string& state_file) {

@@ -19,6 +19,7 @@
 // Every dataset is chunked with a Fletcher32 checksum. A checkpoint is written under
 // step_NNNNNNNN.tmp, flushed, renamed, and only then does `<dir>/latest` move to it.
 #include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -26,6 +27,7 @@
 #include "comm/communicator.h"
 #include "io/config.h"
 #include "io/errors.h"
+#include "io/tokenizer.h"
 #include "model/stage_executor.h"
 #include "trainer/adamw.h"
 #include "trainer/loss_scaler.h"
@@ -63,6 +65,7 @@ struct TrainState {
 struct Snapshot {
   TrainState state;
   std::string config_text;
+  std::string tokenizer;  // Tokenizer::serialize(); "" = none stored
   uint64_t seed = 0;
   // The runs of each parameter's elements this rank writes, in the model's table order and by
   // increasing local index: values at `at` in params, m and v.
@@ -91,9 +94,14 @@ void take_snapshot(const StageExecutor& model, const AdamW* optimizer, bool writ
 std::string write_checkpoint(const Snapshot& snapshot, const ModelConfig& model, Communicator* comm,
                              const std::string& dir, int keep_last);
 
-// A single process's model and optimizer, written synchronously.
+// A single process's model and optimizer, written synchronously (with `tokenizer`, when given).
 std::string save_checkpoint(const std::string& dir, const Config& cfg, const StageExecutor& model,
-                            const AdamW* optimizer, const TrainState& state);
+                            const AdamW* optimizer, const TrainState& state,
+                            const Tokenizer* tokenizer = nullptr);
+
+// The tokenizer a checkpoint stores, or null for one that stores none (written before
+// tokenizers were stored, or by save_checkpoint without one).
+std::unique_ptr<Tokenizer> checkpoint_tokenizer(const std::string& state_file);
 
 // <run.out_dir>/checkpoints unless [checkpoint] dir says otherwise.
 std::string checkpoint_dir(const Config& cfg);

@@ -1,7 +1,7 @@
-// trainer: one binary that trains GPT-2 models from one TOML file.
+// trainer: one binary that trains transformer language models from one TOML file.
 //   trainer train CONFIG [--set section.key=value ...]
 //   trainer generate --checkpoint DIR [--prompt TEXT] [--tokens N]
-//   trainer prepare --input FILE... --out-dir DIR
+//   trainer prepare --input FILE... --out-dir DIR [--tokenizer KIND --tokenizer-path PATH]
 // Bad input of any kind ends with one line on stderr and exit code 2.
 #include <fmt/format.h>
 
@@ -24,31 +24,35 @@
 
 namespace {
 
-// prompt_given: --prompt was on the command line (a text prompt needs the byte vocabulary).
+// prompt_given: --prompt was on the command line (text needs a model that takes text).
 int generate(const std::string& checkpoint, const std::string& prompt, bool prompt_given,
              int tokens, trainer::SampleOptions opts) {
   using namespace trainer;
   const std::string state = resolve_checkpoint(checkpoint);
   const Config cfg = checkpoint_config(state);
-  const bool bytes = is_byte_vocabulary(cfg.model.vocab_size);
-  if (!bytes && prompt_given)
+  // The tokenizer the checkpoint stores; one from before tokenizers were stored was trained on
+  // bytes.
+  std::unique_ptr<Tokenizer> tokenizer = checkpoint_tokenizer(state);
+  if (!tokenizer && cfg.tokenizer.kind == "bytes") tokenizer = load_tokenizer("bytes", "");
+  const bool text = takes_text(tokenizer.get(), cfg.model.vocab_size);
+  if (!text && prompt_given)
     throw ConfigError(fmt::format(
-        "--prompt: the model in {} has a vocabulary of {} tokens, not the 256 bytes, and this "
-        "trainer has no tokenizer for it yet: it takes no text (without --prompt it samples from "
-        "token 0 and prints token ids)",
+        "--prompt: the model in {} has a vocabulary of {} tokens, not the 256 bytes, and no "
+        "tokenizer: it takes no text (without --prompt it samples from token 0 and prints token "
+        "ids)",
         state, cfg.model.vocab_size));
   auto kernels = make_cpu_kernels();
   StageExecutor model(cfg.model, *kernels, DType::f32, 1, cfg.model.seq_len);
   load_checkpoint(state, model, nullptr);
   opts.tokens = tokens;
-  const std::vector<int32_t> start = bytes ? byte_encode(prompt) : std::vector<int32_t>{0};
-  const std::vector<int32_t> out = sample_tokens(model, cfg.model.seq_len, start, opts);
-  if (bytes) {
-    fmt::print("{}{}\n", prompt, byte_decode(out));
+  const std::string out = sample_text(next_logits_of(model), tokenizer.get(), cfg.model.vocab_size,
+                                      cfg.model.seq_len, prompt, opts);
+  if (text) {
+    fmt::print("{}{}\n", prompt, out);
   } else {
-    fmt::print(stderr, "token ids (a vocabulary of {} tokens, no tokenizer yet), after token 0:\n",
+    fmt::print(stderr, "token ids (a vocabulary of {} tokens, no tokenizer), after token 0:\n",
                cfg.model.vocab_size);
-    fmt::print("{}\n", ids_text(out));
+    fmt::print("{}\n", out);
   }
   return 0;
 }
@@ -112,11 +116,18 @@ int main(int argc, char** argv) {
   gen->add_option("--seed", sample.seed, "random seed");
 
   trainer::PrepareOptions prep;
-  auto* pre = app.add_subcommand("prepare", "tokenize text files (bytes) into train/val shards");
+  auto* pre = app.add_subcommand("prepare", "tokenize text files into train/val shards");
   pre->add_option("--input", prep.inputs, "text files")->required()->take_all();
   pre->add_option("--out-dir", prep.out_dir, "directory for train.bin and val.bin")->required();
   pre->add_option("--val-fraction", prep.val_fraction, "part of each file kept for validation")
       ->check(finite_in(0.0, 0.5));
+  std::string prep_config;
+  pre->add_option("--config", prep_config, "take the tokenizer from this run config's [tokenizer]");
+  std::string prep_kind, prep_path, prep_pattern;
+  pre->add_option("--tokenizer", prep_kind,
+                  "bytes | gpt2 | tiktoken | sentencepiece (default bytes)");
+  pre->add_option("--tokenizer-path", prep_path, "the tokenizer's files");
+  pre->add_option("--pattern", prep_pattern, "tiktoken's pre-tokenisation: gpt2 | cl100k | llama3");
 
   try {
     app.parse(argc, argv);
@@ -147,7 +158,16 @@ int main(int argc, char** argv) {
   }
   try {
     if (*gen) return generate(checkpoint, prompt, prompt_option->count() > 0, tokens, sample);
-    if (*pre) return trainer::prepare(prep);
+    if (*pre) {
+      // The [tokenizer] of --config, the flags on top, checked by the config's own rules.
+      std::vector<std::string> set;
+      auto quoted = [](const std::string& v) { return "\"" + v + "\""; };
+      if (!prep_kind.empty()) set.push_back("tokenizer.kind=" + quoted(prep_kind));
+      if (!prep_path.empty()) set.push_back("tokenizer.path=" + quoted(prep_path));
+      if (!prep_pattern.empty()) set.push_back("tokenizer.pattern=" + quoted(prep_pattern));
+      prep.tokenizer = trainer::load_config(prep_config, set).tokenizer;
+      return trainer::prepare(prep);
+    }
   } catch (...) {
     return trainer::report_error(std::current_exception());
   }

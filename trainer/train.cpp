@@ -173,6 +173,7 @@ struct Run {
   GpuPlacement placement;
   std::unique_ptr<Kernels> kernels;  // before the groups: NCCL communicators need the GPU
   Groups groups;
+  std::unique_ptr<Tokenizer> tokenizer;  // [tokenizer]: samples, checkpoints, the data's check
   Dataset train_data, val_data;
   StageExecutor model;
   GradReducer reducer;
@@ -189,6 +190,16 @@ struct Run {
   std::pair<int64_t, int> inject_inf = injected_overflow();
   std::multiset<int64_t> inject_nan = injected_nan_steps();
   double flops_per_token;  // model FLOPs, forward and backward (flops_per_token)
+
+  // The run's tokenizer, whose ids must fit the model's vocabulary.
+  static std::unique_ptr<Tokenizer> load_run_tokenizer(const Config& c, const std::string& origin) {
+    auto t = load_tokenizer(c.tokenizer.kind, c.tokenizer.path, {c.tokenizer.pattern});
+    if (c.tokenizer.kind != "bytes" && t->vocab_size() > c.model.vocab_size)
+      throw ConfigError(
+          fmt::format("{}: [model] vocab_size: {} is smaller than the {} tokens of [tokenizer] {}",
+                      origin, c.model.vocab_size, t->vocab_size(), tokenizer_name(c.tokenizer)));
+    return t;
+  }
 
   static StageOptions model_options(const Config& c, const RankCoords& me, const ParallelDims& dims,
                                     Communicator* tp) {
@@ -269,6 +280,7 @@ struct Run {
         placement(gpu),
         kernels(std::move(k)),
         groups(make_groups(w, dims, c.parallel, group_wrapper(gpu, w, *kernels))),
+        tokenizer(load_run_tokenizer(c, origin)),
         train_data(c.data.train, c.model.vocab_size, c.model.seq_len, c.data.format == "nanogpt"),
         val_data(c.data.val, c.model.vocab_size, c.model.seq_len, c.data.format == "nanogpt"),
         model(c.model, *kernels, compute_dtype(c.precision), c.train.micro_batch, c.model.seq_len,
@@ -290,6 +302,9 @@ struct Run {
                  end_hung_checkpoint(w, limit, step);
                }),
         flops_per_token(trainer::flops_per_token(c.model)) {
+    const std::string named = tokenizer_name(c.tokenizer);
+    train_data.check_tokenizer(tokenizer->identity_hash(), named);
+    val_data.check_tokenizer(tokenizer->identity_hash(), named);
     // Backward reports the gradients it has finished; the reducer starts their buckets.
     model.set_grads_ready_hook(
         [this](int64_t frontier, int layers_left) { reducer.ready(frontier, layers_left); });
@@ -465,11 +480,8 @@ std::string sample_text(Run& run, int64_t step) {
   auto next_logits = [&](const int32_t* tokens, int n, int pos0, std::vector<float>& logits) {
     run.pipe.next_logits(tokens, n, pos0, logits);
   };
-  const int V = run.cfg.model.vocab_size;
-  if (!is_byte_vocabulary(V))  // no tokenizer for it yet: token ids, from token 0
-    return ids_text(sample_tokens(next_logits, V, run.cfg.model.seq_len, {0}, opts));
-  return byte_decode(sample_tokens(next_logits, V, run.cfg.model.seq_len,
-                                   byte_encode(run.cfg.train.sample_prompt), opts));
+  return trainer::sample_text(next_logits, run.tokenizer.get(), run.cfg.model.vocab_size,
+                              run.cfg.model.seq_len, run.cfg.train.sample_prompt, opts);
 }
 
 // MB of n elements of `bytes` each (fp32 unless said).
@@ -836,10 +848,13 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   auto sample = [&](int64_t at) {
     const std::string text = sample_text(run, at);
     if (!leader) return;
-    if (is_byte_vocabulary(cfg.model.vocab_size))
+    if (takes_text(run.tokenizer.get(), cfg.model.vocab_size))
       fmt::print("step {:6d} | sample:\n{}{}\n---\n", at, cfg.train.sample_prompt, text);
     else
-      fmt::print("step {:6d} | sample (token ids after token 0, no tokenizer yet): {}\n", at, text);
+      fmt::print(
+          "step {:6d} | sample (token ids after token 0: a vocabulary of {} tokens has no "
+          "tokenizer): {}\n",
+          at, cfg.model.vocab_size, text);
     log->event({{"step", at}, {"sample", text}});
   };
   // A finished write, as every rank saw it: logged by rank 0; false if it failed.
@@ -880,6 +895,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
                   run.guard.recent_losses(),
                   run.guard.recent_norms()};
     snap.config_text = config_to_toml(cfg);
+    snap.tokenizer = run.tokenizer->serialize();
     snap.seed = cfg.run.seed;
     snap.comm_state = run.reducer.compression_state();
     double size = double(snap.comm_state.size());
