@@ -20,8 +20,9 @@ constexpr int kByteVocab = 256;
 std::vector<int32_t> byte_encode(std::string_view text);
 std::string byte_decode(const std::vector<int32_t>& tokens);
 
-// Until checkpoints carry their tokenizer, a model whose vocabulary is not the byte vocabulary
-// takes and gives token ids: its samples start from token 0 and print as ids ("5 17 300").
+// A model trained with the bytes tokenizer on a vocabulary other than the byte vocabulary (an
+// llm.c shard's, say) takes and gives token ids: its samples start from token 0 and print as ids
+// ("5 17 300").
 inline bool is_byte_vocabulary(int vocab_size) {
   return vocab_size == kByteVocab;
 }

@@ -94,7 +94,8 @@ class ModelDefinition {
   // out = block l (its global index) applied to x.
   virtual void layer_forward(const LayerCall& c, int l, DPtr x, DPtr out) const = 0;
   // Remakes block l's `selective` activations from its kept ones, with the kernels
-  // layer_forward() made them with, so that they are bitwise the forward's (same backend).
+  // layer_forward() made them with (a fused forward, such as a GEMM with a GELU epilogue, is
+  // remade unfused), so that they are the forward's: bitwise on the CPU.
   virtual void layer_recompute(const LayerCall& c, int l) const = 0;
   // d holds the gradient of the block's output and is replaced by that of its input x;
   // parameter gradients accumulate.

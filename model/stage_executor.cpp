@@ -56,6 +56,9 @@ struct StageExecutor::Plan {
   Loc d_res;
   std::vector<Loc> scratch;
   Loc recompute_out;  // full recomputation's discarded block output
+  // Full recomputation: each recomputed block's key/value cache for infer() (one sequence of
+  // max_T positions), by local block: its kv_cache activations, by declared index.
+  std::vector<std::vector<std::optional<Loc>>> kv_caches;
 
   Loc take(int64_t elems, bool in_stats = false) {
     int64_t& cursor = in_stats ? stats : acts;
@@ -82,7 +85,16 @@ StageExecutor::Plan StageExecutor::plan(const ModelDefinition& def, int max_B, i
   for (size_t i = 0; i < layer.size() && recomputed > 0; i++)
     if (o.recompute == Recompute::full || layer[i].selective)
       shared[i] = p.take(layer[i].elems, layer[i].stats);
-  if (recomputed > 0 && o.recompute == Recompute::full) p.recompute_out = p.take(BT * C);
+  if (recomputed > 0 && o.recompute == Recompute::full) {
+    p.recompute_out = p.take(BT * C);
+    const std::vector<ActSpec> one = def.layer_activations(1, max_T, keeps_probs);
+    for (int l = 0; l < recomputed; l++) {
+      std::vector<std::optional<Loc>> caches(one.size());
+      for (size_t i = 0; i < one.size(); i++)
+        if (one[i].kv_cache) caches[i] = p.take(one[i].elems, one[i].stats);
+      p.kv_caches.push_back(std::move(caches));
+    }
+  }
   for (int s = 0; s < o.slots; s++) {
     Plan::Slot slot;
     slot.input = p.take(BT * C);
@@ -163,6 +175,14 @@ StageExecutor::StageExecutor(const ModelConfig& cfg, Kernels& kernels, DType dty
   d_res_ = at(p.d_res);
   scratch_ = all(p.scratch);
   if (recompute_ == Recompute::full && recompute_layers_ > 0) recompute_out_ = at(p.recompute_out);
+  // infer() gives every block slot 0's views, with a recomputed block's own key/value cache.
+  for (int l = 0; l < layers_; l++) {
+    std::vector<DPtr> acts = views_[0].layers[l];
+    if (l < int(p.kv_caches.size()))
+      for (size_t i = 0; i < acts.size(); i++)
+        if (p.kv_caches[l][i]) acts[i] = at(*p.kv_caches[l][i]);
+    inference_layers_.push_back(std::move(acts));
+  }
   def_->prepare(k_, max_T);
   // What the gradient-ready hook reports: after a layer's backward, everything from its first
   // parameter on is final; after the head's, everything after the last block (the final norm
@@ -185,7 +205,6 @@ StageExecutor::~StageExecutor() {
   k_.free(grads_);
   k_.free(acts_);
   k_.free(stats_);
-  if (kv_caches_) k_.free(kv_caches_);
 }
 
 void StageExecutor::init_parameters(uint64_t seed, DPtr into) {
@@ -303,7 +322,7 @@ void StageExecutor::run_layers_forward(int slot, int B, int T, bool inference, i
     const int local = l - sh.first_layer;
     for (auto& h : layer_hooks_)
       if (h.before_forward) h.before_forward(slot, l);
-    const DPtr* acts = inference ? inference_acts(local) : v.layers[local].data();
+    const DPtr* acts = inference ? inference_layers_[local].data() : v.layers[local].data();
     def_->layer_forward(call(slot, B, T, acts), l, x, v.outputs[local]);
     for (auto& h : layer_hooks_)
       if (h.after_forward) h.after_forward(slot, l);
@@ -379,7 +398,8 @@ void StageExecutor::backward(int slot, float loss_scale) {
     for (auto& h : layer_hooks_)
       if (h.before_backward) h.before_backward(slot, l);
     const DPtr x = l == first ? v.input : v.outputs[local - 1];
-    if (recomputed(local)) recompute(slot, local, x);
+    if (recomputed(local))  // driving collectives in flight, as the backward does
+      recompute(with_progress(call(slot, B, T, v.layers[local].data())), local, x);
     def_->layer_backward(with_progress(call(slot, B, T, v.layers[local].data())), l, x, d_res_);
     frontier = layer_frontier_[local];
     progress();
@@ -390,36 +410,12 @@ void StageExecutor::backward(int slot, float loss_scale) {
     def_->embed_backward(call(slot, B, T, nullptr), d_res_, tokens_[slot].data());
 }
 
-void StageExecutor::recompute(int slot, int local, DPtr x) {
+void StageExecutor::recompute(const LayerCall& c, int local, DPtr x) {
   const int l = shard().first_layer + local;
-  const LayerCall c = call(slot, B_, T_, views_[slot].layers[local].data());
   if (recompute_ == Recompute::full)
     def_->layer_forward(c, l, x, recompute_out_);
   else
     def_->layer_recompute(c, l);
-}
-
-const DPtr* StageExecutor::inference_acts(int local) {
-  if (recompute_ != Recompute::full || !recomputed(local)) return views_[0].layers[local].data();
-  if (inference_layers_.empty()) {
-    // One sequence of up to max_T positions per recomputed block.
-    const std::vector<ActSpec> specs = def_->layer_activations(1, max_T_, keeps_probs_);
-    int64_t per_layer = 0;
-    for (const ActSpec& a : specs)
-      if (a.kv_cache) per_layer += round16(a.elems);
-    kv_caches_ = k_.alloc(std::max<int64_t>(per_layer * recompute_layers_, 16), dtype_);
-    DPtr next = kv_caches_;
-    for (int i = 0; i < recompute_layers_; i++) {
-      std::vector<DPtr> acts = views_[0].layers[i];
-      for (size_t j = 0; j < specs.size(); j++)
-        if (specs[j].kv_cache) {
-          acts[j] = next;
-          next = next + round16(specs[j].elems);
-        }
-      inference_layers_.push_back(std::move(acts));
-    }
-  }
-  return inference_layers_[local].data();
 }
 
 }  // namespace trainer

@@ -34,9 +34,13 @@ namespace trainer {
 // are not kept but remade from the block's kept activations just before its backward. full: only
 // the block's input is kept (the previous block's output), and the whole block is run forward
 // again just before its backward. Blocks under recomputation share one set of buffers for what
-// they do not keep, so a stage of L such blocks holds one block's worth instead of L. The
-// recomputing forward runs the forward's kernels on the forward's inputs (with the same dropout
-// masks): gradients are bitwise those of none on a deterministic backend.
+// they do not keep, so a stage of L such blocks holds one block's worth instead of L. Full
+// recomputation runs the forward's kernels on the forward's inputs (with the same dropout masks
+// and tensor-parallel collectives), selective the same kernels where the backend has them
+// unfused: on the CPU the gradients are bitwise those of none; on a GPU whose forward fuses the
+// GELU into its GEMM, selective remakes the GELU from the stored 16-bit pre-activation, equal to
+// rounding. The recomputation runs inside the block's backward hooks and drives the collectives
+// in flight as the backward does; MFU counts model FLOPs, so it does not count recomputation.
 enum class Recompute { none, selective, full };
 Recompute parse_recompute(const std::string& name);  // "none" | "selective" | "full"
 const char* recompute_name(Recompute r);
@@ -161,11 +165,8 @@ class StageExecutor {
                    bool keeps_probs);
   LayerCall call(int slot, int B, int T, const DPtr* acts) const;
   bool recomputed(int local_layer) const { return local_layer < recompute_layers_; }
-  // Remakes what block l (local index `local`) did not keep of micro-batch `slot`'s forward.
-  void recompute(int slot, int local, DPtr x);
-  // The activations infer() gives block `local`: slot 0's, with a key/value cache of its own for
-  // a block under full recomputation (allocated by the first infer()).
-  const DPtr* inference_acts(int local);
+  // Remakes what block `local` did not keep of the forward of the micro-batch `c` is for.
+  void recompute(const LayerCall& c, int local, DPtr x);
   double cross_entropy(int slot, int64_t BT);
   void run_layers_forward(int slot, int B, int T, bool inference, int pos0);
 
@@ -212,9 +213,8 @@ class StageExecutor {
   DPtr d_res_;
   std::vector<DPtr> scratch_;
   DPtr recompute_out_;  // where full recomputation writes a block's output again (discarded)
-  // Inference under full recomputation: the key/value caches of the recomputed blocks, and slot
-  // 0's activation views with them in place.
-  DPtr kv_caches_;
+  // The activations infer() gives each block: slot 0's, and under full recomputation the
+  // block's own key/value cache (planned with the rest) in place of the shared buffer.
   std::vector<std::vector<DPtr>> inference_layers_;
 };
 

@@ -86,7 +86,10 @@ TEST_F(TokenizedRun, PrepareTrainSampleAndGenerateWithTheCheckpointsTokenizer) {
   val.read(0, val.size(), all.data() + train.size());
   std::ifstream in(text, std::ios::binary);
   const std::string want((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  // The document's train part and val part (the last 10%), each ended by <|endoftext|>.
   std::vector<int32_t> expected = tokenizer->encode_ordinary(want);
+  const size_t split = expected.size() - size_t(double(expected.size()) * 0.1);
+  expected.insert(expected.begin() + split, 50256);
   expected.push_back(50256);
   EXPECT_EQ(all, expected);
   EXPECT_LT(all.size(), want.size() * 9 / 10);  // the merges took effect
@@ -126,6 +129,28 @@ TEST_F(TokenizedRun, PrepareTrainSampleAndGenerateWithTheCheckpointsTokenizer) {
             std::string::npos)
       << r.output;
   EXPECT_FALSE(std::filesystem::exists(path("bytes")));
+
+  // A resume with another tokenizer is refused, even on shards that record none (llm.c's, say):
+  // the checkpoint knows what it was trained with.
+  std::filesystem::create_directories(path("plain"));
+  write_token_shard(path("plain/train.bin"), std::vector<int32_t>(all.begin(), all.end()), 50257);
+  write_token_shard(path("plain/val.bin"), expected, 50257);
+  const std::string plain = "--set data.train=\\\"" + path("plain/train.bin") +
+                            "\\\" --set data.val=\\\"" + path("plain/val.bin") + "\\\"";
+  r = run(train_args("resumed", plain));
+  ASSERT_EQ(r.code, 0) << r.output;
+  {  // the 256 bytes, no merges
+    std::ofstream out(path("other.tiktoken"));
+    for (int b = 0; b < 256; b++) out << base64(std::string(1, char(b))) << " " << b << "\n";
+  }
+  r = run(train_args("resumed", plain +
+                                    " --set train.steps=4 --set checkpoint.resume=\\\"auto\\\" "
+                                    "--set tokenizer.path=\\\"" +
+                                    path("other.tiktoken") + "\\\""));
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("trained with tokenizer tiktoken"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("resume with the tokenizer the run was trained with"), std::string::npos)
+      << r.output;
 }
 
 }  // namespace

@@ -602,6 +602,19 @@ Config checkpoint_config(const std::string& state_file) {
   }
 }
 
+void check_same_tokenizer(const std::string& state_file, const Tokenizer& tokenizer,
+                          const std::string& named) {
+  std::unique_ptr<Tokenizer> stored = checkpoint_tokenizer(state_file);
+  // One from before tokenizers were stored was trained on the config's, which was bytes.
+  if (!stored && checkpoint_config(state_file).tokenizer.kind == "bytes")
+    stored = load_tokenizer("bytes", "");
+  if (stored && stored->identity_hash() != tokenizer.identity_hash())
+    throw ConfigError(fmt::format(
+        "{}: trained with tokenizer {} (identity hash {:016x}), but [tokenizer] is {} ({:016x}): "
+        "resume with the tokenizer the run was trained with",
+        state_file, stored->kind(), stored->identity_hash(), named, tokenizer.identity_hash()));
+}
+
 std::unique_ptr<Tokenizer> checkpoint_tokenizer(const std::string& state_file) {
   H5File f = H5File::open_read(state_file);
   check_version(f, state_file);
@@ -630,6 +643,8 @@ void verify_checkpoint(const std::string& state_file, const ModelConfig& model) 
         f.read(group + q.name, q.shape, values.data());
   }
   for (int r = 0; r < meta.state.layout.world; r++) comm_state_of(f, r);
+  if (f.exists("tokenizer"))  // checksummed bytes that rebuild a tokenizer
+    tokenizer_from_bytes(f.read_bytes("tokenizer"), state_file + ":tokenizer");
 }
 
 std::string newest_valid_checkpoint(const std::string& dir, const ModelConfig& model,

@@ -102,6 +102,10 @@ std::string save_checkpoint(const std::string& dir, const Config& cfg, const Sta
 // The tokenizer a checkpoint stores, or null for one that stores none (written before
 // tokenizers were stored, or by save_checkpoint without one).
 std::unique_ptr<Tokenizer> checkpoint_tokenizer(const std::string& state_file);
+// Refuses (ConfigError) to resume with another tokenizer than the checkpoint was trained with;
+// `named` says which one the config names.
+void check_same_tokenizer(const std::string& state_file, const Tokenizer& tokenizer,
+                          const std::string& named);
 
 // <run.out_dir>/checkpoints unless [checkpoint] dir says otherwise.
 std::string checkpoint_dir(const Config& cfg);

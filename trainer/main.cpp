@@ -161,7 +161,11 @@ int main(int argc, char** argv) {
     if (*pre) {
       // The [tokenizer] of --config, the flags on top, checked by the config's own rules.
       std::vector<std::string> set;
-      auto quoted = [](const std::string& v) { return "\"" + v + "\""; };
+      auto quoted = [](const std::string& v) {  // a TOML basic string
+        std::string q = "\"";
+        for (char c : v) q += c == '"' || c == '\\' ? std::string("\\") + c : std::string(1, c);
+        return q + "\"";
+      };
       if (!prep_kind.empty()) set.push_back("tokenizer.kind=" + quoted(prep_kind));
       if (!prep_path.empty()) set.push_back("tokenizer.path=" + quoted(prep_path));
       if (!prep_pattern.empty()) set.push_back("tokenizer.pattern=" + quoted(prep_pattern));

@@ -30,11 +30,16 @@ int prepare(const PrepareOptions& opts) {
     ss << in.rdbuf();
     const std::string text = ss.str();
     if (text.empty()) throw DataError(fmt::format("{}: input text file is empty", path));
-    std::vector<int32_t> tokens = tokenizer->encode_ordinary(text);
-    if (end_of_text) tokens.push_back(*end_of_text);
+    const std::vector<int32_t> tokens = tokenizer->encode_ordinary(text);
+    // Both parts of the document end with the end-of-text token, so that no two files' text
+    // runs together in either set.
     const size_t split = tokens.size() - size_t(double(tokens.size()) * opts.val_fraction);
     train.insert(train.end(), tokens.begin(), tokens.begin() + split);
     val.insert(val.end(), tokens.begin() + split, tokens.end());
+    if (end_of_text) {
+      train.push_back(*end_of_text);
+      if (split < tokens.size()) val.push_back(*end_of_text);
+    }
     fmt::print("{}: {} tokens ({} train, {} val)\n", path, tokens.size(), split,
                tokens.size() - split);
   }

@@ -33,7 +33,7 @@ std::vector<int32_t> sample_tokens(const NextLogits& next_logits, int V, int max
   for (size_t i = 0; i < prompt.size(); i++)
     if (prompt[i] < 0 || prompt[i] >= V)
       throw ConfigError(fmt::format(
-          "prompt: byte {} at position {} is outside the model's vocabulary (vocab_size = {})",
+          "prompt: token {} at position {} is outside the model's vocabulary (vocab_size = {})",
           prompt[i], i, V));
   if (prompt.empty()) prompt.push_back(0);
   std::mt19937_64 rng(opts.seed);

@@ -684,6 +684,21 @@ void check_memory(const Config& cfg, World& world, Kernels& kernels, const std::
           : fmt::format("MemAvailable shared by {} rank(s) on this node", world.local_size())));
 }
 
+// Every rank read the tokenizer's files itself: they must be the same files everywhere (a
+// collective; every rank gets the same answer).
+void check_one_tokenizer(World& world, const Tokenizer& tokenizer, const TokenizerConfig& cfg) {
+  const uint64_t h = tokenizer.identity_hash();
+  // The largest and (negated) smallest of each 32-bit half, which doubles hold exactly.
+  double halves[4] = {double(h >> 32), double(h & 0xffffffffu)};
+  halves[2] = -halves[0], halves[3] = -halves[1];
+  world.comm().all_reduce(host_ptr(halves), 4, ReduceOp::max);
+  if (halves[0] != -halves[2] || halves[1] != -halves[3])
+    throw ConfigError(fmt::format(
+        "[tokenizer] {}: the ranks read different files (their identity hashes differ): every "
+        "node needs the same tokenizer files",
+        tokenizer_name(cfg)));
+}
+
 // Whether a stop signal reached any rank (a collective: every rank gets the same answer).
 bool stop_agreed(World& world) {
   double stop = stop_requested;
@@ -749,6 +764,9 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     return *failed;
   if (auto failed = agree_on_setup(world, [&] {
         run_ptr = std::make_unique<Run>(cfg, world, config_path, placement, std::move(kernels));
+        check_one_tokenizer(world, *run_ptr->tokenizer, cfg.tokenizer);
+        if (!resume.empty())
+          check_same_tokenizer(resume, *run_ptr->tokenizer, tokenizer_name(cfg.tokenizer));
       }))
     return *failed;
   Run& run = *run_ptr;
