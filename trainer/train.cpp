@@ -570,7 +570,7 @@ void print_start(const Run& run) {
   const double MB = 1 << 20;
   fmt::print(
       "memory: recompute {}{}, rank 0 expects {:.1f} MB (weights {:.1f}, gradients {:.1f}, "
-      "activations {:.2f}, optimizer state {:.1f}, checkpoint copy {:.1f})\n",
+      "activations {:.2f}, AdamW {:.1f}, checkpoint copy {:.1f})\n",
       cfg.memory.recompute,
       cfg.memory.recompute != "none" && cfg.memory.recompute_layers > 0
           ? fmt::format(" (first {} blocks of each stage)", cfg.memory.recompute_layers)
