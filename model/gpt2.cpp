@@ -64,9 +64,7 @@ class Gpt2 final : public ModelDefinition {
             {BT, true},
             {BT, true},
             {.elems = BT * 3 * Cl_, .kv_cache = true},
-            // The probabilities (remade from qkv), or the log-sum-exps a backend keeps instead.
-            keeps_probs ? ActSpec{.elems = B * NHl_ * T * T, .selective = true}
-                        : ActSpec{.elems = B * NHl_ * T, .stats = true},
+            attention_keeps(B, NHl_, T, keeps_probs),
             {BT * Cl_},
             {BT * C_},
             {BT * C_},
@@ -126,8 +124,7 @@ class Gpt2 final : public ModelDefinition {
 
   void layer_recompute(const LayerCall& c, int) const override {
     const DPtr* a = c.acts;
-    // attention() rewrites atty with the bits it holds: the same kernel on the same inputs.
-    if (c.k.attention_keeps_probabilities()) attention(c, a[atty], a[att], a[qkv], Cl_, NHl_, NHl_);
+    recompute_attention(c, a[atty], a[att], a[qkv], Cl_, NHl_, NHl_);
     c.k.gelu_forward(a[fch_gelu], a[fch], int64_t(c.B) * c.T * 4 * Cl_);
   }
 

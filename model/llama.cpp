@@ -53,9 +53,7 @@ class Llama final : public ModelDefinition {
     return {{BT * C_},
             {BT, true},
             {.elems = BT * QKVl_, .kv_cache = true},
-            // The probabilities (remade from qkv), or the log-sum-exps a backend keeps instead.
-            keeps_probs ? ActSpec{.elems = B * NHl_ * T * T, .selective = true}
-                        : ActSpec{.elems = B * NHl_ * T, .stats = true},
+            attention_keeps(B, NHl_, T, keeps_probs),
             {BT * Cl_},
             {BT * C_},
             {BT * C_},
@@ -120,9 +118,7 @@ class Llama final : public ModelDefinition {
 
   void layer_recompute(const LayerCall& c, int) const override {
     const DPtr* a = c.acts;
-    // attention() rewrites atty with the bits it holds: the same kernel on the same inputs.
-    if (c.k.attention_keeps_probabilities())
-      attention(c, a[atty], a[att], a[qkv], Cl_, NHl_, NKVl_);
+    recompute_attention(c, a[atty], a[att], a[qkv], Cl_, NHl_, NKVl_);
     c.k.swiglu_forward(a[swi], a[gate_up], int64_t(c.B) * c.T, Fl_);
   }
 

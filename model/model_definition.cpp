@@ -25,6 +25,16 @@ void ModelDefinition::attention(const LayerCall& c, DPtr out, DPtr att, DPtr qkv
     c.k.attention_forward(out, att, qkv, c.B, c.T, C, NH, NKV);
 }
 
+ActSpec ModelDefinition::attention_keeps(int64_t B, int NH, int64_t T, bool keeps_probs) {
+  return keeps_probs ? ActSpec{.elems = B * NH * T * T, .selective = true}
+                     : ActSpec{.elems = B * NH * T, .stats = true};
+}
+
+void ModelDefinition::recompute_attention(const LayerCall& c, DPtr out, DPtr att, DPtr qkv, int C,
+                                          int NH, int NKV) {
+  if (c.k.attention_keeps_probabilities()) attention(c, out, att, qkv, C, NH, NKV);
+}
+
 void ModelDefinition::lm_head_forward(const LayerCall& c, const ParamInfo* w, DPtr x,
                                       DPtr logits) const {
   const int64_t BT = int64_t(c.B) * c.T;

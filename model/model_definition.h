@@ -113,6 +113,13 @@ class ModelDefinition {
   // that `qkv`, the layer's full-length activation, holds: the new tokens' q, k and v are
   // expected at rows [pos0, pos0 + T) then.
   static void attention(const LayerCall& c, DPtr out, DPtr att, DPtr qkv, int C, int NH, int NKV);
+  // What attention keeps for its backward (`att` above): the probabilities (B, NH, T, T), which
+  // selective recomputation remakes, or the log-sum-exps (B, NH, T) a backend keeps instead.
+  static ActSpec attention_keeps(int64_t B, int NH, int64_t T, bool keeps_probs);
+  // Remakes the probabilities for layer_recompute() where the backend keeps them (attention()
+  // rewrites `out` with the bits it holds: the same kernel on the same inputs).
+  static void recompute_attention(const LayerCall& c, DPtr out, DPtr att, DPtr qkv, int C, int NH,
+                                  int NKV);
   // The vocab-parallel LM head w (this rank's vocabulary rows; the token embedding when tied):
   // logits(BT, vocab().width) = x @ w^T, x (the final norm's output) entering the tensor-parallel
   // region. Backward: d_x = the gradient of x; w's gradient accumulates.
