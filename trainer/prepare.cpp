@@ -3,7 +3,9 @@
 #include <fmt/format.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <optional>
 #include <thread>
 
@@ -135,6 +137,14 @@ class Progress {
   std::chrono::steady_clock::time_point last_ = start_;
 };
 
+// This process's peak resident memory (VmHWM) in MB; 0 where /proc does not say.
+double peak_memory_mb() {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind("VmHWM:", 0) == 0) return std::strtod(line.c_str() + 6, nullptr) / 1024;
+  return 0;
+}
+
 }  // namespace
 
 int prepare(const PrepareOptions& opts) {
@@ -201,9 +211,9 @@ int prepare(const PrepareOptions& opts) {
   const double s = progress.seconds();
   fmt::print(
       "prepared {} documents from {} files ({:.1f} MB of text) into {} tokens ({} train, {} val) "
-      "in {:.1f} s: {:.1f} MB/s with {} threads\n",
+      "in {:.1f} s: {:.1f} MB/s with {} threads, peak memory {:.0f} MB\n",
       documents, files.size(), double(text_bytes) / 1e6, train_tokens + val_tokens, train_tokens,
-      val_tokens, s, double(text_bytes) / 1e6 / s, threads);
+      val_tokens, s, double(text_bytes) / 1e6 / s, threads, peak_memory_mb());
   return 0;
 }
 
