@@ -235,6 +235,55 @@ TEST_F(Prepare, SmallCorporaSplitEachDocument) {
   EXPECT_EQ(val.document_start(1), int64_t(d0.size() - split));
 }
 
+// A plain-text document of several chunks, plain and gzip-compressed: its pieces tokenize as the
+// whole text does (fewer than 100 documents: its last 10% goes to validation).
+TEST_F(Prepare, LargePlainTextDocumentTokenizesAsAWhole) {
+  std::string text;
+  for (int i = 0; text.size() < 3'000'000; i++) text += fmt::format("Part {}.\n", i) + text_;
+  std::ofstream(path("book.txt"), std::ios::binary) << text;
+  ASSERT_EQ(std::system(("gzip -k " + path("book.txt")).c_str()), 0);
+  std::vector<int32_t> want =
+      load_tokenizer("tiktoken", path("ranks.tiktoken"), {"gpt2"})->encode_ordinary(text);
+  want.push_back(kEndOfText);
+  for (const char* in : {"book.txt", "book.txt.gz"}) {
+    const auto r = prepare("--input " + path(in) + " --out-dir " + path("d") + bpe());
+    ASSERT_EQ(r.code, 0) << r.output;
+    TokenShard train(path("d/train.bin"), 50257), val(path("d/val.bin"), 50257);
+    std::vector<int32_t> got = tokens_of(train);
+    const auto v = tokens_of(val);
+    got.insert(got.end(), v.begin(), v.end());
+    EXPECT_EQ(got.size(), want.size()) << in;
+    EXPECT_TRUE(got == want) << in;
+    EXPECT_EQ(val.size(), int64_t(double(want.size()) * 0.1)) << in;
+  }
+}
+
+// Version-1 shards and version-2 shards without an index read as before, with no documents.
+TEST_F(Prepare, ShardsWithoutAnIndexStillRead) {
+  std::vector<int32_t> tokens(100);
+  for (int i = 0; i < 100; i++) tokens[size_t(i)] = i;
+  write_token_shard(path("v2.bin"), tokens, 256, 0x1234);
+  {
+    TokenShard s(path("v2.bin"), 256);
+    EXPECT_EQ(s.size(), 100);
+    EXPECT_EQ(s.documents(), 0);
+    EXPECT_EQ(s.tokenizer_hash(), 0x1234u);
+  }
+  // Version 1: offsets 32 and 40 were padding, whatever they hold.
+  std::fstream f(path("v2.bin"), std::ios::in | std::ios::out | std::ios::binary);
+  const uint32_t one = 1;
+  const uint64_t junk = 77;
+  f.seekp(8);
+  f.write(reinterpret_cast<const char*>(&one), 4);
+  f.seekp(40);
+  f.write(reinterpret_cast<const char*>(&junk), 8);
+  f.close();
+  TokenShard s(path("v2.bin"), 256);
+  EXPECT_EQ(s.size(), 100);
+  EXPECT_EQ(s.documents(), 0);
+  EXPECT_EQ(s.tokenizer_hash(), 0u);
+}
+
 // The index is validated when a shard is opened.
 TEST_F(Prepare, DamagedIndexIsRefused) {
   write_jsonl("docs.jsonl", 120, "text");
@@ -407,6 +456,7 @@ TEST_F(Prepare, LargeCorpusInBoundedMemory) {
       double(bytes) / 1e6, seconds, double(bytes) / 1e6 / seconds, peak_mb, baseline_mb);
   EXPECT_LT(peak_mb, 300) << r.output;
   EXPECT_LT(peak_mb - baseline_mb, 100) << r.output;
+  EXPECT_NE(r.output.find(" MB read, "), std::string::npos) << "no progress line: " << r.output;
   TokenShard train(path("d/train.bin"), 256), val(path("d/val.bin"), 256);
   EXPECT_GT(train.size() + val.size(), target * 9 / 10);
   EXPECT_GT(val.documents(), 0);
