@@ -79,9 +79,7 @@ void ShardSetWriter::open_shard() {
 void ShardSetWriter::write_index_entries() {
   if (index_.empty()) return;
   if (!index_spill_) {
-    index_spill_ = std::tmpfile();
-    if (!index_spill_)
-      throw DataError(fmt::format("cannot create a temporary file: {}", strerror(errno)));
+    index_spill_ = open_anonymous_file(out_dir_);
   }
   check(std::fwrite(index_.data(), 8, index_.size(), index_spill_) == index_.size(), tmp_path_);
   index_.clear();

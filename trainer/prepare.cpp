@@ -9,6 +9,7 @@
 #include <optional>
 #include <thread>
 
+#include "io/atomic_file.h"
 #include "io/errors.h"
 #include "io/input_files.h"
 #include "io/shard_writer.h"
@@ -20,10 +21,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// Documents held, undecided, until there are enough for a split by whole documents: a corpus
-// whose first documents hold more tokens than this is split by whole documents without waiting.
-constexpr int64_t kMaxHeldTokens = int64_t(16) << 20;
-
 // Whether document `d` goes to validation: a hash of its number below the fraction, so that
 // the choice depends on nothing else (not on threads, shards or the other documents).
 bool to_validation(int64_t d, double fraction) {
@@ -34,22 +31,28 @@ bool to_validation(int64_t d, double fraction) {
   return double(z >> 11) * 0x1.0p-53 < fraction;
 }
 
-// Sends each document's tokens to train or val as they come.
+// Sends each document's tokens to train or val as they come. Until kMinSplitDocuments documents
+// have been seen, they are held in an anonymous file beside the output (not in memory: the first
+// documents may be whole books), to be split by whole documents once there are enough, or each
+// by its last part if the corpus ends first.
 class Splitter {
  public:
   Splitter(const PrepareOptions& opts, const std::vector<InputFile>& files,
            std::optional<int32_t> end_of_text, ShardSetWriter& train, ShardSetWriter& val)
       : opts_(opts), files_(files), eot_(end_of_text), train_(train), val_(val) {}
+  ~Splitter() {
+    if (held_file_) std::fclose(held_file_);
+  }
+  Splitter(const Splitter&) = delete;
+  Splitter& operator=(const Splitter&) = delete;
 
   void add(const DocumentPiece& p, const int32_t* t, size_t n) {
     if (p.first) documents_++;
     if (holding_) {
-      if (p.first) held_.push_back({p.file, p.line, {}});
-      held_.back().tokens.insert(held_.back().tokens.end(), t, t + n);
-      held_tokens_ += int64_t(n);
-      if (p.last && eot_) held_.back().tokens.push_back(*eot_), held_tokens_++;
-      if ((p.last && documents_ >= kMinSplitDocuments) || held_tokens_ > kMaxHeldTokens)
-        release_whole(p.document);
+      if (p.first) held_.push_back({p.file, p.line, held_tokens_, 0});
+      hold(t, n);
+      if (p.last && eot_) hold(&*eot_, 1);
+      if (p.last && documents_ >= kMinSplitDocuments) release_whole(p.document);
       return;
     }
     ShardSetWriter& out = to_validation(p.document, opts_.val_fraction) ? val_ : train_;
@@ -65,10 +68,10 @@ class Splitter {
       fmt::print("{} documents, fewer than {}: the last {:g}% of each goes to validation\n",
                  held_.size(), kMinSplitDocuments, opts_.val_fraction * 100);
     for (const Held& h : held_) {
-      const size_t n = h.tokens.size();
-      const size_t split = n - size_t(double(n) * opts_.val_fraction);
-      if (split > 0) train_.begin_document(), train_.append(h.tokens.data(), split);
-      if (split < n) val_.begin_document(), val_.append(h.tokens.data() + split, n - split);
+      const int64_t n = h.count;
+      const int64_t split = n - int64_t(double(n) * opts_.val_fraction);
+      if (split > 0) train_.begin_document(), copy_held(h.begin, split, train_);
+      if (split < n) val_.begin_document(), copy_held(h.begin + split, n - split, val_);
       const std::string name =
           h.line ? fmt::format("{}:{}", files_[h.file].path, h.line) : files_[h.file].path;
       fmt::print("{}: {} tokens ({} train, {} val)\n", name, n, split, n - split);
@@ -82,22 +85,44 @@ class Splitter {
   struct Held {
     int32_t file;
     int64_t line;
-    std::vector<int32_t> tokens;
+    int64_t begin, count;  // tokens in held_file_
   };
 
-  // Enough documents (or tokens) seen: every document goes whole to train or val from now on,
-  // the held ones (numbered up to `last`) first. The last may still be open: its later pieces
-  // follow it to the same set (add()).
+  void hold(const int32_t* t, size_t n) {
+    if (!held_file_) held_file_ = open_anonymous_file(opts_.out_dir);
+    if (std::fwrite(t, sizeof *t, n, held_file_) != n)
+      throw DataError(fmt::format("{}: cannot write a temporary file", opts_.out_dir));
+    held_.back().count += int64_t(n);
+    held_tokens_ += int64_t(n);
+  }
+
+  void copy_held(int64_t begin, int64_t n, ShardSetWriter& out) {
+    std::vector<int32_t> buf(std::min<int64_t>(n, 1 << 20));
+    if (std::fflush(held_file_) != 0 ||
+        std::fseek(held_file_, long(begin * int64_t(sizeof(int32_t))), SEEK_SET) != 0)
+      throw DataError(fmt::format("{}: cannot read a temporary file", opts_.out_dir));
+    while (n > 0) {
+      const size_t k = size_t(std::min<int64_t>(n, int64_t(buf.size())));
+      if (std::fread(buf.data(), sizeof(int32_t), k, held_file_) != k)
+        throw DataError(fmt::format("{}: cannot read a temporary file", opts_.out_dir));
+      out.append(buf.data(), k);
+      n -= int64_t(k);
+    }
+  }
+
+  // Enough documents seen: the held ones (numbered up to `last`) go whole to train or val, and
+  // so does every document from now on.
   void release_whole(int64_t last) {
     holding_ = false;
     for (size_t i = 0; i < held_.size(); i++) {
       const int64_t d = last - int64_t(held_.size() - 1 - i);
       ShardSetWriter& out = to_validation(d, opts_.val_fraction) ? val_ : train_;
       out.begin_document();
-      out.append(held_[i].tokens.data(), held_[i].tokens.size());
+      copy_held(held_[i].begin, held_[i].count, out);
     }
     held_.clear();
-    held_tokens_ = 0;
+    std::fclose(held_file_);
+    held_file_ = nullptr;
   }
 
   const PrepareOptions& opts_;
@@ -106,6 +131,7 @@ class Splitter {
   ShardSetWriter &train_, &val_;
   bool holding_ = true;
   std::vector<Held> held_;
+  FILE* held_file_ = nullptr;
   int64_t held_tokens_ = 0, documents_ = 0;
 };
 
@@ -169,7 +195,7 @@ int prepare(const PrepareOptions& opts) {
     ShardSetWriter val(opts.out_dir, "val", opts.shard_tokens, tokenizer->vocab_size(),
                        tokenizer->identity_hash());
     Splitter splitter(opts, files, end_of_text_token(*tokenizer), train, val);
-    DocumentReader reader(files, {opts.format, opts.field, size_t(1) << 20});
+    DocumentReader reader(files, {opts.format, opts.field, size_t(kChunkBytes)});
     run_tokenize_pipeline(reader, *tokenizer, threads, [&](const TokenizedChunk& c) {
       for (size_t i = 0; i < c.pieces.size(); i++) {
         splitter.add(c.pieces[i], c.tokens.data() + c.token_begin[i],

@@ -1,5 +1,6 @@
 #include "trainer/tokenize_pipeline.h"
 
+#include <algorithm>
 #include <condition_variable>
 #include <deque>
 #include <exception>
@@ -28,7 +29,7 @@ TokenizedChunk tokenize(const TextChunk& chunk, const Tokenizer& tokenizer) {
 
 void run_tokenize_pipeline(DocumentReader& reader, const Tokenizer& tokenizer, int threads,
                            const std::function<void(const TokenizedChunk&)>& consume) {
-  const int64_t max_in_flight = threads + 4;
+  const int64_t max_in_flight = std::min<int64_t>(threads + 4, kMaxChunksInFlight);
   std::mutex mu;
   std::condition_variable cv;
   std::deque<TextChunk> todo;

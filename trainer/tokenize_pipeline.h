@@ -1,8 +1,10 @@
 #pragma once
 // prepare's three stages: one thread reads documents into chunks (io/document_reader.h), worker
 // threads tokenize chunks, and the calling thread takes the tokenized chunks in input order.
-// At most `threads + 4` chunks are in flight (read and not yet taken), so memory stays bounded
-// whatever the corpus size, and the order taken never depends on the number of threads.
+// At most min(threads + 4, kMaxChunksInFlight) chunks are in flight (read and not yet taken), so
+// memory stays bounded whatever the corpus size and the number of cores (a chunk of bytes
+// tokens takes about 8 times its text: the text, int32 tokens, the tokenizer's own vector), and
+// the order taken never depends on the number of threads.
 #include <cstdint>
 #include <functional>
 #include <vector>
@@ -11,6 +13,9 @@
 #include "io/tokenizer.h"
 
 namespace trainer {
+
+constexpr int64_t kChunkBytes = 256 << 10;
+constexpr int64_t kMaxChunksInFlight = 48;
 
 struct TokenizedChunk {
   int64_t seq = 0;
