@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -130,6 +131,22 @@ TEST_F(Prepare, SameTokensWhateverTheThreadsAndTheInputForm) {
       EXPECT_TRUE(read_file(path(f.name + "/" + set)) == want)
           << f.name << "/" << set << " differs";
   }
+}
+
+// A directory is every regular file below it in sorted path order (special files skipped).
+TEST_F(Prepare, DirectoriesAreReadRecursivelyInSortedOrder) {
+  fs::create_directories(path("tree/a/y"));
+  std::ofstream(path("tree/b.txt")) << document(1);
+  std::ofstream(path("tree/a/z.txt")) << document(2);
+  std::ofstream(path("tree/a/y/x.txt")) << document(3);
+  ASSERT_EQ(mkfifo(path("tree/a/fifo").c_str(), 0600), 0);
+  auto r = prepare("--input " + path("tree") + " --out-dir " + path("dir"));
+  ASSERT_EQ(r.code, 0) << r.output;
+  r = prepare("--input " + path("tree/a/y/x.txt") + " " + path("tree/a/z.txt") + " " +
+              path("tree/b.txt") + " --out-dir " + path("files"));
+  ASSERT_EQ(r.code, 0) << r.output;
+  for (const char* set : {"/train.bin", "/val.bin"})
+    EXPECT_TRUE(read_file(path("dir") + set) == read_file(path("files") + set)) << set;
 }
 
 // Whole documents go to train or val; each document's tokens are its text's tokens and the
