@@ -138,13 +138,16 @@ class ZstdStream : public ByteStream {
     while (o.pos < o.size) {
       const bool more = f_->fill();
       if (!more && pending_ == 0) break;  // the end, where a frame ended and was flushed
-      ZSTD_inBuffer in{f_->data(), f_->available(), 0};
+      // At most 64 KB a call: an error's offset is then that close to the damage.
+      ZSTD_inBuffer in{f_->data(), std::min<size_t>(f_->available(), 64 << 10), 0};
       const size_t before = o.pos;
+      const int64_t at = f_->consumed();
       pending_ = ZSTD_decompressStream(z_, &o, &in);
       f_->consume(in.pos);
+      // The decoder keeps input of its own, so the damage is somewhere in the bytes it was given.
       if (ZSTD_isError(pending_))
-        throw DataError(fmt::format("{}: offset {}: corrupt zstd data: {}", f_->path(),
-                                    f_->consumed(), ZSTD_getErrorName(pending_)));
+        throw DataError(fmt::format("{}: offset {}-{}: corrupt zstd data: {}", f_->path(), at,
+                                    at + int64_t(in.size), ZSTD_getErrorName(pending_)));
       // No input left and nothing more from the decoder: the frame is cut short.
       if (!more && pending_ != 0 && o.pos == before)
         throw DataError(

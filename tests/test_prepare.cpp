@@ -345,6 +345,9 @@ TEST_F(Prepare, BadInputIsOneLineAndNothingWritten) {
     std::string bytes = read_file(path(z));
     bytes.resize(bytes.size() * 2 / 3);
     std::ofstream(path(std::string("cut_") + z), std::ios::binary) << bytes;
+    bytes = read_file(path(z));
+    for (size_t i = bytes.size() / 3; i < bytes.size() / 3 + 64; i++) bytes[i] = char(~bytes[i]);
+    std::ofstream(path(std::string("bad_") + z), std::ios::binary) << bytes;
   }
   struct Case {
     std::string input, message;
@@ -358,6 +361,9 @@ TEST_F(Prepare, BadInputIsOneLineAndNothingWritten) {
       {path("blank.jsonl"), path("blank.jsonl") + ": no documents in the input"},
       {path("cut_big.jsonl.gz"), path("cut_big.jsonl.gz") + ": offset "},
       {path("cut_big.jsonl.zst"), path("cut_big.jsonl.zst") + ": offset "},
+      // Damaged in the middle: the decoder's check, or what it decoded, is refused.
+      {path("bad_big.jsonl.gz"), path("bad_big.jsonl.gz") + ":"},
+      {path("bad_big.jsonl.zst"), path("bad_big.jsonl.zst") + ":"},
   };
   for (const Case& c : cases) {
     // After a good file (so that something was on its way to be written), but the empty corpus
