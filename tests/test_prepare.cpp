@@ -252,6 +252,28 @@ TEST_F(Prepare, SmallCorporaSplitEachDocument) {
   EXPECT_EQ(val.document_start(1), int64_t(d0.size() - split));
 }
 
+// More documents than the writer holds in memory (65536): the index spills to a temporary file
+// and comes back whole and in order.
+TEST_F(Prepare, LargeDocumentIndexSpillsAndReturns) {
+  {
+    std::ofstream out(path("many.jsonl"), std::ios::binary);
+    for (int i = 0; i < 80000; i++) out << "{\"text\": \"document " << i << "\"}\n";
+  }
+  const auto r =
+      prepare("--input " + path("many.jsonl") + " --out-dir " + path("d") + " --val-fraction 0.01");
+  ASSERT_EQ(r.code, 0) << r.output;
+  TokenShard train(path("d/train.bin"), 256), val(path("d/val.bin"), 256);
+  ASSERT_GT(train.documents(), 70000);
+  EXPECT_EQ(train.documents() + val.documents(), 80000);
+  // Each document is "document N" (no end-of-text token with bytes): its start is where its
+  // text starts.
+  const auto t = tokens_of(train);
+  for (int64_t d = 0; d < train.documents(); d += 997) {
+    const int64_t start = train.document_start(d);
+    ASSERT_EQ(std::string(t.begin() + start, t.begin() + start + 9), "document ") << d;
+  }
+}
+
 // A plain-text document of several chunks, plain and gzip-compressed: its pieces tokenize as the
 // whole text does (fewer than 100 documents: its last 10% goes to validation).
 TEST_F(Prepare, LargePlainTextDocumentTokenizesAsAWhole) {
