@@ -23,6 +23,16 @@ void fsync_path(const std::string& path) {
     throw DataError(fmt::format("{}: fsync failed: {}", path, strerror(errno)));
 }
 
+FILE* open_anonymous_file(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_TMPFILE | O_RDWR, 0600);
+  FILE* f = fd >= 0 ? ::fdopen(fd, "w+b") : std::tmpfile();
+  if (!f) {
+    if (fd >= 0) ::close(fd);
+    throw DataError(fmt::format("{}: cannot create a temporary file: {}", dir, strerror(errno)));
+  }
+  return f;
+}
+
 void check_space(const std::string& path, int64_t bytes) {
   const int fd = ::open(path.c_str(), O_CREAT | O_WRONLY | O_TRUNC, 0644);
   if (fd < 0) throw DataError(fmt::format("{}: cannot create: {}", path, strerror(errno)));

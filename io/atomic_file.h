@@ -1,5 +1,6 @@
 #pragma once
 #include <cstdint>
+#include <cstdio>
 #include <string>
 
 namespace trainer {
@@ -14,6 +15,11 @@ void write_file_atomic(const std::string& path, const std::string& text);
 // failure half-way through it. File systems that cannot preallocate are not checked. Throws
 // DataError naming the path, the size and the reason.
 void check_space(const std::string& path, int64_t bytes);
+
+// A temporary file with no name in `dir` (O_TMPFILE; where the file system cannot, one from
+// tmpfile()), gone when closed or when the process ends, however it ends. For data too large to
+// hold in memory: beside the output, where there is room for it. Throws DataError.
+FILE* open_anonymous_file(const std::string& dir);
 
 // fsync of a file or directory (after a rename, the directory holding it).
 void fsync_path(const std::string& path);

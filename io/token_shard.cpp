@@ -29,7 +29,8 @@ struct Header {
   uint32_t vocab_size;
   uint32_t reserved0;
   uint64_t tokenizer_hash;  // version 2: Tokenizer::identity_hash() of the tokenizer used
-  uint8_t reserved[24];
+  uint64_t documents;       // version 2: entries of the document index after the tokens (0: none)
+  uint8_t reserved[16];
 };
 static_assert(sizeof(Header) == kHeaderBytes);
 
@@ -74,7 +75,7 @@ TokenShard::TokenShard(const std::string& path, int vocab_size, bool headerless)
   };
 
   size_t header = 0;
-  uint64_t declared = 0;
+  uint64_t declared = 0, documents = 0;
   if (headerless) {
     if (map_bytes_ % 2 != 0)
       fail(
@@ -98,6 +99,7 @@ TokenShard::TokenShard(const std::string& path, int vocab_size, bool headerless)
     width_ = int(h.token_bytes);
     declared = h.count;
     tokenizer_hash_ = h.version >= 2 ? h.tokenizer_hash : 0;
+    documents = h.version >= 2 ? h.documents : 0;
   } else if (map_bytes_ >= 4 && reinterpret_cast<const int32_t*>(bytes)[0] == kLlmcMagic) {
     if (map_bytes_ < kLlmcHeaderBytes)
       fail(fmt::format("llm.c header truncated: expected {} bytes, file has {}", kLlmcHeaderBytes,
@@ -117,14 +119,34 @@ TokenShard::TokenShard(const std::string& path, int vocab_size, bool headerless)
         "\"nanogpt\")",
         kLlmcMagic, map_bytes_, shown));
   }
-  if (declared > map_bytes_)  // keeps the product below from overflowing
+  if (declared > map_bytes_)  // keeps the sum below from overflowing
     fail(fmt::format("{} header declares {} tokens, more than a file of {} bytes can hold", format_,
                      declared, map_bytes_));
-  const uint64_t expected = header + declared * width_;
+  if (documents > map_bytes_)
+    fail(
+        fmt::format("offset 40: header declares {} documents, more than a file of {} bytes can "
+                    "hold",
+                    documents, map_bytes_));
+  const uint64_t expected = header + declared * width_ + documents * sizeof(uint64_t);
   if (map_bytes_ != expected)
-    fail(fmt::format("{} file of {} tokens should be {} bytes, found {} ({})", format_, declared,
-                     expected, map_bytes_, map_bytes_ < expected ? "truncated" : "trailing bytes"));
+    fail(fmt::format("{} file of {} tokens{} should be {} bytes, found {} ({})", format_, declared,
+                     documents ? fmt::format(" and {} documents", documents) : "", expected,
+                     map_bytes_, map_bytes_ < expected ? "truncated" : "trailing bytes"));
   if (declared < 2) fail(fmt::format("needs at least 2 tokens, found {}", declared));
+  // The document index: where each document starts, strictly increasing, inside the tokens.
+  const size_t index_at = header + declared * width_;
+  // Read in place (it may be unaligned: after an odd number of 2-byte tokens).
+  index_ = bytes + index_at;
+  documents_ = int64_t(documents);
+  for (int64_t d = 0, previous = -1; d < documents_; d++) {
+    const int64_t start = document_start(d);
+    if (start < 0 || uint64_t(start) >= declared || start <= previous)
+      fail(fmt::format(
+          "offset {}: document {} starts at token {}, expected a start above {} and below the "
+          "token count {}",
+          index_at + d * 8, d, start, previous, declared));
+    previous = start;
+  }
   tokens_ = bytes + header;
   count_ = int64_t(declared);
 
@@ -148,12 +170,20 @@ TokenShard::TokenShard(TokenShard&& o) noexcept
       tokens_(o.tokens_),
       width_(o.width_),
       count_(o.count_),
-      tokenizer_hash_(o.tokenizer_hash_) {
+      tokenizer_hash_(o.tokenizer_hash_),
+      index_(o.index_),
+      documents_(o.documents_) {
   o.map_ = nullptr;
 }
 
 TokenShard::~TokenShard() {
   if (map_) munmap(map_, map_bytes_);
+}
+
+int64_t TokenShard::document_start(int64_t i) const {
+  uint64_t start;
+  std::memcpy(&start, index_ + 8 * i, 8);
+  return int64_t(start);
 }
 
 void TokenShard::read(int64_t start, int64_t n, int32_t* out) const {

@@ -2,7 +2,10 @@
 // Token shards, memory-mapped. Three layouts are read:
 //  - ours: a 64-byte header {magic "TRTOKENS", u32 version (2; 1 is read), u32 bytes per token
 //    (2 | 4), u64 token count, u32 vocab size, u32 zero, u64 the tokenizer's identity hash
-//    (version 2; io/tokenizer.h), zero padding}, then the tokens, little-endian;
+//    (version 2; io/tokenizer.h), u64 document count D (version 2; 0: no index), zero padding},
+//    then the tokens, little-endian, then (version 2, D > 0) the document index: D u64 token
+//    offsets at which documents start, strictly increasing and below the token count (a shard
+//    may begin inside a document that an earlier shard started);
 //  - llm.c: 256 x int32 header {20240520, 1, token count, ...}, then uint16 tokens;
 //  - nanoGPT: a headerless file of uint16 tokens, only when asked for (data.format =
 //    "nanogpt"): with no magic to check, a damaged header would otherwise be read as tokens.
@@ -36,6 +39,10 @@ class TokenShard {
   // The identity hash of the tokenizer the shard was prepared with; 0 where the file does not
   // record one (our version 1, llm.c, nanoGPT).
   uint64_t tokenizer_hash() const { return tokenizer_hash_; }
+  // The document index (empty where the file has none): documents() documents start in this
+  // shard, document i at token document_start(i).
+  int64_t documents() const { return documents_; }
+  int64_t document_start(int64_t i) const;
   // tokens [start, start + n) as int32
   void read(int64_t start, int64_t n, int32_t* out) const;
 
@@ -48,6 +55,8 @@ class TokenShard {
   int width_ = 2;
   int64_t count_ = 0;
   uint64_t tokenizer_hash_ = 0;
+  const uint8_t* index_ = nullptr;  // documents_ u64 starts, in the mapped file
+  int64_t documents_ = 0;
 };
 
 // Writes our shard layout atomically (temporary file, then rename); tokenizer_hash 0: not

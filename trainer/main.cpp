@@ -1,7 +1,8 @@
 // trainer: one binary that trains transformer language models from one TOML file.
 //   trainer train CONFIG [--set section.key=value ...]
 //   trainer generate --checkpoint DIR [--prompt TEXT] [--tokens N]
-//   trainer prepare --input FILE... --out-dir DIR [--tokenizer KIND --tokenizer-path PATH]
+//   trainer prepare --input FILE|DIR|GLOB... --out-dir DIR [--tokenizer KIND --tokenizer-path PATH]
+//                   [--format auto|text|jsonl --field NAME --threads N --shard-tokens N]
 // Bad input of any kind ends with one line on stderr and exit code 2.
 #include <fmt/format.h>
 
@@ -117,10 +118,25 @@ int main(int argc, char** argv) {
 
   trainer::PrepareOptions prep;
   auto* pre = app.add_subcommand("prepare", "tokenize text files into train/val shards");
-  pre->add_option("--input", prep.inputs, "text files")->required()->take_all();
+  pre->add_option("--input", prep.inputs,
+                  "text or JSON Lines files (.gz, .zst too), directories, glob patterns")
+      ->required()
+      ->take_all();
   pre->add_option("--out-dir", prep.out_dir, "directory for train.bin and val.bin")->required();
-  pre->add_option("--val-fraction", prep.val_fraction, "part of each file kept for validation")
+  pre->add_option("--val-fraction", prep.val_fraction,
+                  "documents kept for validation (of each document, under 100 documents)")
       ->check(finite_in(0.0, 0.5));
+  std::string prep_format = "auto";
+  pre->add_option("--format", prep_format, "auto (*.jsonl, *.ndjson: JSON Lines) | text | jsonl")
+      ->check(CLI::IsMember({"auto", "text", "jsonl"}))
+      ->capture_default_str();
+  pre->add_option("--field", prep.field, "JSON Lines: the field that holds each document's text")
+      ->capture_default_str();
+  pre->add_option("--threads", prep.threads, "tokenizer threads (0: every core)")
+      ->check(CLI::Range(0, 1024));
+  pre->add_option("--shard-tokens", prep.shard_tokens,
+                  "at most this many tokens a shard, named train_000000.bin, ... (0: one shard)")
+      ->check(CLI::Range(int64_t(0), int64_t(1) << 40));
   std::string prep_config;
   pre->add_option("--config", prep_config, "take the tokenizer from this run config's [tokenizer]");
   std::string prep_kind, prep_path, prep_pattern;
@@ -170,6 +186,9 @@ int main(int argc, char** argv) {
       if (!prep_path.empty()) set.push_back("tokenizer.path=" + quoted(prep_path));
       if (!prep_pattern.empty()) set.push_back("tokenizer.pattern=" + quoted(prep_pattern));
       prep.tokenizer = trainer::load_config(prep_config, set).tokenizer;
+      prep.format = prep_format == "text"    ? trainer::InputFormat::kText
+                    : prep_format == "jsonl" ? trainer::InputFormat::kJsonl
+                                             : trainer::InputFormat::kAuto;
       return trainer::prepare(prep);
     }
   } catch (...) {
