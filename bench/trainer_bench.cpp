@@ -77,6 +77,7 @@ struct Options {
   std::string device = "cpu";
   std::string dtype = "fp32";
   int batch = 0;  // 0: the workload's
+  std::string recompute = "none";
 };
 
 Options parse_args(int argc, char** argv) {
@@ -86,7 +87,8 @@ Options parse_args(int argc, char** argv) {
     if (arg == "-h" || arg == "--help") {
       std::puts(
           "usage: trainer_bench --workload W-S|W-M|W-L [--warmup N] [--steps N] [--threads N]"
-          " [--seed N] [--device cpu|cuda] [--dtype fp32|bf16|fp16] [--batch B]");
+          " [--seed N] [--device cpu|cuda] [--dtype fp32|bf16|fp16] [--batch B]"
+          " [--recompute none|selective|full]");
       std::exit(0);
     }
     if (i + 1 >= argc) throw std::invalid_argument("missing value after " + arg);
@@ -110,6 +112,9 @@ Options parse_args(int argc, char** argv) {
       o.dtype = value;
     } else if (arg == "--batch") {
       o.batch = std::stoi(value);
+    } else if (arg == "--recompute") {
+      trainer::parse_recompute(value);  // throws on anything else
+      o.recompute = value;
     } else {
       throw std::invalid_argument("unknown option " + arg);
     }
@@ -162,6 +167,10 @@ int run(const Options& opt) {
   auto kernels = gpu ? trainer::make_cuda_kernels({}) : trainer::make_cpu_kernels();
   trainer::StageOptions model_options;
   model_options.grad_dtype = trainer::DType::f32;  // mixed precision keeps fp32 gradients
+  model_options.recompute = trainer::parse_recompute(opt.recompute);
+  // What the plan says the model holds (weights, gradients, activations), before it is made.
+  const trainer::StageExecutor::Memory planned = trainer::StageExecutor::memory_needed(
+      w.model, dtype, B, T, model_options, kernels->attention_keeps_probabilities());
   trainer::StageExecutor model(w.model, *kernels, dtype, B, T, model_options);
   model.init_parameters(opt.seed);
   trainer::AdamW optimizer(model, optim);
@@ -241,6 +250,13 @@ int run(const Options& opt) {
       {"matmul_gflops", matmul_s > 0 ? matmul_flops / matmul_s / 1e9 : 0.0},
       {"matmul_share", matmul_s / step_s},  // of the step's time
       {"peak_gpu_mb", double(kernels->memory().peak) / (1 << 20)},
+      {"recompute", opt.recompute},
+      // The model's planned bytes (weights, gradients, activations) and AdamW's state (two fp32
+      // moments, and fp32 master weights for 16-bit models).
+      {"planned_activations_mb", double(planned.activations + planned.stats) / (1 << 20)},
+      {"planned_mb",
+       (double(planned.total()) + double(model.table().total) * 4 * (optimizer.master() ? 3 : 2)) /
+           (1 << 20)},
       {"flops_per_token", flops_per_token},
       {"matmul_params", trainer::matmul_params(w.model)},
       {"threads", omp_get_max_threads()},
