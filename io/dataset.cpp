@@ -1,12 +1,12 @@
 #include "io/dataset.h"
 
 #include <fmt/format.h>
-#include <glob.h>
 
 #include <chrono>
 #include <map>
 #include <random>
 
+#include "io/input_files.h"
 #include "model/init.h"
 
 namespace trainer {
@@ -18,12 +18,7 @@ std::vector<std::string> expand_shard_paths(const std::vector<std::string>& path
       out.push_back(p);
       continue;
     }
-    glob_t g{};
-    const int rc = glob(p.c_str(), GLOB_ERR, nullptr, &g);
-    std::vector<std::string> matched(g.gl_pathv, g.gl_pathv + g.gl_pathc);  // sorted by glob
-    globfree(&g);
-    if (rc != 0 || matched.empty())
-      throw DataError(fmt::format("{}: no token shard matches this pattern", p));
+    const std::vector<std::string> matched = glob_sorted(p, "token shard");
     out.insert(out.end(), matched.begin(), matched.end());
   }
   return out;

@@ -45,6 +45,16 @@ void add_path(const std::string& path, std::vector<InputFile>& out) {
 
 }  // namespace
 
+std::vector<std::string> glob_sorted(const std::string& pattern, const std::string& what) {
+  glob_t g{};
+  const int rc = glob(pattern.c_str(), GLOB_ERR, nullptr, &g);
+  std::vector<std::string> matched(g.gl_pathv, g.gl_pathv + g.gl_pathc);  // sorted by glob
+  globfree(&g);
+  if (rc != 0 || matched.empty())
+    throw DataError(fmt::format("{}: no {} matches this pattern", pattern, what));
+  return matched;
+}
+
 std::vector<InputFile> expand_input_files(const std::vector<std::string>& args) {
   std::vector<InputFile> out;
   for (const std::string& a : args) {
@@ -52,13 +62,7 @@ std::vector<InputFile> expand_input_files(const std::vector<std::string>& args) 
       add_path(a, out);
       continue;
     }
-    glob_t g{};
-    const int rc = glob(a.c_str(), GLOB_ERR, nullptr, &g);
-    std::vector<std::string> matched(g.gl_pathv, g.gl_pathv + g.gl_pathc);  // sorted by glob
-    globfree(&g);
-    if (rc != 0 || matched.empty())
-      throw DataError(fmt::format("{}: no input file matches this pattern", a));
-    for (const auto& m : matched) add_path(m, out);
+    for (const auto& m : glob_sorted(a, "input file")) add_path(m, out);
   }
   if (out.empty()) throw DataError("no input files given");
   return out;

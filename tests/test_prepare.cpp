@@ -30,18 +30,6 @@ namespace fs = std::filesystem;
 
 constexpr int32_t kEndOfText = 50256;  // GPT-2's <|endoftext|>, from the gpt2 pattern
 
-std::string base64(const std::string& bytes) {
-  static const char* abc = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-  std::string out;
-  for (size_t i = 0; i < bytes.size(); i += 3) {
-    const size_t n = std::min<size_t>(3, bytes.size() - i);
-    uint32_t v = 0;
-    for (size_t k = 0; k < 3; k++) v = v << 8 | (k < n ? uint8_t(bytes[i + k]) : 0);
-    for (size_t k = 0; k < 4; k++) out += k <= n ? abc[(v >> (18 - 6 * k)) & 63] : '=';
-  }
-  return out;
-}
-
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   std::stringstream ss;
@@ -69,9 +57,10 @@ class Prepare : public test::TempDirTest {
     // A BPE tokenizer with an end-of-text token: the 256 bytes, a few merges, GPT-2's pattern.
     std::ofstream out(path("ranks.tiktoken"));
     int rank = 0;
-    for (int b = 0; b < 256; b++) out << base64(std::string(1, char(b))) << " " << rank++ << "\n";
+    for (int b = 0; b < 256; b++)
+      out << test::base64(std::string(1, char(b))) << " " << rank++ << "\n";
     for (const char* merge : {"th", "he", "in", "er", " t", " a", "an", " the", "the", "ou"})
-      out << base64(merge) << " " << rank++ << "\n";
+      out << test::base64(merge) << " " << rank++ << "\n";
     text_ = read_file(test::source_dir() + "/tests/data/pride_and_prejudice_opening.txt");
   }
   std::string bpe() {

@@ -22,18 +22,6 @@
 namespace trainer {
 namespace {
 
-std::string base64(const std::string& bytes) {
-  static const char* abc = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-  std::string out;
-  for (size_t i = 0; i < bytes.size(); i += 3) {
-    const size_t n = std::min<size_t>(3, bytes.size() - i);
-    uint32_t v = 0;
-    for (size_t k = 0; k < 3; k++) v = v << 8 | (k < n ? uint8_t(bytes[i + k]) : 0);
-    for (size_t k = 0; k < 4; k++) out += k <= n ? abc[(v >> (18 - 6 * k)) & 63] : '=';
-  }
-  return out;
-}
-
 class TokenizedRun : public test::TempDirTest {
  protected:
   test::CommandResult run(const std::string& args) {
@@ -42,9 +30,10 @@ class TokenizedRun : public test::TempDirTest {
   void write_ranks() {
     std::ofstream out(path("ranks.tiktoken"));
     int rank = 0;
-    for (int b = 0; b < 256; b++) out << base64(std::string(1, char(b))) << " " << rank++ << "\n";
+    for (int b = 0; b < 256; b++)
+      out << test::base64(std::string(1, char(b))) << " " << rank++ << "\n";
     for (const char* merge : {"th", "he", "in", "er", " t", " a", "an", " the", "the", "ou"})
-      out << base64(merge) << " " << rank++ << "\n";
+      out << test::base64(merge) << " " << rank++ << "\n";
   }
   std::string tokenizer_flags() {
     return "--tokenizer tiktoken --tokenizer-path " + path("ranks.tiktoken") + " --pattern gpt2";
@@ -68,9 +57,9 @@ class TokenizedRun : public test::TempDirTest {
 };
 
 TEST_F(TokenizedRun, PrepareTrainSampleAndGenerateWithTheCheckpointsTokenizer) {
-  ASSERT_EQ(base64("the"), "dGhl");
-  ASSERT_EQ(base64(" t"), "IHQ=");
-  ASSERT_EQ(base64("a"), "YQ==");
+  ASSERT_EQ(test::base64("the"), "dGhl");
+  ASSERT_EQ(test::base64(" t"), "IHQ=");
+  ASSERT_EQ(test::base64("a"), "YQ==");
   const std::string text = test::source_dir() + "/tests/data/pride_and_prejudice_opening.txt";
   auto r = run("prepare --input " + text + " --out-dir " + path("data") + " " + tokenizer_flags());
   ASSERT_EQ(r.code, 0) << r.output;
@@ -141,7 +130,7 @@ TEST_F(TokenizedRun, PrepareTrainSampleAndGenerateWithTheCheckpointsTokenizer) {
   ASSERT_EQ(r.code, 0) << r.output;
   {  // the 256 bytes, no merges
     std::ofstream out(path("other.tiktoken"));
-    for (int b = 0; b < 256; b++) out << base64(std::string(1, char(b))) << " " << b << "\n";
+    for (int b = 0; b < 256; b++) out << test::base64(std::string(1, char(b))) << " " << b << "\n";
   }
   r = run(train_args("resumed", plain +
                                     " --set train.steps=4 --set checkpoint.resume=\\\"auto\\\" "

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdio>
@@ -54,6 +55,19 @@ inline std::string source_dir() {
 #endif
 
 // A fresh directory per test, removed afterwards.
+// Standard base64 with padding (the tokens of a .tiktoken rank file).
+inline std::string base64(const std::string& bytes) {
+  static const char* abc = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  std::string out;
+  for (size_t i = 0; i < bytes.size(); i += 3) {
+    const size_t n = std::min<size_t>(3, bytes.size() - i);
+    uint32_t v = 0;
+    for (size_t k = 0; k < 3; k++) v = v << 8 | (k < n ? uint8_t(bytes[i + k]) : 0);
+    for (size_t k = 0; k < 4; k++) out += k <= n ? abc[(v >> (18 - 6 * k)) & 63] : '=';
+  }
+  return out;
+}
+
 class TempDirTest : public ::testing::Test {
  protected:
   void SetUp() override {

@@ -32,7 +32,7 @@ void run_tokenize_pipeline(DocumentReader& reader, const Tokenizer& tokenizer, i
   const int64_t max_in_flight = std::min<int64_t>(threads + 4, kMaxChunksInFlight);
   std::mutex mu;
   std::condition_variable cv;
-  std::deque<TextChunk> todo;
+  std::deque<TextChunk> queued;
   std::map<int64_t, TokenizedChunk> done;  // tokenized, waiting for the chunks before them
   int64_t read = 0, taken = 0;
   bool reading = true, stop = false;
@@ -50,7 +50,7 @@ void run_tokenize_pipeline(DocumentReader& reader, const Tokenizer& tokenizer, i
         std::unique_lock<std::mutex> lock(mu);
         cv.wait(lock, [&] { return stop || read - taken < max_in_flight; });
         if (stop) throw std::runtime_error("stopped");  // unwinds the reader; not reported
-        todo.push_back(std::move(chunk));
+        queued.push_back(std::move(chunk));
         read++;
         cv.notify_all();
       });
@@ -68,10 +68,10 @@ void run_tokenize_pipeline(DocumentReader& reader, const Tokenizer& tokenizer, i
         TextChunk chunk;
         {
           std::unique_lock<std::mutex> lock(mu);
-          cv.wait(lock, [&] { return stop || !todo.empty() || !reading; });
-          if (stop || todo.empty()) return;
-          chunk = std::move(todo.front());
-          todo.pop_front();
+          cv.wait(lock, [&] { return stop || !queued.empty() || !reading; });
+          if (stop || queued.empty()) return;
+          chunk = std::move(queued.front());
+          queued.pop_front();
         }
         try {
           TokenizedChunk t = tokenize(chunk, tokenizer);
