@@ -55,12 +55,7 @@ class Prepare : public test::TempDirTest {
   void SetUp() override {
     TempDirTest::SetUp();
     // A BPE tokenizer with an end-of-text token: the 256 bytes, a few merges, GPT-2's pattern.
-    std::ofstream out(path("ranks.tiktoken"));
-    int rank = 0;
-    for (int b = 0; b < 256; b++)
-      out << test::base64(std::string(1, char(b))) << " " << rank++ << "\n";
-    for (const char* merge : {"th", "he", "in", "er", " t", " a", "an", " the", "the", "ou"})
-      out << test::base64(merge) << " " << rank++ << "\n";
+    test::write_rank_file(path("ranks.tiktoken"), test::kEnglishMerges);
     text_ = read_file(test::source_dir() + "/tests/data/pride_and_prejudice_opening.txt");
   }
   std::string bpe() {

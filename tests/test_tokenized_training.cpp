@@ -27,14 +27,7 @@ class TokenizedRun : public test::TempDirTest {
   test::CommandResult run(const std::string& args) {
     return test::run_command("OMP_NUM_THREADS=1 " + test::trainer_bin() + " " + args);
   }
-  void write_ranks() {
-    std::ofstream out(path("ranks.tiktoken"));
-    int rank = 0;
-    for (int b = 0; b < 256; b++)
-      out << test::base64(std::string(1, char(b))) << " " << rank++ << "\n";
-    for (const char* merge : {"th", "he", "in", "er", " t", " a", "an", " the", "the", "ou"})
-      out << test::base64(merge) << " " << rank++ << "\n";
-  }
+  void write_ranks() { test::write_rank_file(path("ranks.tiktoken"), test::kEnglishMerges); }
   std::string tokenizer_flags() {
     return "--tokenizer tiktoken --tokenizer-path " + path("ranks.tiktoken") + " --pattern gpt2";
   }
@@ -128,10 +121,7 @@ TEST_F(TokenizedRun, PrepareTrainSampleAndGenerateWithTheCheckpointsTokenizer) {
                             "\\\" --set data.val=\\\"" + path("plain/val.bin") + "\\\"";
   r = run(train_args("resumed", plain));
   ASSERT_EQ(r.code, 0) << r.output;
-  {  // the 256 bytes, no merges
-    std::ofstream out(path("other.tiktoken"));
-    for (int b = 0; b < 256; b++) out << test::base64(std::string(1, char(b))) << " " << b << "\n";
-  }
+  test::write_rank_file(path("other.tiktoken"), {});  // the 256 bytes, no merges
   r = run(train_args("resumed", plain +
                                     " --set train.steps=4 --set checkpoint.resume=\\\"auto\\\" "
                                     "--set tokenizer.path=\\\"" +

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <random>
 #include <string>
@@ -67,6 +68,17 @@ inline std::string base64(const std::string& bytes) {
   }
   return out;
 }
+
+// A tiktoken rank file: the 256 bytes (ranks 0-255), then `merges` in rank order.
+inline void write_rank_file(const std::string& file, const std::vector<std::string>& merges) {
+  std::ofstream out(file);
+  int rank = 0;
+  for (int b = 0; b < 256; b++) out << base64(std::string(1, char(b))) << " " << rank++ << "\n";
+  for (const std::string& m : merges) out << base64(m) << " " << rank++ << "\n";
+}
+// A few merges of common English pairs, for handmade BPE tokenizers.
+inline const std::vector<std::string> kEnglishMerges = {"th", "he", "in",   "er",  " t",
+                                                        " a", "an", " the", "the", "ou"};
 
 class TempDirTest : public ::testing::Test {
  protected:
