@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <toml++/toml.h>
 
+#include <cmath>
 #include <fstream>
 #include <functional>
 #include <limits>
@@ -147,6 +148,34 @@ class SectionReader {
       auto s = e.value_exact<std::string>();
       if (!s) wrong_type(e, "a string");
       out.push_back(*s);
+    }
+  }
+  // [[data.sources]]: an array of tables {path, weight}.
+  void read(const toml::node& n, std::vector<DataSource>& out) const {
+    const toml::array* a = n.as_array();
+    if (!a || a->empty() || !a->is_array_of_tables())
+      wrong_type(n, "a non-empty array of tables [[data.sources]] with path and weight");
+    out.clear();
+    for (const toml::node& e : *a) {
+      const toml::table& t = *e.as_table();
+      DataSource src;
+      for (const auto& [k, v] : t) {
+        if (k.str() == "path")
+          read(v, src.path);
+        else if (k.str() == "weight") {
+          read(v, src.weight);
+          if (!(src.weight > 0) || !std::isfinite(src.weight))
+            fail(v, fmt::format("source {}: weight must be a finite number > 0, found {}",
+                                out.size(), src.weight));
+        } else {
+          fail(k.source(), fmt::format("source {}: unknown key \"{}\" (expected path and weight)",
+                                       out.size(), k.str()));
+        }
+      }
+      if (src.path.empty())
+        fail(e,
+             fmt::format("source {}: expected a path (shards or globs), found none", out.size()));
+      out.push_back(std::move(src));
     }
   }
   void read(const toml::node& n, std::array<double, 2>& out) const {
@@ -369,7 +398,12 @@ Config parse_config(const std::string& text, const std::string& origin,
     r.field("val", c.data.val);
     r.field("prefetch", c.data.prefetch, in_range(1, 1024));
     r.field("format", c.data.format, one_of({"auto", "nanogpt"}));
+    r.field("sources", c.data.sources);
     r.finish();
+    if (r.has("sources") && r.has("train"))
+      throw ConfigError(
+          fmt::format("{}: [data] train: set either train or [[data.sources]] (a blend), not both",
+                      r.origin("train")));
   }
   {
     SectionReader r(root, "tokenizer", origin, origins);
@@ -541,6 +575,11 @@ Config parse_config(const std::string& text, const std::string& origin,
   return c;
 }
 
+std::vector<DataSource> training_sources(const DataConfig& d) {
+  if (!d.sources.empty()) return d.sources;
+  return {{d.train, 1.0}};
+}
+
 std::string tokenizer_name(const TokenizerConfig& t) {
   if (t.kind == "bytes") return "bytes";
   return t.kind + (t.pattern.empty() ? "" : " " + t.pattern) + " (" + t.path + ")";
@@ -583,12 +622,27 @@ static toml::table model_table(const ModelConfig& m) {
   return t;
 }
 
+static toml::array strings(const std::vector<std::string>& v) {
+  toml::array a;
+  for (const auto& s : v) a.push_back(s);
+  return a;
+}
+
+// [data], with either `train` or the [[data.sources]] of a blend.
+static toml::table data_table(const DataConfig& d) {
+  toml::table t{{"val", strings(d.val)}, {"prefetch", d.prefetch}, {"format", d.format}};
+  if (d.sources.empty()) {
+    t.insert("train", strings(d.train));
+    return t;
+  }
+  toml::array sources;
+  for (const DataSource& s : d.sources)
+    sources.push_back(toml::table{{"path", strings(s.path)}, {"weight", s.weight}});
+  t.insert("sources", std::move(sources));
+  return t;
+}
+
 std::string config_to_toml(const Config& c) {
-  auto strings = [](const std::vector<std::string>& v) {
-    toml::array a;
-    for (const auto& s : v) a.push_back(s);
-    return a;
-  };
   toml::table root{
       {"run", toml::table{{"name", c.run.name},
                           {"out_dir", c.run.out_dir},
@@ -602,10 +656,7 @@ std::string config_to_toml(const Config& c) {
                           {"phase_timing", c.run.phase_timing}}},
       {"init", toml::table{{"from", c.init.from}}},
       {"model", model_table(c.model)},
-      {"data", toml::table{{"train", strings(c.data.train)},
-                           {"val", strings(c.data.val)},
-                           {"prefetch", c.data.prefetch},
-                           {"format", c.data.format}}},
+      {"data", data_table(c.data)},
       {"tokenizer", toml::table{{"kind", c.tokenizer.kind},
                                 {"path", c.tokenizer.path},
                                 {"pattern", c.tokenizer.pattern}}},

@@ -28,14 +28,25 @@ struct RunConfig {
       false;  // a GPU: wait after each micro-batch's forward and backward to time them
 };
 
+// [[data.sources]]: one training source of a blend (io/blend.h).
+struct DataSource {
+  std::vector<std::string> path;  // token shards, globs
+  double weight = 1;              // > 0; the weights are normalised to sum to 1
+  bool operator==(const DataSource&) const = default;
+};
+
 struct DataConfig {
   std::vector<std::string> train = {"data/austen/train.bin"};  // token shards
   std::vector<std::string> val = {"data/austen/val.bin"};
-  int prefetch = 4;  // micro-batches ready ahead of the step
+  std::vector<DataSource> sources;  // a blend instead of `train` (which is then unset)
+  int prefetch = 4;                 // micro-batches ready ahead of the step
   // "auto": each shard's magic says its layout (ours or llm.c); "nanogpt": headerless uint16
   // files, which have no magic to recognise (io/token_shard.h).
   std::string format = "auto";
 };
+
+// The training sources: [[data.sources]], or `train` as the one source.
+std::vector<DataSource> training_sources(const DataConfig& d);
 
 // [tokenizer]: how text becomes tokens (io/tokenizer.h): for `prepare`, for the in-training
 // samples, and stored in every checkpoint for `generate`. Shards record the tokenizer they were

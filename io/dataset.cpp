@@ -5,6 +5,7 @@
 #include <chrono>
 #include <map>
 #include <random>
+#include <stdexcept>
 
 #include "io/input_files.h"
 #include "model/init.h"
@@ -80,17 +81,26 @@ int64_t SampleOrder::window(int64_t sample) {
   return perm_[sample % windows_];
 }
 
-DataLoader::DataLoader(const Dataset& data, int B, int T, int grad_accum, uint64_t seed,
-                       int prefetch, int64_t first_sample, int dp_rank, int dp_size)
-    : data_(data),
+uint64_t source_seed(uint64_t seed, int source) {
+  return source == 0 ? seed : mix64(seed ^ mix64(uint64_t(source) + 0x50u));
+}
+
+DataLoader::DataLoader(std::span<const Dataset> sources, BlendPlan blend, int B, int T,
+                       int grad_accum, uint64_t seed, int prefetch, int64_t first_sample,
+                       int dp_rank, int dp_size)
+    : sources_(sources),
       B_(B),
       T_(T),
       accum_(grad_accum),
       dp_rank_(dp_rank),
       dp_size_(dp_size),
       prefetch_(prefetch),
-      order_(data.windows(), seed),
+      blend_(std::move(blend)),
       first_sample_(first_sample) {
+  if (blend_.plan().weights.size() != sources.size())
+    throw std::logic_error("the blend's weights are not one per source");
+  for (size_t k = 0; k < sources.size(); k++)
+    orders_.emplace_back(sources[k].windows(), source_seed(seed, int(k)));
   // `prefetch` batches ready ahead, and one more that the consumer holds (next()'s result).
   for (int i = 0; i < prefetch + 1; i++) {
     Batch b;
@@ -126,9 +136,10 @@ void DataLoader::produce() {
       // Global micro-batch g since the start; data-parallel rank d reads every dp-th one, so
       // dp = k with one micro-batch per step reads what dp = 1 with k accumulated ones does.
       const int64_t g = (b.step * accum_ + b.micro) * dp_size_ + dp_rank_;
-      const int64_t sample = first_sample_ + g * B_ + r;
-      data_.window(order_.window(sample), b.inputs.data() + int64_t(r) * T_,
-                   b.targets.data() + int64_t(r) * T_);
+      const BlendOrder::Pick pick = blend_.at(first_sample_ + g * B_ + r);
+      sources_[pick.source].window(orders_[pick.source].window(pick.index),
+                                   b.inputs.data() + int64_t(r) * T_,
+                                   b.targets.data() + int64_t(r) * T_);
     }
     if (++next_micro_ == accum_) {
       next_micro_ = 0;
@@ -167,11 +178,13 @@ double DataLoader::take_wait_seconds() {
   return w;
 }
 
-void validation_batch(const Dataset& data, int index, int B, int T, Batch& out) {
+void validation_batch(const Dataset& data, int index, int count, int B, int T, Batch& out) {
   out.inputs.resize(size_t(B) * T);
   out.targets.resize(size_t(B) * T);
+  const int64_t n = int64_t(count) * B, windows = data.windows();
   for (int r = 0; r < B; r++) {
-    const int64_t w = (int64_t(index) * B + r) % data.windows();
+    const int64_t j = int64_t(index) * B + r;
+    const int64_t w = n >= windows ? j % windows : int64_t(__int128(j) * windows / n);
     data.window(w, out.inputs.data() + int64_t(r) * T, out.targets.data() + int64_t(r) * T);
   }
 }

@@ -7,10 +7,12 @@
 #include <cstdint>
 #include <deque>
 #include <mutex>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "io/blend.h"
 #include "io/token_shard.h"
 
 namespace trainer {
@@ -62,14 +64,19 @@ struct Batch {
   std::vector<int32_t> inputs, targets;  // (B, T)
 };
 
+// The seed of source k's sample order: the run's seed for the first (a single-source run reads
+// what it always has), a stream of its own for each other.
+uint64_t source_seed(uint64_t seed, int source);
+
 // Fills batches in a background thread into a bounded queue; next() only pops.
 class DataLoader {
  public:
   // Data-parallel rank dp_rank of dp_size reads its own, disjoint part of every global batch.
   // The first step's batch starts at global sample `first_sample` (the samples consumed before:
-  // a resumed run continues with the next unseen one whatever its layout).
-  DataLoader(const Dataset& data, int B, int T, int grad_accum, uint64_t seed, int prefetch,
-             int64_t first_sample, int dp_rank = 0, int dp_size = 1);
+  // a resumed run continues with the next unseen one whatever its layout). Global samples come
+  // from `sources` as `blend` mixes them (io/blend.h).
+  DataLoader(std::span<const Dataset> sources, BlendPlan blend, int B, int T, int grad_accum,
+             uint64_t seed, int prefetch, int64_t first_sample, int dp_rank = 0, int dp_size = 1);
   ~DataLoader();
   DataLoader(const DataLoader&) = delete;
   DataLoader& operator=(const DataLoader&) = delete;
@@ -84,9 +91,10 @@ class DataLoader {
  private:
   void produce();
 
-  const Dataset& data_;
+  std::span<const Dataset> sources_;
   int B_, T_, accum_, dp_rank_, dp_size_, prefetch_;
-  SampleOrder order_;
+  BlendOrder blend_;
+  std::vector<SampleOrder> orders_;  // per source
   int64_t first_sample_;
   int64_t next_step_ = 0;
   int next_micro_ = 0;
@@ -100,7 +108,9 @@ class DataLoader {
   std::thread thread_;
 };
 
-// Fixed validation batches: windows in file order, the same every evaluation.
-void validation_batch(const Dataset& data, int index, int B, int T, Batch& out);
+// Validation batch `index` of `count`: the count * B windows spread evenly over the whole
+// validation set (all of them, in order, when it has no more), the same every evaluation and in
+// every layout.
+void validation_batch(const Dataset& data, int index, int count, int B, int T, Batch& out);
 
 }  // namespace trainer

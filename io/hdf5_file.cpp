@@ -265,23 +265,47 @@ void H5File::set_attr(const std::string& name, const std::string& value) {
     throw H5Error(fmt::format("{}: cannot write attribute {}", path_, name));
 }
 
-void H5File::set_attr(const std::string& name, const std::vector<double>& values) {
+namespace {
+
+// A one-dimensional attribute of `file_type`, read and written as `memory_type`.
+template <class T>
+void write_array_attr(hid_t id, const std::string& path, const std::string& name,
+                      const std::vector<T>& values, hid_t file_type, hid_t memory_type) {
   const hsize_t n = values.size();
   Handle space{H5Screate_simple(1, &n, nullptr), H5Sclose};
-  Handle a{H5Acreate2(id_, name.c_str(), H5T_IEEE_F64LE, space.id, H5P_DEFAULT, H5P_DEFAULT),
-           H5Aclose};
-  if (a.id < 0 || H5Awrite(a.id, H5T_NATIVE_DOUBLE, values.data()) < 0)
-    throw H5Error(fmt::format("{}: cannot write attribute {}", path_, name));
+  Handle a{H5Acreate2(id, name.c_str(), file_type, space.id, H5P_DEFAULT, H5P_DEFAULT), H5Aclose};
+  if (a.id < 0 || H5Awrite(a.id, memory_type, values.data()) < 0)
+    throw H5Error(fmt::format("{}: cannot write attribute {}", path, name));
+}
+
+template <class T>
+std::vector<T> read_array_attr(hid_t id, const std::string& path, const std::string& name,
+                               hid_t memory_type) {
+  Handle a{H5Aopen(id, name.c_str(), H5P_DEFAULT), H5Aclose};
+  if (a.id < 0) throw H5Error(fmt::format("{}: attribute {} is missing", path, name));
+  Handle space{H5Aget_space(a.id), H5Sclose};
+  std::vector<T> v(std::max<hssize_t>(H5Sget_simple_extent_npoints(space.id), 0));
+  if (H5Aread(a.id, memory_type, v.data()) < 0)
+    throw H5Error(fmt::format("{}: cannot read attribute {}", path, name));
+  return v;
+}
+
+}  // namespace
+
+void H5File::set_attr(const std::string& name, const std::vector<double>& values) {
+  write_array_attr(id_, path_, name, values, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE);
+}
+
+void H5File::set_attr(const std::string& name, const std::vector<int64_t>& values) {
+  write_array_attr(id_, path_, name, values, H5T_STD_I64LE, H5T_NATIVE_INT64);
 }
 
 std::vector<double> H5File::attr_doubles(const std::string& name) const {
-  Handle a{H5Aopen(id_, name.c_str(), H5P_DEFAULT), H5Aclose};
-  if (a.id < 0) throw H5Error(fmt::format("{}: attribute {} is missing", path_, name));
-  Handle space{H5Aget_space(a.id), H5Sclose};
-  std::vector<double> v(std::max<hssize_t>(H5Sget_simple_extent_npoints(space.id), 0));
-  if (H5Aread(a.id, H5T_NATIVE_DOUBLE, v.data()) < 0)
-    throw H5Error(fmt::format("{}: cannot read attribute {}", path_, name));
-  return v;
+  return read_array_attr<double>(id_, path_, name, H5T_NATIVE_DOUBLE);
+}
+
+std::vector<int64_t> H5File::attr_ints(const std::string& name) const {
+  return read_array_attr<int64_t>(id_, path_, name, H5T_NATIVE_INT64);
 }
 
 int64_t H5File::attr_int(const std::string& name) const {

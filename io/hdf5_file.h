@@ -66,12 +66,14 @@ class H5File {
   void set_attr(const std::string& name, int64_t value);
   void set_attr(const std::string& name, double value);
   void set_attr(const std::string& name, const std::string& value);
-  void set_attr(const std::string& name, const std::vector<double>& values);  // non-empty
+  void set_attr(const std::string& name, const std::vector<double>& values);   // non-empty
+  void set_attr(const std::string& name, const std::vector<int64_t>& values);  // non-empty
   int64_t attr_int(const std::string& name) const;
   double attr_double(const std::string& name) const;
   bool exists_attr(const std::string& name) const;
   std::string attr_string(const std::string& name) const;
   std::vector<double> attr_doubles(const std::string& name) const;
+  std::vector<int64_t> attr_ints(const std::string& name) const;
 
   void flush();
   // Closes the file, reporting a failure (data still buffered when the disk fills) as an error.

@@ -187,6 +187,41 @@ TEST(Config, ResolvedConfigRoundTrips) {
   EXPECT_EQ(config_to_toml(back), config_to_toml(c));
 }
 
+// [[data.sources]]: a blend of training sources with weights, read back from the resolved config;
+// each mistake is one line naming the key.
+TEST(Config, DataSourcesBlend) {
+  const Config c = parse_config(R"([data]
+[[data.sources]]
+path = "web_*.bin"
+weight = 0.5
+[[data.sources]]
+path = ["code_0.bin", "code_1.bin"]
+weight = 3
+)",
+                                "blend.toml");
+  ASSERT_EQ(c.data.sources.size(), 2u);
+  EXPECT_EQ(c.data.sources[1].path, (std::vector<std::string>{"code_0.bin", "code_1.bin"}));
+  EXPECT_EQ(c.data.sources[1].weight, 3.0);
+  EXPECT_EQ(training_sources(c.data), c.data.sources);
+  const Config back = parse_config(config_to_toml(c), "resolved.toml");
+  EXPECT_EQ(back.data.sources, c.data.sources);
+  EXPECT_EQ(config_to_toml(back), config_to_toml(c));
+  // Without a blend, `train` is the one source.
+  EXPECT_EQ(training_sources(parse_config("", "d.toml").data),
+            (std::vector<DataSource>{{{"data/austen/train.bin"}, 1.0}}));
+
+  EXPECT_EQ(error_of("[data]\ntrain = \"a.bin\"\n[[data.sources]]\npath = \"b.bin\"\n"),
+            "run.toml:2:9: [data] train: set either train or [[data.sources]] (a blend), not both");
+  EXPECT_EQ(error_of("[[data.sources]]\npath = \"b.bin\"\nweight = 0\n"),
+            "run.toml:3:10: [data] sources: source 0: weight must be a finite number > 0, found 0");
+  EXPECT_EQ(error_of("[[data.sources]]\npath = \"b.bin\"\nweigth = 1\n"),
+            "run.toml:3:1: [data] sources: source 0: unknown key \"weigth\" (expected path and "
+            "weight)");
+  EXPECT_EQ(
+      error_of("[[data.sources]]\nweight = 1\n"),
+      "run.toml:1:1: [data] sources: source 0: expected a path (shards or globs), found none");
+}
+
 // Every config shipped in configs/ parses, validates, and lays out on the world its comment
 // asks for (dp x tp x pp ranks); where the comment states the global batch ("= N tokens per
 // step"), the batch keys give exactly that.

@@ -1,4 +1,5 @@
 // Token shards in all three layouts, every kind of damaged file, and the batch order.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -222,7 +223,8 @@ TEST_F(DataTest, LoaderYieldsTheGlobalSamplesInStepOrder) {
   write_token_shard(path("l.bin"), ramp(5001, 256), 256);
   Dataset data({path("l.bin")}, 256, 16);
   const int B = 3, T = 16, accum = 2;
-  DataLoader loader(data, B, T, accum, 42, 1, 5 * accum * B);  // after 5 steps, as on resume
+  // After 5 steps, as on resume.
+  DataLoader loader(std::span(&data, 1), BlendPlan::fresh({1}), B, T, accum, 42, 1, 5 * accum * B);
   SampleOrder order(data.windows(), 42);
   std::vector<int32_t> in(T), tg(T);
   for (int64_t step = 5; step < 9; step++)
@@ -249,7 +251,7 @@ TEST_F(DataTest, LoaderKeepsPrefetchBatchesReadyAhead) {
     return loader.ready_batches();
   };
   for (int prefetch : {1, 3}) {
-    DataLoader loader(data, 2, 16, 1, 42, prefetch, 0);
+    DataLoader loader(std::span(&data, 1), BlendPlan::fresh({1}), 2, 16, 1, 42, prefetch, 0);
     EXPECT_EQ(settle(loader, prefetch), prefetch);
     for (int step = 0; step < 3; step++) {
       loader.next();
@@ -264,6 +266,104 @@ TEST_F(DataTest, ShardsDoNotShareWindows) {
   Dataset data({path("s1.bin"), path("s2.bin")}, 256, 8);
   EXPECT_EQ(data.windows(), 3 + 4);
   EXPECT_EQ(data.tokens(), 60);
+}
+
+// The blend hits its weights over any stretch of samples (to within one sample per source), is
+// a pure function of the sample index, and does not depend on the weights' scale.
+TEST_F(DataTest, BlendHitsItsWeightsAndIsPureInTheSampleIndex) {
+  BlendOrder order(BlendPlan::fresh({5, 3, 2}));
+  std::vector<int64_t> counts(3, 0);
+  for (int64_t i = 0; i < 10000; i++) {
+    const BlendOrder::Pick p = order.at(i);
+    ASSERT_EQ(p.index, counts[p.source]) << "sample " << i;
+    counts[p.source]++;
+    const double share[] = {0.5, 0.3, 0.2};
+    for (int s = 0; s < 3; s++) {
+      ASSERT_LE(std::abs(double(counts[s]) - double(i + 1) * share[s]), 1)
+          << "source " << s << " after " << i + 1 << " samples";
+    }
+  }
+  EXPECT_EQ(counts, (std::vector<int64_t>{5000, 3000, 2000}));
+  EXPECT_EQ(order.positions(10000), counts);
+  BlendOrder normalised(BlendPlan::fresh({0.5, 0.3, 0.2}));
+  for (int64_t i : {7777, 12, 9999, 0, 4242}) {  // random access, backwards too
+    const BlendOrder::Pick a = normalised.at(i), b = order.at(i);
+    EXPECT_EQ(a.source, b.source);
+    EXPECT_EQ(a.index, b.index);
+  }
+}
+
+// New weights from a resume sample on: each source continues from its position there, and the
+// new mix follows the new weights from that point.
+TEST_F(DataTest, BlendWithNewWeightsContinuesEachSourceWhereItStood) {
+  BlendOrder before(BlendPlan::fresh({0.5, 0.5}));
+  const std::vector<int64_t> at1000 = before.positions(1000);
+  BlendPlan changed = BlendPlan::fresh({0.9, 0.1});
+  changed.start = 1000;
+  changed.base = at1000;
+  BlendOrder after(changed);
+  std::vector<int64_t> next = at1000;
+  for (int64_t i = 1000; i < 2000; i++) {
+    const BlendOrder::Pick p = after.at(i);
+    ASSERT_EQ(p.index, next[p.source]++);  // no source repeats or skips a sample
+  }
+  EXPECT_EQ(next, (std::vector<int64_t>{at1000[0] + 900, at1000[1] + 100}));
+  EXPECT_THROW(after.at(999), std::logic_error);
+}
+
+// The loader reads sample i from the source the blend picks, through that source's own order;
+// data-parallel ranks together read what one rank reads.
+TEST_F(DataTest, LoaderReadsEachSourceThroughItsOwnOrder) {
+  std::vector<Dataset> sources;
+  for (int k = 0; k < 3; k++) {
+    write_token_shard(path(fmt::format("src{}.bin", k)), ramp(801 + 160 * k, 50 + 60 * k), 256);
+    sources.emplace_back(std::vector<std::string>{path(fmt::format("src{}.bin", k))}, 256, 16);
+  }
+  const BlendPlan plan = BlendPlan::fresh({0.5, 0.3, 0.2});
+  const int B = 2, T = 16, steps = 6;
+  BlendOrder blend(plan);
+  std::vector<SampleOrder> orders;
+  for (int k = 0; k < 3; k++) orders.emplace_back(sources[k].windows(), source_seed(9, k));
+  DataLoader one(sources, plan, 2 * B, T, 1, 9, 2, 0);
+  DataLoader rank0(sources, plan, B, T, 1, 9, 2, 0, 0, 2),
+      rank1(sources, plan, B, T, 1, 9, 2, 0, 1, 2);
+  std::vector<int32_t> in(T), tg(T);
+  std::set<int> used;
+  for (int step = 0; step < steps; step++) {
+    const Batch& all = one.next();
+    const Batch& a = rank0.next();
+    const Batch& b = rank1.next();
+    for (int r = 0; r < 2 * B; r++) {
+      const BlendOrder::Pick p = blend.at(step * 2 * B + r);
+      used.insert(p.source);
+      sources[p.source].window(orders[p.source].window(p.index), in.data(), tg.data());
+      ASSERT_TRUE(std::equal(in.begin(), in.end(), all.inputs.begin() + r * T));
+      const Batch& half = r < B ? a : b;
+      ASSERT_TRUE(std::equal(in.begin(), in.end(), half.inputs.begin() + (r % B) * T));
+    }
+  }
+  EXPECT_EQ(used.size(), 3u);
+  EXPECT_EQ(source_seed(9, 0), 9u);  // one source reads what a run without a blend always has
+}
+
+// Validation reads count * B windows spread over the whole set, not its first ones.
+TEST_F(DataTest, ValidationWindowsSpanTheWholeSet) {
+  write_token_shard(path("v.bin"), ramp(1001, 256), 256);
+  Dataset data({path("v.bin")}, 256, 10);  // 100 windows
+  Batch batch;
+  std::vector<int32_t> in(10), tg(10);
+  auto reads = [&](int64_t window, int row) {
+    data.window(window, in.data(), tg.data());
+    return std::equal(in.begin(), in.end(), batch.inputs.begin() + row * 10) &&
+           std::equal(tg.begin(), tg.end(), batch.targets.begin() + row * 10);
+  };
+  for (int i = 0; i < 4; i++) {  // 4 batches of 2: windows 0, 12, 25, ..., 87
+    validation_batch(data, i, 4, 2, 10, batch);
+    for (int r = 0; r < 2; r++) EXPECT_TRUE(reads((i * 2 + r) * 100 / 8, r)) << i << " " << r;
+  }
+  validation_batch(data, 60, 80, 2, 10, batch);  // more than the set: all windows, wrapping
+  EXPECT_TRUE(reads(20, 0));
+  EXPECT_TRUE(reads(21, 1));
 }
 
 }  // namespace

@@ -192,6 +192,12 @@ std::string meta_text(const Meta& m) {
   add("tokens", s.tokens);
   add("data_samples", s.data_samples);
   add("data_skipped", s.data_skipped);
+  if (!s.blend.weights.empty()) {  // only with a blend: older checkpoints keep their hash
+    add("data_blend_weights", fmt::format("{}", fmt::join(s.blend.weights, ",")));
+    add("data_blend_start", s.blend.start);
+    add("data_blend_base", fmt::format("{}", fmt::join(s.blend.base, ",")));
+    add("data_source_samples", fmt::format("{}", fmt::join(s.source_samples, ",")));
+  }
   add("config_hash", m.config_hash);
   const bool v4 = m.version >= kArchVersion;
   for (size_t i = 0; i < (v4 ? std::size(kDims) : kDimsBefore4); i++)
@@ -214,6 +220,42 @@ std::string meta_text(const Meta& m) {
   return t;
 }
 
+// A blend's attributes: one weight, base and position per source, the weights > 0 summing to 1,
+// and the positions accounting for exactly the samples since the plan's start.
+template <class Bad>
+void read_blend(const H5File& f, TrainState& s, Bad bad) {
+  BlendPlan& b = s.blend;
+  b.weights = f.attr_doubles("data_blend_weights");
+  b.start = f.attr_int("data_blend_start");
+  b.base = f.attr_ints("data_blend_base");
+  s.source_samples = f.attr_ints("data_source_samples");
+  const size_t n = b.weights.size();
+  if (n < 2 || n > 4096) bad("data_blend_weights", fmt::format("[{} values]", n), "2 to 4096");
+  double sum = 0;
+  for (double w : b.weights) {
+    if (!(w > 0 && w <= 1)) bad("data_blend_weights", fmt::format("[... {} ...]", w), "(0, 1]");
+    sum += w;
+  }
+  if (std::abs(sum - 1) > 1e-9) bad("data_blend_weights", fmt::format("summing to {}", sum), "1");
+  if (b.start < 0 || b.start > s.data_samples)
+    bad("data_blend_start", std::to_string(b.start), fmt::format("0 to {}", s.data_samples));
+  if (b.base.size() != n || s.source_samples.size() != n)
+    bad("data_source_samples",
+        fmt::format("{} and {} values", b.base.size(), s.source_samples.size()),
+        fmt::format("one per source, {}", n));
+  int64_t since = 0;
+  for (size_t k = 0; k < n; k++) {
+    if (b.base[k] < 0 || s.source_samples[k] < b.base[k] ||
+        s.source_samples[k] > (int64_t(1) << 50))
+      bad("data_source_samples", std::to_string(s.source_samples[k]),
+          fmt::format("source {}'s position, at least its base {}", k, b.base[k]));
+    since += s.source_samples[k] - b.base[k];
+  }
+  if (since != s.data_samples - b.start)
+    bad("data_source_samples", fmt::format("{} samples since the blend's start", since),
+        fmt::format("data_samples - data_blend_start = {}", s.data_samples - b.start));
+}
+
 // Reads every attribute of a checkpoint besides the config, checks each against its range and
 // the others, and (version 3) against meta_hash. Throws CheckpointError naming the attribute.
 Meta read_meta(const H5File& f, const std::string& file) {
@@ -234,6 +276,7 @@ Meta read_meta(const H5File& f, const std::string& file) {
   s.step = integer("step", 0, kMax);
   s.data_samples = integer("data_samples", s.step, kMax);  // a step takes at least one sample
   s.data_skipped = integer("data_skipped", 0, s.data_samples);
+  if (f.exists_attr("data_blend_weights")) read_blend(f, s, bad);
   for (size_t i = 0; i < (m.version >= kArchVersion ? std::size(kDims) : kDimsBefore4); i++)
     integer(kDims[i].name, kDims[i].lo, kDims[i].hi);
   m.model = stored_model(f, m.version);
@@ -424,6 +467,12 @@ std::string write_checkpoint(const Snapshot& snap, const ModelConfig& model, Com
     f.set_attr("tokens", s.tokens);
     f.set_attr("data_samples", s.data_samples);
     f.set_attr("data_skipped", s.data_skipped);
+    if (!s.blend.weights.empty()) {
+      f.set_attr("data_blend_weights", s.blend.weights);
+      f.set_attr("data_blend_start", s.blend.start);
+      f.set_attr("data_blend_base", s.blend.base);
+      f.set_attr("data_source_samples", s.source_samples);
+    }
     f.set_attr("config", snap.config_text);
     f.set_attr("config_hash", text_hash(snap.config_text));
     if (!snap.tokenizer.empty()) f.write_bytes("tokenizer", snap.tokenizer);

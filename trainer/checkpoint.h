@@ -7,7 +7,9 @@
 //   /optim/m/<name>, /optim/v/<name>   AdamW moments, same shapes
 //   /comm/state/rank_<r>        rank r's gradient-compression state (error-feedback residuals,
 //                               PowerSGD's Q), when compressing
-//   root attributes: format_version, step, tokens, data_samples, data_skipped, config (TOML
+//   root attributes: format_version, step, tokens, data_samples, data_skipped, with a blend of
+//   several sources (io/blend.h) data_blend_weights, data_blend_start, data_blend_base and
+//   data_source_samples (each source's samples before data_samples), config (TOML
 //   text), config_hash, model dimensions, the loss scaler's state, the layout it was saved
 //   from (layout_world, layout_dp, layout_tp, layout_pp, layout_zero, layout_order), the step
 //   guard's windows (recent_losses, recent_norms: arrays, when not empty),
@@ -25,6 +27,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include "io/blend.h"
 #include "io/config.h"
 #include "io/errors.h"
 #include "io/tokenizer.h"
@@ -58,6 +61,10 @@ struct TrainState {
   LossScaler::State scaler;
   Layout layout;
   std::vector<double> recent_losses, recent_norms;  // the step guard's windows of good steps
+  // A blend of several training sources: its plan, and each source's samples before
+  // data_samples (their sum less the plan's base is data_samples less its start). Empty for one.
+  BlendPlan blend;
+  std::vector<int64_t> source_samples;
 };
 
 // This rank's part of a checkpoint, copied into host memory when it is taken, so that training

@@ -174,7 +174,8 @@ struct Run {
   std::unique_ptr<Kernels> kernels;  // before the groups: NCCL communicators need the GPU
   Groups groups;
   std::unique_ptr<Tokenizer> tokenizer;  // [tokenizer]: samples, checkpoints, the data's check
-  Dataset train_data, val_data;
+  std::vector<Dataset> train_data;       // one per source of the blend
+  Dataset val_data;
   StageExecutor model;
   GradReducer reducer;
   std::vector<Span> spans;  // what this rank updates and sums into the gradient norm
@@ -182,7 +183,9 @@ struct Run {
   // ranges of the optimizer's gradient buffer: one fused sum per step.
   std::vector<Range> norm_ranges = owned_ranges(spans);
   AdamW optimizer;
-  std::optional<DataLoader> loader;  // started where the run starts (and again on a rollback)
+  std::optional<DataLoader> loader;   // started where the run starts (and again on a rollback)
+  BlendPlan blend;                    // how the sources mix (io/blend.h)
+  BlendOrder blend_positions{blend};  // each source's position, for the checkpoints
   Pipeline pipe;
   LossScaler scaler;
   StepGuard guard;
@@ -235,6 +238,18 @@ struct Run {
     return o;
   }
 
+  static std::vector<Dataset> load_sources(const Config& c) {
+    std::vector<Dataset> v;
+    for (const DataSource& s : training_sources(c.data))
+      v.emplace_back(s.path, c.model.vocab_size, c.model.seq_len, c.data.format == "nanogpt");
+    return v;
+  }
+  static BlendPlan fresh_blend(const Config& c) {
+    std::vector<double> weights;
+    for (const DataSource& s : training_sources(c.data)) weights.push_back(s.weight);
+    return BlendPlan::fresh(weights);
+  }
+
   // The layout for this world; its errors name the config file they come from.
   static ParallelDims layout(const Config& c, int world, const std::string& origin) {
     try {
@@ -262,8 +277,33 @@ struct Run {
     loader.reset();
     data_step = step;
     data_samples = samples;
-    loader.emplace(train_data, cfg.train.micro_batch, cfg.model.seq_len, cfg.train.grad_accum,
-                   cfg.run.seed, cfg.data.prefetch, samples, me.dp, dims.dp());
+    loader.emplace(train_data, blend, cfg.train.micro_batch, cfg.model.seq_len,
+                   cfg.train.grad_accum, cfg.run.seed, cfg.data.prefetch, samples, me.dp,
+                   dims.dp());
+  }
+  bool blended() const { return train_data.size() > 1; }
+  // The blend a resumed run continues: the checkpoint's, or where its weights differ from the
+  // config's, the config's from the checkpoint's sample on with each source where it stood.
+  void resume_blend(const TrainState& ts, bool report) {
+    const size_t sources = train_data.size(), saved = std::max<size_t>(1, ts.blend.weights.size());
+    if (saved != sources)
+      throw ConfigError(fmt::format(
+          "[data] sources: the checkpoint was trained on {} source{}, the config names {}: resume "
+          "with the same sources, or start from its weights with [init] from",
+          saved, saved == 1 ? "" : "s", sources));
+    if (sources == 1) return;
+    if (ts.blend.weights != blend.weights) {
+      if (report)
+        fmt::print(
+            "data: the blend's weights change from [{}] to [{}] at sample {}; each source "
+            "continues from its position [{}]\n",
+            format_weights(ts.blend.weights), format_weights(blend.weights), ts.data_samples,
+            fmt::join(ts.source_samples, ", "));
+      blend = {blend.weights, ts.data_samples, ts.source_samples};
+    } else {
+      blend = ts.blend;
+    }
+    blend_positions = BlendOrder(blend);
   }
 
   // The checkpoint writer's own communicator (a single process writes without MPI-IO).
@@ -281,7 +321,7 @@ struct Run {
         kernels(std::move(k)),
         groups(make_groups(w, dims, c.parallel, group_wrapper(gpu, w, *kernels))),
         tokenizer(load_run_tokenizer(c, origin)),
-        train_data(c.data.train, c.model.vocab_size, c.model.seq_len, c.data.format == "nanogpt"),
+        train_data(load_sources(c)),
         val_data(c.data.val, c.model.vocab_size, c.model.seq_len, c.data.format == "nanogpt"),
         model(c.model, *kernels, compute_dtype(c.precision), c.train.micro_batch, c.model.seq_len,
               model_options(c, me, dims, groups.tp.get())),
@@ -292,6 +332,7 @@ struct Run {
         optimizer(model, c.optim, optimizer_segments(spans, c.optim),
                   c.parallel.zero ? reducer.shard_grads() : model.grads(),
                   c.parallel.zero ? reducer.shard_elems() : model.table().total),
+        blend(fresh_blend(c)),
         pipe(model, *groups.pp, groups.tp.get(), c.train.grad_accum, c.train.micro_batch,
              c.model.seq_len, c.run.phase_timing),
         scaler(c.precision),
@@ -303,7 +344,7 @@ struct Run {
                }),
         flops_per_token(trainer::flops_per_token(c.model)) {
     const std::string named = tokenizer_name(c.tokenizer);
-    train_data.check_tokenizer(tokenizer->identity_hash(), named);
+    for (const Dataset& d : train_data) d.check_tokenizer(tokenizer->identity_hash(), named);
     val_data.check_tokenizer(tokenizer->identity_hash(), named);
     // Backward reports the gradients it has finished; the reducer starts their buckets.
     model.set_grads_ready_hook(
@@ -468,7 +509,7 @@ double validation_loss(Run& run) {
   Batch batch;
   double total = 0;
   for (int i = 0; i < run.cfg.train.val_batches; i++) {
-    validation_batch(run.val_data, i, B, T, batch);
+    validation_batch(run.val_data, i, run.cfg.train.val_batches, B, T, batch);
     total += run.pipe.evaluate(batch.inputs.data(), batch.targets.data(), B, T);
   }
   return total / run.cfg.train.val_batches;
@@ -545,12 +586,20 @@ void print_start(const Run& run) {
       double(param_table(m).total) / 1e6);
   const int64_t tokens_per_step =
       int64_t(cfg.train.micro_batch) * cfg.model.seq_len * cfg.train.grad_accum * dims.dp();
+  const std::vector<Dataset>& train = run.train_data;
+  std::string train_tokens = fmt::format("{} train tokens ({} windows; {})", train[0].tokens(),
+                                         train[0].windows(), train[0].describe());
+  if (train.size() > 1) {
+    train_tokens = fmt::format("a blend of {} sources", train.size());
+    for (size_t k = 0; k < train.size(); k++)
+      train_tokens += fmt::format("{} {:.4g} of {} tokens ({} windows; {})", k ? ";" : ":",
+                                  run.blend.weights[k], train[k].tokens(), train[k].windows(),
+                                  train[k].describe());
+  }
   fmt::print(
-      "data: {} train tokens ({} windows; {}), {} val tokens ({}) | batch {} x {} x {} "
-      "micro-batches x dp {} = {} tokens/step\n",
-      run.train_data.tokens(), run.train_data.windows(), run.train_data.describe(),
-      run.val_data.tokens(), run.val_data.describe(), cfg.train.micro_batch, cfg.model.seq_len,
-      cfg.train.grad_accum, dims.dp(), tokens_per_step);
+      "data: {}, {} val tokens ({}) | batch {} x {} x {} micro-batches x dp {} = {} tokens/step\n",
+      train_tokens, run.val_data.tokens(), run.val_data.describe(), cfg.train.micro_batch,
+      cfg.model.seq_len, cfg.train.grad_accum, dims.dp(), tokens_per_step);
   fmt::print(
       "parallel: dp {} x tp {} x pp {} (order {}), zero {}, {} all-reduce, {} buckets of "
       "{:.3g} MB, overlap {}, 1F1B bubble {:.1f}% ({} stages, {} micro-batches)\n",
@@ -643,6 +692,7 @@ int64_t restore(Run& run, const std::string& file, bool report, int64_t samples 
           "buckets or method); it starts from zero\n",
           run.world.size() - int(restored), run.world.size());
   }
+  run.resume_blend(ts, report);
   run.data_skipped = ts.data_skipped + (samples >= 0 ? samples - ts.data_samples : 0);
   run.start_data(ts.step, samples >= 0 ? samples : ts.data_samples);
   return ts.step;
@@ -911,7 +961,9 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
                   run.scaler.state(),
                   run.layout(),
                   run.guard.recent_losses(),
-                  run.guard.recent_norms()};
+                  run.guard.recent_norms(),
+                  run.blended() ? run.blend : BlendPlan{},
+                  run.blended() ? run.blend_positions.positions(samples) : std::vector<int64_t>{}};
     snap.config_text = config_to_toml(cfg);
     snap.tokenizer = run.tokenizer->serialize();
     snap.seed = cfg.run.seed;

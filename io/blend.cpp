@@ -1,0 +1,68 @@
+#include "io/blend.h"
+
+#include <fmt/format.h>
+
+#include <numeric>
+#include <stdexcept>
+
+namespace trainer {
+
+BlendPlan BlendPlan::fresh(const std::vector<double>& weights) {
+  BlendPlan p;
+  const double sum = std::accumulate(weights.begin(), weights.end(), 0.0);
+  for (double w : weights) p.weights.push_back(w / sum);
+  p.base.assign(weights.size(), 0);
+  return p;
+}
+
+BlendOrder::BlendOrder(BlendPlan plan)
+    : plan_(std::move(plan)), cursor_(plan_.start), counts_(plan_.weights.size(), 0) {
+  if (plan_.weights.empty() || plan_.base.size() != plan_.weights.size())
+    throw std::logic_error("a blend needs a weight and a base position per source");
+}
+
+int BlendOrder::next_source() const {
+  const double i = double(cursor_ - plan_.start) + 1;
+  int best = 0;
+  double lag = plan_.weights[0] * i - double(counts_[0]);
+  for (size_t s = 1; s < counts_.size(); s++) {
+    const double l = plan_.weights[s] * i - double(counts_[s]);
+    if (l > lag) best = int(s), lag = l;
+  }
+  return best;
+}
+
+void BlendOrder::seek(int64_t sample) {
+  if (sample < plan_.start)
+    throw std::logic_error(
+        fmt::format("sample {} precedes the blend's start {}", sample, plan_.start));
+  if (sample < cursor_) {
+    cursor_ = plan_.start;
+    counts_.assign(counts_.size(), 0);
+  }
+  if (counts_.size() == 1) {  // one source: every sample is its
+    counts_[0] = sample - plan_.start;
+    cursor_ = sample;
+    return;
+  }
+  for (; cursor_ < sample; cursor_++) counts_[next_source()]++;
+}
+
+BlendOrder::Pick BlendOrder::at(int64_t sample) {
+  seek(sample);
+  const int s = next_source();
+  return {s, plan_.base[s] + counts_[s]};
+}
+
+std::vector<int64_t> BlendOrder::positions(int64_t sample) {
+  seek(sample);
+  std::vector<int64_t> p(counts_.size());
+  for (size_t s = 0; s < p.size(); s++) p[s] = plan_.base[s] + counts_[s];
+  return p;
+}
+
+std::string format_weights(const std::vector<double>& weights) {
+  return fmt::format("{:.4g}", fmt::join(weights, ", "));
+}
+
+}  // namespace trainer

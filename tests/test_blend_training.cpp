@@ -1,0 +1,116 @@
+// A blend of three training sources ([[data.sources]]) end to end under mpirun: the checkpoint
+// records each source's position, a resume continues bit for bit in the same layout and within
+// reduction-order tolerance in another, new weights on resume continue each source where it
+// stood, and a resume with another number of sources is one line and exit code 2.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "io/blend.h"
+#include "io/hdf5_file.h"
+#include "io/token_shard.h"
+#include "mpi_cli.h"
+
+namespace trainer {
+namespace {
+
+class BlendedRun : public MpiCli {
+ protected:
+  void SetUp() override {
+    MpiCli::SetUp();
+    // Three sources: the thirds of the prepared text, recorded with its tokenizer.
+    TokenShard all(path("data/train.bin"), 256);
+    const int64_t third = all.size() / 3;
+    for (int k = 0; k < 3; k++) {
+      std::vector<int32_t> tokens(size_t(third) + 1);
+      all.read(k * third, third + 1, tokens.data());
+      write_token_shard(path(fmt::format("src{}.bin", k)), tokens, 256, all.tokenizer_hash());
+    }
+    write_config({0.5, 0.3, 0.2});
+  }
+  void write_config(const std::vector<double>& weights) {
+    std::ofstream out(path("run.toml"));
+    out << "[run]\nout_dir = \"" << path("out") << "\"\nthreads = 1\npeak_tflops = 1.0\n"
+        << "[model]\nseq_len = 16\nn_layer = 2\nn_head = 2\nd_model = 16\n"
+        << "[data]\nval = \"" << path("data/val.bin") << "\"\n";
+    for (size_t k = 0; k < weights.size(); k++)
+      out << "[[data.sources]]\npath = \"" << path(fmt::format("src{}.bin", k))
+          << "\"\nweight = " << weights[k] << "\n";
+    out << "[train]\nmicro_batch = 2\nsteps = 8\nval_every = 0\nsample_every = 0\n"
+        << "[checkpoint]\nevery_steps = 4\n";
+  }
+  std::string state(const std::string& run, int step) {
+    return path(fmt::format("{}/checkpoints/step_{:08d}/state.h5", run, step));
+  }
+};
+
+TEST_F(BlendedRun, ResumesAcrossLayoutsAndContinuesEachSourceUnderNewWeights) {
+  const std::string dp2 = "--set parallel.dp=2 ";
+  auto r = mpirun(2, dp2 + "--set run.out_dir=" + quoted(path("full")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("data: a blend of 3 sources: 0.5 of "), std::string::npos) << r.output;
+  // Step 4: 4 steps x 2 ranks x 2 sequences = 16 samples, split 8/5/3 as the blend does.
+  {
+    H5File f = H5File::open_read(state("full", 4));
+    EXPECT_EQ(f.attr_ints("data_source_samples"), (std::vector<int64_t>{8, 5, 3}));
+    EXPECT_EQ(f.attr_doubles("data_blend_weights"), (std::vector<double>{0.5, 0.3, 0.2}));
+  }
+  const std::string from = "--set checkpoint.resume=" + quoted(state("full", 4)) + " ";
+  r = mpirun(2, dp2 + from + "--set run.out_dir=" + quoted(path("same")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto full = loss_texts(path("full/metrics.jsonl"));
+  const auto same = loss_texts(path("same/metrics.jsonl"));
+  ASSERT_EQ(full.size(), 8u);
+  ASSERT_EQ(same.size(), 4u);
+  for (int i = 0; i < 4; i++) EXPECT_EQ(same[i], full[4 + i]);
+  // One process with the same global batch reads the same samples.
+  r = mpirun(1, from + "--set train.grad_accum=2 --set run.out_dir=" + quoted(path("one")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto f = steps_of(path("full/metrics.jsonl")), one = steps_of(path("one/metrics.jsonl"));
+  ASSERT_EQ(one.size(), 4u);
+  for (int i = 0; i < 4; i++) EXPECT_NEAR(one[i].loss, f[4 + i].loss, 1e-5 * f[4 + i].loss);
+  {
+    H5File a = H5File::open_read(state("full", 8)), b = H5File::open_read(state("one", 8));
+    EXPECT_EQ(a.attr_ints("data_source_samples"), b.attr_ints("data_source_samples"));
+  }
+
+  // New weights: from sample 16 on, each source continues from 8/5/3 in the new mix.
+  write_config({0.1, 0.1, 0.8});
+  r = mpirun(2, dp2 + from + "--set run.out_dir=" + quoted(path("reweighted")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("data: the blend's weights change from [0.5, 0.3, 0.2] to [0.1, 0.1, "
+                          "0.8] at sample 16; each source continues from its position [8, 5, 3]"),
+            std::string::npos)
+      << r.output;
+  BlendPlan plan = BlendPlan::fresh({0.1, 0.1, 0.8});
+  plan.start = 16;
+  plan.base = {8, 5, 3};
+  {
+    H5File h = H5File::open_read(state("reweighted", 8));
+    EXPECT_EQ(h.attr_ints("data_source_samples"), BlendOrder(plan).positions(32));
+    EXPECT_EQ(h.attr_int("data_blend_start"), 16);
+  }
+  // Resumed again with those weights, the changed blend itself continues.
+  r = mpirun(1, "--set train.steps=10 --set train.grad_accum=2 --set checkpoint.resume=" +
+                    quoted(state("reweighted", 8)) + " --set run.out_dir=" + quoted(path("again")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(r.output.find("weights change"), std::string::npos) << r.output;
+  EXPECT_EQ(H5File::open_read(state("again", 10)).attr_ints("data_source_samples"),
+            BlendOrder(plan).positions(40));
+
+  // Another number of sources: one line, exit code 2, on every rank.
+  write_config({0.5, 0.5});
+  r = mpirun(2, dp2 + from + "--set run.out_dir=" + quoted(path("two")));
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("[data] sources: the checkpoint was trained on 3 sources, the config "
+                          "names 2"),
+            std::string::npos)
+      << r.output;
+}
+
+}  // namespace
+}  // namespace trainer
