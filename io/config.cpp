@@ -178,6 +178,23 @@ class SectionReader {
       out.push_back(std::move(src));
     }
   }
+  // [[at, value], ...]: rows of two integers.
+  void read(const toml::node& n, std::vector<std::array<int64_t, 2>>& out) const {
+    const toml::array* a = n.as_array();
+    if (!a || a->empty()) wrong_type(n, "a non-empty array of [at, value] pairs");
+    out.clear();
+    for (const toml::node& row : *a) {
+      const toml::array* pair = row.as_array();
+      if (!pair || pair->size() != 2) wrong_type(row, "a pair [at, value] of integers");
+      std::array<int64_t, 2> v{};
+      for (size_t i = 0; i < 2; i++) {
+        const auto x = pair->get(i)->value_exact<int64_t>();
+        if (!x) wrong_type(*pair->get(i), "an integer");
+        v[i] = *x;
+      }
+      out.push_back(v);
+    }
+  }
   void read(const toml::node& n, std::array<double, 2>& out) const {
     const toml::array* a = n.as_array();
     if (!a || a->size() != 2) wrong_type(n, "an array of two numbers");
@@ -439,7 +456,29 @@ Config parse_config(const std::string& text, const std::string& origin,
     r.field("sample_prompt", t.sample_prompt);
     r.field("sample_temperature", t.sample_temperature, in_range(1e-3, 100));
     r.field("sample_top_k", t.sample_top_k, at_least(0));
+    r.field("batch_ramp", t.batch_ramp,
+            [&](const std::vector<std::array<int64_t, 2>>& rows) -> std::optional<std::string> {
+              for (size_t i = 0; i < rows.size(); i++) {
+                const auto [at, sequences] = rows[i];
+                if (i == 0 && at != 0)
+                  return fmt::format("the first row starts at 0, found [{}, {}]", at, sequences);
+                if (i > 0 && at <= rows[i - 1][0])
+                  return fmt::format("row {} starts at {}, expected after {}", i, at,
+                                     rows[i - 1][0]);
+                if (sequences < 1 || sequences % t.micro_batch != 0 || sequences > (1 << 30))
+                  return fmt::format(
+                      "row {}: {} sequences, expected a positive multiple of micro_batch = {}", i,
+                      sequences, t.micro_batch);
+              }
+              return std::nullopt;
+            });
+    r.field("batch_ramp_unit", t.batch_ramp_unit, one_of({"steps", "tokens"}));
     r.finish();
+    if (!t.batch_ramp.empty() && grad_accum_set && t.grad_accum != 1)
+      throw ConfigError(fmt::format(
+          "{}: [train] grad_accum: the batch ramp sets the micro-batches of each step (found "
+          "grad_accum = {} and batch_ramp)",
+          r.origin("grad_accum"), t.grad_accum));
     for (unsigned char byte : t.sample_prompt)  // the byte-level tokenizer's ids
       if (c.tokenizer.kind == "bytes" && byte >= c.model.vocab_size)
         throw ConfigError(fmt::format(
@@ -485,6 +524,11 @@ Config parse_config(const std::string& text, const std::string& origin,
     r.finish();
     // One knob for the micro-batches of a step: the pipeline's micro_batches and gradient
     // accumulation are the same thing, so setting both differently is a contradiction.
+    if (p.micro_batches > 0 && !c.train.batch_ramp.empty())
+      throw ConfigError(fmt::format(
+          "{}: [parallel] micro_batches: the batch ramp (train.batch_ramp) sets the micro-batches "
+          "of each step",
+          r.origin("micro_batches")));
     if (p.micro_batches > 0) {
       if (grad_accum_set && c.train.grad_accum != p.micro_batches)
         throw ConfigError(fmt::format(
@@ -628,6 +672,27 @@ static toml::array strings(const std::vector<std::string>& v) {
   return a;
 }
 
+static toml::table train_table(const TrainConfig& t) {
+  toml::table out{{"micro_batch", t.micro_batch},
+                  {"grad_accum", t.grad_accum},
+                  {"steps", t.steps},
+                  {"log_every", t.log_every},
+                  {"val_every", t.val_every},
+                  {"val_batches", t.val_batches},
+                  {"sample_every", t.sample_every},
+                  {"sample_tokens", t.sample_tokens},
+                  {"sample_prompt", t.sample_prompt},
+                  {"sample_temperature", t.sample_temperature},
+                  {"sample_top_k", t.sample_top_k},
+                  {"batch_ramp_unit", t.batch_ramp_unit}};
+  if (!t.batch_ramp.empty()) {
+    toml::array rows;
+    for (const auto& [at, sequences] : t.batch_ramp) rows.push_back(toml::array{at, sequences});
+    out.insert("batch_ramp", std::move(rows));
+  }
+  return out;
+}
+
 // [data], with either `train` or the [[data.sources]] of a blend.
 static toml::table data_table(const DataConfig& d) {
   toml::table t{{"val", strings(d.val)}, {"prefetch", d.prefetch}, {"format", d.format}};
@@ -660,17 +725,7 @@ std::string config_to_toml(const Config& c) {
       {"tokenizer", toml::table{{"kind", c.tokenizer.kind},
                                 {"path", c.tokenizer.path},
                                 {"pattern", c.tokenizer.pattern}}},
-      {"train", toml::table{{"micro_batch", c.train.micro_batch},
-                            {"grad_accum", c.train.grad_accum},
-                            {"steps", c.train.steps},
-                            {"log_every", c.train.log_every},
-                            {"val_every", c.train.val_every},
-                            {"val_batches", c.train.val_batches},
-                            {"sample_every", c.train.sample_every},
-                            {"sample_tokens", c.train.sample_tokens},
-                            {"sample_prompt", c.train.sample_prompt},
-                            {"sample_temperature", c.train.sample_temperature},
-                            {"sample_top_k", c.train.sample_top_k}}},
+      {"train", train_table(c.train)},
       {"optim", toml::table{{"name", c.optim.name},
                             {"lr", c.optim.lr},
                             {"min_lr", c.optim.min_lr},

@@ -65,6 +65,11 @@ std::string tokenizer_name(const TokenizerConfig& t);
 struct TrainConfig {
   int micro_batch = 8;  // sequences per forward/backward
   int grad_accum = 1;   // micro-batches per optimizer step
+  // A global batch that grows (Megatron's rampup-batch-size): rows {at, sequences per global
+  // batch}, `at` in steps or tokens (batch_ramp_unit) and starting at 0; each step accumulates
+  // sequences / (micro_batch x dp) micro-batches. Empty: grad_accum throughout.
+  std::vector<std::array<int64_t, 2>> batch_ramp;
+  std::string batch_ramp_unit = "steps";  // steps | tokens (seen, the data position x seq_len)
   int steps = 500;
   int log_every = 1;
   int val_every = 100;  // 0 = never

@@ -86,17 +86,18 @@ uint64_t source_seed(uint64_t seed, int source) {
 }
 
 DataLoader::DataLoader(std::span<const Dataset> sources, BlendPlan blend, int B, int T,
-                       int grad_accum, uint64_t seed, int prefetch, int64_t first_sample,
+                       AccumOf accum, uint64_t seed, int prefetch, int64_t first_sample,
                        int dp_rank, int dp_size)
     : sources_(sources),
       B_(B),
       T_(T),
-      accum_(grad_accum),
       dp_rank_(dp_rank),
       dp_size_(dp_size),
       prefetch_(prefetch),
+      accum_of_(std::move(accum)),
       blend_(std::move(blend)),
-      first_sample_(first_sample) {
+      step_sample_(first_sample),
+      step_accum_(accum_of_(0, first_sample)) {
   if (blend_.plan().weights.size() != sources.size())
     throw std::logic_error("the blend's weights are not one per source");
   for (size_t k = 0; k < sources.size(); k++)
@@ -132,18 +133,17 @@ void DataLoader::produce() {
     }
     b.step = next_step_;
     b.micro = next_micro_;
+    const int64_t first = step_sample_ + (int64_t(b.micro) * dp_size_ + dp_rank_) * B_;
     for (int r = 0; r < B_; r++) {
-      // Global micro-batch g since the start; data-parallel rank d reads every dp-th one, so
-      // dp = k with one micro-batch per step reads what dp = 1 with k accumulated ones does.
-      const int64_t g = (b.step * accum_ + b.micro) * dp_size_ + dp_rank_;
-      const BlendOrder::Pick pick = blend_.at(first_sample_ + g * B_ + r);
+      const BlendOrder::Pick pick = blend_.at(first + r);
       sources_[pick.source].window(orders_[pick.source].window(pick.index),
                                    b.inputs.data() + int64_t(r) * T_,
                                    b.targets.data() + int64_t(r) * T_);
     }
-    if (++next_micro_ == accum_) {
+    if (++next_micro_ == step_accum_) {
+      step_sample_ += int64_t(step_accum_) * dp_size_ * B_;
       next_micro_ = 0;
-      next_step_++;
+      step_accum_ = accum_of_(++next_step_, step_sample_);
     }
     {
       std::lock_guard lock(mu_);

@@ -6,6 +6,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <span>
 #include <string>
@@ -71,11 +72,20 @@ uint64_t source_seed(uint64_t seed, int source);
 // Fills batches in a background thread into a bounded queue; next() only pops.
 class DataLoader {
  public:
-  // Data-parallel rank dp_rank of dp_size reads its own, disjoint part of every global batch.
-  // The first step's batch starts at global sample `first_sample` (the samples consumed before:
-  // a resumed run continues with the next unseen one whatever its layout). Global samples come
-  // from `sources` as `blend` mixes them (io/blend.h).
-  DataLoader(std::span<const Dataset> sources, BlendPlan blend, int B, int T, int grad_accum,
+  // Micro-batches in the loader's step k (0: the first it fills), which starts at global sample
+  // `samples`.
+  using AccumOf = std::function<int(int64_t step, int64_t samples)>;
+  static AccumOf constant(int accum) {
+    return [accum](int64_t, int64_t) { return accum; };
+  }
+
+  // Data-parallel rank dp_rank of dp_size reads its own, disjoint part of every global batch:
+  // in a step of `accum` micro-batches, micro-batch m of rank r holds the step's global samples
+  // [(m * dp + r) * B, + B), so dp = k with one micro-batch reads what dp = 1 with k does. The
+  // first step starts at global sample `first_sample` (the samples consumed before: a resumed
+  // run continues with the next unseen one whatever its layout). Global samples come from
+  // `sources` as `blend` mixes them (io/blend.h).
+  DataLoader(std::span<const Dataset> sources, BlendPlan blend, int B, int T, AccumOf accum,
              uint64_t seed, int prefetch, int64_t first_sample, int dp_rank = 0, int dp_size = 1);
   ~DataLoader();
   DataLoader(const DataLoader&) = delete;
@@ -92,12 +102,13 @@ class DataLoader {
   void produce();
 
   std::span<const Dataset> sources_;
-  int B_, T_, accum_, dp_rank_, dp_size_, prefetch_;
+  int B_, T_, dp_rank_, dp_size_, prefetch_;
+  AccumOf accum_of_;
   BlendOrder blend_;
   std::vector<SampleOrder> orders_;  // per source
-  int64_t first_sample_;
+  int64_t step_sample_;              // the first global sample of the step being filled
   int64_t next_step_ = 0;
-  int next_micro_ = 0;
+  int next_micro_ = 0, step_accum_;
 
   std::mutex mu_;
   std::condition_variable cv_;

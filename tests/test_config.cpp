@@ -222,6 +222,34 @@ weight = 3
       "run.toml:1:1: [data] sources: source 0: expected a path (shards or globs), found none");
 }
 
+// train.batch_ramp: rows [at, sequences] from 0, increasing, multiples of micro_batch; it sets
+// the accumulation, so grad_accum and parallel.micro_batches are refused beside it.
+TEST(Config, BatchRamp) {
+  const Config c = parse_config(
+      "[train]\nmicro_batch = 2\nbatch_ramp = [[0, 4], [100, 8]]\nbatch_ramp_unit = \"tokens\"\n",
+      "ramp.toml");
+  EXPECT_EQ(c.train.batch_ramp, (std::vector<std::array<int64_t, 2>>{{0, 4}, {100, 8}}));
+  const Config back = parse_config(config_to_toml(c), "resolved.toml");
+  EXPECT_EQ(back.train.batch_ramp, c.train.batch_ramp);
+  EXPECT_EQ(back.train.batch_ramp_unit, "tokens");
+  EXPECT_EQ(error_of("[train]\nbatch_ramp = [[5, 8]]\n"),
+            "run.toml:2:14: [train] batch_ramp: the first row starts at 0, found [5, 8]");
+  EXPECT_EQ(error_of("[train]\nbatch_ramp = [[0, 8], [0, 16]]\n"),
+            "run.toml:2:14: [train] batch_ramp: row 1 starts at 0, expected after 0");
+  EXPECT_EQ(error_of("[train]\nmicro_batch = 4\nbatch_ramp = [[0, 8], [10, 6]]\n"),
+            "run.toml:3:14: [train] batch_ramp: row 1: 6 sequences, expected a positive multiple "
+            "of micro_batch = 4");
+  EXPECT_EQ(error_of("[train]\nbatch_ramp = [8, 16]\n"),
+            "run.toml:2:15: [train] batch_ramp: expected a pair [at, value] of integers, found an "
+            "integer");
+  EXPECT_EQ(error_of("[train]\ngrad_accum = 2\nbatch_ramp = [[0, 8]]\n"),
+            "run.toml:2:14: [train] grad_accum: the batch ramp sets the micro-batches of each "
+            "step (found grad_accum = 2 and batch_ramp)");
+  EXPECT_EQ(error_of("[train]\nbatch_ramp = [[0, 8]]\n[parallel]\nmicro_batches = 2\n"),
+            "run.toml:4:17: [parallel] micro_batches: the batch ramp (train.batch_ramp) sets the "
+            "micro-batches of each step");
+}
+
 // Every config shipped in configs/ parses, validates, and lays out on the world its comment
 // asks for (dp x tp x pp ranks); where the comment states the global batch ("= N tokens per
 // step"), the batch keys give exactly that.

@@ -12,6 +12,7 @@
 #include "io/dataset.h"
 #include "io/token_shard.h"
 #include "test_util.h"
+#include "trainer/batch_schedule.h"
 
 namespace trainer {
 namespace {
@@ -224,7 +225,8 @@ TEST_F(DataTest, LoaderYieldsTheGlobalSamplesInStepOrder) {
   Dataset data({path("l.bin")}, 256, 16);
   const int B = 3, T = 16, accum = 2;
   // After 5 steps, as on resume.
-  DataLoader loader(std::span(&data, 1), BlendPlan::fresh({1}), B, T, accum, 42, 1, 5 * accum * B);
+  DataLoader loader(std::span(&data, 1), BlendPlan::fresh({1}), B, T, DataLoader::constant(accum),
+                    42, 1, 5 * accum * B);
   SampleOrder order(data.windows(), 42);
   std::vector<int32_t> in(T), tg(T);
   for (int64_t step = 5; step < 9; step++)
@@ -251,7 +253,8 @@ TEST_F(DataTest, LoaderKeepsPrefetchBatchesReadyAhead) {
     return loader.ready_batches();
   };
   for (int prefetch : {1, 3}) {
-    DataLoader loader(std::span(&data, 1), BlendPlan::fresh({1}), 2, 16, 1, 42, prefetch, 0);
+    DataLoader loader(std::span(&data, 1), BlendPlan::fresh({1}), 2, 16, DataLoader::constant(1),
+                      42, prefetch, 0);
     EXPECT_EQ(settle(loader, prefetch), prefetch);
     for (int step = 0; step < 3; step++) {
       loader.next();
@@ -324,9 +327,10 @@ TEST_F(DataTest, LoaderReadsEachSourceThroughItsOwnOrder) {
   BlendOrder blend(plan);
   std::vector<SampleOrder> orders;
   for (int k = 0; k < 3; k++) orders.emplace_back(sources[k].windows(), source_seed(9, k));
-  DataLoader one(sources, plan, 2 * B, T, 1, 9, 2, 0);
-  DataLoader rank0(sources, plan, B, T, 1, 9, 2, 0, 0, 2),
-      rank1(sources, plan, B, T, 1, 9, 2, 0, 1, 2);
+  const DataLoader::AccumOf one_micro = DataLoader::constant(1);
+  DataLoader one(sources, plan, 2 * B, T, one_micro, 9, 2, 0);
+  DataLoader rank0(sources, plan, B, T, one_micro, 9, 2, 0, 0, 2);
+  DataLoader rank1(sources, plan, B, T, one_micro, 9, 2, 0, 1, 2);
   std::vector<int32_t> in(T), tg(T);
   std::set<int> used;
   for (int step = 0; step < steps; step++) {
@@ -364,6 +368,53 @@ TEST_F(DataTest, ValidationWindowsSpanTheWholeSet) {
   validation_batch(data, 60, 80, 2, 10, batch);  // more than the set: all windows, wrapping
   EXPECT_TRUE(reads(20, 0));
   EXPECT_TRUE(reads(21, 1));
+}
+
+// A batch ramp by steps or by tokens: each step's accumulation follows the table, and the data
+// position of any step is the same computed from the start or from any step before it (a resume).
+TEST_F(DataTest, BatchRampByStepsAndByTokens) {
+  TrainConfig t;
+  t.micro_batch = 2;
+  t.batch_ramp = {{0, 4}, {3, 8}, {6, 16}};
+  const BatchSchedule steps(t, 16, 2, "run.toml");
+  EXPECT_EQ(steps.max_accum(), 4);
+  std::vector<int> accum;
+  int64_t samples = 0;
+  for (int64_t step = 0; step < 9; step++) {
+    EXPECT_EQ(steps.samples_at(step, 0, 0), samples);
+    for (int64_t from = 0; from < step; from++)
+      EXPECT_EQ(steps.samples_at(step, from, steps.samples_at(from, 0, 0)), samples);
+    accum.push_back(steps.accum(step, samples));
+    samples += accum.back() * 4;
+  }
+  EXPECT_EQ(accum, (std::vector<int>{1, 1, 1, 2, 2, 2, 4, 4, 4}));
+  EXPECT_EQ(steps.samples_at(1000, 0, 0), 3 * 4 + 3 * 8 + 994 * 16);
+
+  // By tokens: 4-sequence steps until 12 x 16 tokens are seen, then 8 until 40 x 16, then 16.
+  t.batch_ramp = {{0, 4}, {12 * 16, 8}, {40 * 16, 16}};
+  t.batch_ramp_unit = "tokens";
+  const BatchSchedule tokens(t, 16, 2, "run.toml");
+  accum.clear();
+  samples = 0;
+  for (int64_t step = 0; step < 9; step++) {
+    EXPECT_EQ(tokens.samples_at(step, 0, 0), samples);
+    if (step > 2) {
+      EXPECT_EQ(tokens.samples_at(step, 2, tokens.samples_at(2, 0, 0)), samples);
+    }
+    accum.push_back(tokens.accum(step, samples));
+    samples += accum.back() * 4;
+  }
+  EXPECT_EQ(accum, (std::vector<int>{1, 1, 1, 2, 2, 2, 2, 4, 4}));  // 12, then 20..44 samples
+
+  t.batch_ramp = {{0, 2}, {3, 8}};
+  try {
+    BatchSchedule(t, 16, 2, "run.toml");
+    FAIL();
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "run.toml: [train] batch_ramp: 2 sequences at 0 tokens do not divide into "
+              "micro-batches of 2 sequences on each of dp = 2 ranks (a multiple of 4 is needed)");
+  }
 }
 
 }  // namespace

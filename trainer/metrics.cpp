@@ -25,6 +25,7 @@ void MetricsLog::step(const StepStats& s, bool print) {
   nlohmann::json j = {{"step", s.step},
                       {"time", s.time},
                       {"tokens", s.tokens},
+                      {"batch", s.batch},
                       {"loss", s.loss},
                       {"lr", s.lr},
                       {"grad_norm", s.grad_norm},

@@ -13,6 +13,7 @@ struct StepStats {
   int64_t step = 0, total_steps = 0;
   double time = 0;                  // wall clock when the step ended, seconds since the Unix epoch
   int64_t tokens = 0;               // tokens trained on so far, this step's included
+  int64_t batch = 0;                // sequences in this step's global batch
   double elapsed_s = 0, eta_s = 0;  // since this process started training; the rest, estimated
   double loss = 0, lr = 0, grad_norm = 0;
   bool skipped = false;         // non-finite loss or gradient norm: no update applied

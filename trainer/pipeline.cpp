@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <stdexcept>
 
 namespace trainer {
 namespace {
@@ -30,6 +31,7 @@ Pipeline::Pipeline(StageExecutor& model, Communicator& pp, Communicator* tp, int
       pp_(pp),
       tp_(tp),
       micro_batches_(micro_batches),
+      max_micro_batches_(micro_batches),
       B_(B),
       T_(T),
       slots_(slots(pp.rank(), pp.size(), micro_batches)),
@@ -37,8 +39,15 @@ Pipeline::Pipeline(StageExecutor& model, Communicator& pp, Communicator* tp, int
       actions_(one_f_one_b(pp.rank(), pp.size(), micro_batches)),
       output_sends_(slots_) {}
 
-double Pipeline::step(const std::function<const Batch&()>& next_batch, float loss_scale,
-                      const std::function<void()>& before_last_backward, PipeTimes& times) {
+double Pipeline::step(int micro_batches, const std::function<const Batch&()>& next_batch,
+                      float loss_scale, const std::function<void()>& before_last_backward,
+                      PipeTimes& times) {
+  if (micro_batches != micro_batches_) {
+    if (micro_batches > max_micro_batches_)
+      throw std::logic_error("more micro-batches than the pipeline has activation slots for");
+    micro_batches_ = micro_batches;
+    actions_ = one_f_one_b(pp_.rank(), pp_.size(), micro_batches);
+  }
   const int64_t activation = int64_t(B_) * T_ * model_.config().d_model;
   double loss = 0;
   times.timed = time_phases_;

@@ -23,16 +23,18 @@ class Pipeline {
   static int slots(int stage, int stages, int micro_batches);
 
   // pp: the pipeline group (stage = rank); tp: the tensor-parallel group, or null.
+  // micro_batches: the most of any step (its activation slots).
   // time_phases: on an asynchronous device, wait after every forward and backward so that
   // their times are the device's (a host wait per micro-batch; otherwise none in the step).
   Pipeline(StageExecutor& model, Communicator& pp, Communicator* tp, int micro_batches, int B,
            int T, bool time_phases = false);
 
-  // One step's forwards and backwards over the micro-batches. next_batch() is called once per
-  // micro-batch, in order; before_last_backward() just before this stage's last backward
+  // One step's forwards and backwards over `micro_batches` micro-batches (at most the
+  // constructor's; a batch ramp changes them). next_batch() is called once per micro-batch, in
+  // order; before_last_backward() just before this stage's last backward
   // (whose gradients are final for the step). Returns the sum of the micro-batches' mean
   // losses on the last stage, 0 elsewhere.
-  double step(const std::function<const Batch&()>& next_batch, float loss_scale,
+  double step(int micro_batches, const std::function<const Batch&()>& next_batch, float loss_scale,
               const std::function<void()>& before_last_backward, PipeTimes& times);
 
   // Forward only: the mean loss of (tokens, targets), on every stage.
@@ -48,7 +50,7 @@ class Pipeline {
   StageExecutor& model_;
   Communicator& pp_;
   Communicator* tp_;
-  int micro_batches_, B_, T_, slots_;
+  int micro_batches_, max_micro_batches_, B_, T_, slots_;
   bool time_phases_;
   std::vector<PipeAction> actions_;
   std::vector<Request> output_sends_;  // per slot

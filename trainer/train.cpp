@@ -27,6 +27,7 @@
 #include "model/init.h"
 #include "model/stage_executor.h"
 #include "trainer/adamw.h"
+#include "trainer/batch_schedule.h"
 #include "trainer/blas_setup.h"
 #include "trainer/checkpoint.h"
 #include "trainer/checkpoint_writer.h"
@@ -170,6 +171,7 @@ struct Run {
   World& world;
   ParallelDims dims;
   RankCoords me;
+  BatchSchedule schedule;  // each step's micro-batches (a batch ramp changes them)
   GpuPlacement placement;
   std::unique_ptr<Kernels> kernels;  // before the groups: NCCL communicators need the GPU
   Groups groups;
@@ -212,7 +214,8 @@ struct Run {
       o.tp = TensorParallel(tp->rank(), tp->size(), [tp](DPtr buf, int64_t n, bool max) {
         tp->all_reduce(buf, n, max ? ReduceOp::max : ReduceOp::sum);
       });
-    o.slots = Pipeline::slots(me.pp, dims.pp(), c.train.grad_accum);
+    const BatchSchedule schedule(c.train, c.model.seq_len, dims.dp(), "");
+    o.slots = Pipeline::slots(me.pp, dims.pp(), schedule.max_accum());
     o.total_multiple = 16 * int64_t(dims.dp());
     o.grad_dtype = c.precision.grads == "fp32" ? DType::f32 : compute_dtype(c.precision);
     o.recompute = parse_recompute(c.memory.recompute);
@@ -263,11 +266,8 @@ struct Run {
   // Where the data order stands: the samples consumed before step data_step, and how many of
   // them rollbacks skipped.
   int64_t data_step = 0, data_samples = 0, data_skipped = 0;
-  int64_t samples_per_step() const {
-    return int64_t(cfg.train.micro_batch) * cfg.train.grad_accum * dims.dp();
-  }
   int64_t samples_at(int64_t step) const {
-    return data_samples + (step - data_step) * samples_per_step();
+    return schedule.samples_at(step, data_step, data_samples);
   }
   // Tokens trained on before `step` (the samples rollbacks skipped were not trained on).
   int64_t tokens_at(int64_t step) const {
@@ -277,9 +277,10 @@ struct Run {
     loader.reset();
     data_step = step;
     data_samples = samples;
-    loader.emplace(train_data, blend, cfg.train.micro_batch, cfg.model.seq_len,
-                   cfg.train.grad_accum, cfg.run.seed, cfg.data.prefetch, samples, me.dp,
-                   dims.dp());
+    // The loader's step k is the run's step + k.
+    auto accum = [this, step](int64_t k, int64_t at) { return schedule.accum(step + k, at); };
+    loader.emplace(train_data, blend, cfg.train.micro_batch, cfg.model.seq_len, accum, cfg.run.seed,
+                   cfg.data.prefetch, samples, me.dp, dims.dp());
   }
   bool blended() const { return train_data.size() > 1; }
   // The blend a resumed run continues: the checkpoint's, or where its weights differ from the
@@ -317,6 +318,7 @@ struct Run {
         world(w),
         dims(layout(c, w.size(), origin)),
         me(dims.coords(w.rank())),
+        schedule(c.train, c.model.seq_len, dims.dp(), origin),
         placement(gpu),
         kernels(std::move(k)),
         groups(make_groups(w, dims, c.parallel, group_wrapper(gpu, w, *kernels))),
@@ -333,7 +335,7 @@ struct Run {
                   c.parallel.zero ? reducer.shard_grads() : model.grads(),
                   c.parallel.zero ? reducer.shard_elems() : model.table().total),
         blend(fresh_blend(c)),
-        pipe(model, *groups.pp, groups.tp.get(), c.train.grad_accum, c.train.micro_batch,
+        pipe(model, *groups.pp, groups.tp.get(), schedule.max_accum(), c.train.micro_batch,
              c.model.seq_len, c.run.phase_timing),
         scaler(c.precision),
         guard(c.faults, scaler.dynamic()),
@@ -409,10 +411,12 @@ void poison_gradient(Run& run) {
 // norm, clipping and the update.
 StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   const Config& cfg = run.cfg;
-  const int B = cfg.train.micro_batch, T = cfg.model.seq_len, M = cfg.train.grad_accum;
+  const int B = cfg.train.micro_batch, T = cfg.model.seq_len;
+  const int M = run.schedule.accum(step, run.samples_at(step));
   const int dp = run.dims.dp();
   StepStats s;
   s.step = step;
+  s.batch = int64_t(B) * M * dp;
   const auto t_step = Clock::now();
   const auto& all = run.all_groups;
   std::vector<Communicator::Traffic> before;
@@ -427,8 +431,9 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   s.data_queue = run.loader->ready_batches();
   // Dropout's masks: a function of (seed, step, micro-batch x dp + dp rank), as the data is.
   run.model.train_mode(mix64(uint64_t(cfg.run.seed) ^ mix64(uint64_t(step))), run.me.dp, dp);
-  const double loss_sum = run.pipe.step([&]() -> const Batch& { return run.loader->next(); },
-                                        float(scale / (M * dp)), [&] { run.reducer.arm(); }, times);
+  const double loss_sum = run.pipe.step(
+      M, [&]() -> const Batch& { return run.loader->next(); }, float(scale / (M * dp)),
+      [&] { run.reducer.arm(); }, times);
   run.model.eval_mode();
   if (run.inject_inf.first == step && run.inject_inf.second == run.world.rank())
     poison_gradient(run);
@@ -584,8 +589,9 @@ void print_start(const Run& run) {
       m.kv_heads() != m.n_head ? fmt::format(" ({} key/value)", m.kv_heads()) : "", m.d_model,
       m.ffn(), m.seq_len, m.vocab_size, m.padded_vocab(), m.tie_embeddings ? "tied" : "untied",
       double(param_table(m).total) / 1e6);
+  const int accum = run.schedule.accum(0, 0);  // the first step's, with a ramp
   const int64_t tokens_per_step =
-      int64_t(cfg.train.micro_batch) * cfg.model.seq_len * cfg.train.grad_accum * dims.dp();
+      int64_t(cfg.train.micro_batch) * cfg.model.seq_len * accum * dims.dp();
   const std::vector<Dataset>& train = run.train_data;
   std::string train_tokens = fmt::format("{} train tokens ({} windows; {})", train[0].tokens(),
                                          train[0].windows(), train[0].describe());
@@ -599,14 +605,17 @@ void print_start(const Run& run) {
   fmt::print(
       "data: {}, {} val tokens ({}) | batch {} x {} x {} micro-batches x dp {} = {} tokens/step\n",
       train_tokens, run.val_data.tokens(), run.val_data.describe(), cfg.train.micro_batch,
-      cfg.model.seq_len, cfg.train.grad_accum, dims.dp(), tokens_per_step);
+      cfg.model.seq_len, accum, dims.dp(), tokens_per_step);
+  if (run.schedule.ramped())
+    fmt::print("batch ramp: {} (global batches in sequences, through accumulation)\n",
+               run.schedule.describe());
   fmt::print(
       "parallel: dp {} x tp {} x pp {} (order {}), zero {}, {} all-reduce, {} buckets of "
       "{:.3g} MB, overlap {}, 1F1B bubble {:.1f}% ({} stages, {} micro-batches)\n",
       dims.dp(), dims.tp(), dims.pp(), cfg.parallel.order, cfg.parallel.zero,
       cfg.parallel.allreduce, run.reducer.buckets(), double(run.reducer.bucket_bytes()) / (1 << 20),
-      cfg.parallel.overlap ? "on" : "off", 100 * pipeline_bubble(dims.pp(), cfg.train.grad_accum),
-      dims.pp(), cfg.train.grad_accum);
+      cfg.parallel.overlap ? "on" : "off", 100 * pipeline_bubble(dims.pp(), accum), dims.pp(),
+      accum);
   if (dims.pp() > 1) {
     const std::vector<int> bounds = pipeline_partition(cfg.model, dims.pp());
     std::string stages;

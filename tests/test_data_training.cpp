@@ -1,11 +1,15 @@
-// A blend of three training sources ([[data.sources]]) end to end under mpirun: the checkpoint
-// records each source's position, a resume continues bit for bit in the same layout and within
-// reduction-order tolerance in another, new weights on resume continue each source where it
-// stood, and a resume with another number of sources is one line and exit code 2.
+// The data order end to end under mpirun.
+// A blend of three training sources ([[data.sources]]): the checkpoint records each source's
+// position, a resume continues bit for bit in the same layout and within reduction-order
+// tolerance in another, new weights on resume continue each source where it stood, and a resume
+// with another number of sources is one line and exit code 2.
+// A batch ramp (train.batch_ramp): each step's global batch follows the table in every layout,
+// and a resume in the middle of the ramp continues it bit for bit.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -108,6 +112,54 @@ TEST_F(BlendedRun, ResumesAcrossLayoutsAndContinuesEachSourceUnderNewWeights) {
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("[data] sources: the checkpoint was trained on 3 sources, the config "
                           "names 2"),
+            std::string::npos)
+      << r.output;
+}
+
+// Global batches of 4, 8 and 16 sequences from steps 0, 3 and 6: two ranks accumulate 1, 2 and 4
+// micro-batches of 2, one rank 2, 4 and 8.
+TEST_F(MpiCli, BatchRampFollowsTheTableAndResumesMidRamp) {
+  const std::string ramp =
+      "--set train.steps=8 --set checkpoint.every_steps=4 "
+      "--set 'train.batch_ramp=[[0, 4], [3, 8], [6, 16]]' ";
+  auto r = mpirun(2, ramp + "--set parallel.dp=2 --set run.out_dir=" + quoted(path("full")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("batch ramp: 4 sequences from step 0, 8 sequences from step 3, 16 "
+                          "sequences from step 6"),
+            std::string::npos)
+      << r.output;
+  std::vector<int64_t> batches, tokens;
+  for (std::ifstream in(path("full/metrics.jsonl")); !in.eof();) {
+    std::string line;
+    if (!std::getline(in, line) || line.empty()) continue;
+    const auto j = nlohmann::json::parse(line);
+    if (!j.contains("loss")) continue;
+    batches.push_back(j["batch"]);
+    tokens.push_back(j["tokens"]);
+  }
+  EXPECT_EQ(batches, (std::vector<int64_t>{4, 4, 4, 8, 8, 8, 16, 16}));
+  EXPECT_EQ(tokens.back(), (3 * 4 + 3 * 8 + 2 * 16) * 16);
+  // Step 4 is in the middle of the ramp: 3 x 4 + 8 samples before it.
+  const std::string from =
+      "--set checkpoint.resume=" + quoted(path("full/checkpoints/step_00000004")) + " ";
+  r = mpirun(2, ramp + from + "--set parallel.dp=2 --set run.out_dir=" + quoted(path("same")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("(data position: sample 20)"), std::string::npos) << r.output;
+  const auto full = loss_texts(path("full/metrics.jsonl"));
+  const auto same = loss_texts(path("same/metrics.jsonl"));
+  ASSERT_EQ(same.size(), 4u);
+  for (int i = 0; i < 4; i++) EXPECT_EQ(same[i], full[4 + i]);
+  // One rank accumulates twice as many micro-batches for the same global batches.
+  r = mpirun(1, ramp + "--set run.out_dir=" + quoted(path("one")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto f = steps_of(path("full/metrics.jsonl")), one = steps_of(path("one/metrics.jsonl"));
+  ASSERT_EQ(one.size(), 8u);
+  for (int i = 0; i < 8; i++) EXPECT_NEAR(one[i].loss, f[i].loss, 1e-5 * f[i].loss) << i;
+  // A row that two ranks cannot split into micro-batches of 2: one line, exit 2.
+  r = mpirun(2, "--set 'train.batch_ramp=[[0, 2], [3, 8]]' --set parallel.dp=2");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("[train] batch_ramp: 2 sequences at 0 steps do not divide into "
+                          "micro-batches of 2 sequences on each of dp = 2 ranks"),
             std::string::npos)
       << r.output;
 }
