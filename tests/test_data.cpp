@@ -13,6 +13,7 @@
 #include "io/token_shard.h"
 #include "test_util.h"
 #include "trainer/batch_schedule.h"
+#include "trainer/metrics.h"
 
 namespace trainer {
 namespace {
@@ -368,6 +369,17 @@ TEST_F(DataTest, ValidationWindowsSpanTheWholeSet) {
   validation_batch(data, 60, 80, 2, 10, batch);  // more than the set: all windows, wrapping
   EXPECT_TRUE(reads(20, 0));
   EXPECT_TRUE(reads(21, 1));
+}
+
+// The data-wait warning fires after `steps` consecutive starved steps, and again only after as
+// many more; a step fed in time starts the count afresh.
+TEST_F(DataTest, DataWaitWatchCountsConsecutiveStarvedSteps) {
+  DataWaitWatch watch(0.05, 3);
+  std::vector<bool> fired;
+  for (double wait : {0.1, 0.1, 0.01, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.06})
+    fired.push_back(watch.starved(wait, 1.0));
+  EXPECT_EQ(fired, (std::vector<bool>{false, false, false, false, false, true, false, false, true,
+                                      false}));
 }
 
 // A batch ramp by steps or by tokens: each step's accumulation follows the table, and the data

@@ -4,7 +4,8 @@
 // tolerance in another, new weights on resume continue each source where it stood, and a resume
 // with another number of sources is one line and exit code 2.
 // A batch ramp (train.batch_ramp): each step's global batch follows the table in every layout,
-// and a resume in the middle of the ramp continues it bit for bit.
+// and a resume in the middle of the ramp continues it bit for bit. Slow data loading is warned
+// about.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -162,6 +163,24 @@ TEST_F(MpiCli, BatchRampFollowsTheTableAndResumesMidRamp) {
                           "micro-batches of 2 sequences on each of dp = 2 ranks"),
             std::string::npos)
       << r.output;
+}
+
+// Data loading on the critical path is named: storage made slow (40 ms more per step than the
+// tiny model's step) makes the 20th consecutive starved step print a warning and log it.
+TEST_F(MpiCli, SlowDataLoadingIsWarnedAbout) {
+  auto r =
+      mpirun(1, "--set train.steps=25 --set data.prefetch=1", "TRAINER_TEST_DATA_DELAY_MS=40 ");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(count(r.output,
+                  "warning: data loading is on the critical path: rank 0 waited for "
+                  "data more than 5% of the step for 20 steps in a row"),
+            1)
+      << r.output;
+  EXPECT_NE(text_of(path("out/metrics.jsonl")).find("\"warning\":\"data loading"),
+            std::string::npos);
+  r = mpirun(1, "--set train.steps=25 --set run.overwrite=true");  // the same run, fed in time
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(r.output.find("warning: data loading"), std::string::npos) << r.output;
 }
 
 }  // namespace

@@ -44,6 +44,26 @@ struct StepStats {
   double compress_s = 0;
 };
 
+// Data loading on the critical path: counts the consecutive steps whose data wait exceeds
+// `share` of the step, and says when a run of `steps` of them is complete (then counts afresh,
+// so a run starved throughout hears about it every `steps` steps, not every step).
+class DataWaitWatch {
+ public:
+  explicit DataWaitWatch(double share = 0.05, int steps = 20) : share_(share), steps_(steps) {}
+  bool starved(double data_s, double total_s) {
+    run_ = data_s > share_ * total_s ? run_ + 1 : 0;
+    if (run_ < steps_) return false;
+    run_ = 0;
+    return true;
+  }
+  double share() const { return share_; }
+  int steps() const { return steps_; }
+
+ private:
+  double share_;
+  int steps_, run_ = 0;
+};
+
 class MetricsLog {
  public:
   // append: a resumed run continues the file instead of starting it again.

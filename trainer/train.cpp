@@ -119,6 +119,13 @@ std::pair<int64_t, int> injected_overflow() {
   return {step, rank};
 }
 
+// Test hook: TRAINER_TEST_DATA_DELAY_MS=50 makes the loader take that long more per step (slow
+// storage), to check the data-wait warning.
+std::chrono::milliseconds injected_data_delay() {
+  const char* spec = std::getenv("TRAINER_TEST_DATA_DELAY_MS");
+  return std::chrono::milliseconds(spec ? std::atoi(spec) : 0);
+}
+
 // Test hook: TRAINER_TEST_INJECT_NAN="3,4,5" makes the loss of those steps NaN, once per
 // listing (a rolled-back run that repeats a step listed once trains it normally), to check the
 // step guard.
@@ -194,6 +201,7 @@ struct Run {
   CheckpointWriter writer;
   std::pair<int64_t, int> inject_inf = injected_overflow();
   std::multiset<int64_t> inject_nan = injected_nan_steps();
+  std::chrono::milliseconds inject_data_delay = injected_data_delay();
   double flops_per_token;  // model FLOPs, forward and backward (flops_per_token)
 
   // The run's tokenizer, whose ids must fit the model's vocabulary.
@@ -278,7 +286,10 @@ struct Run {
     data_step = step;
     data_samples = samples;
     // The loader's step k is the run's step + k.
-    auto accum = [this, step](int64_t k, int64_t at) { return schedule.accum(step + k, at); };
+    auto accum = [this, step](int64_t k, int64_t at) {
+      if (inject_data_delay.count() > 0) std::this_thread::sleep_for(inject_data_delay);
+      return schedule.accum(step + k, at);
+    };
     loader.emplace(train_data, blend, cfg.train.micro_batch, cfg.model.seq_len, accum, cfg.run.seed,
                    cfg.data.prefetch, samples, me.dp, dims.dp());
   }
@@ -1045,6 +1056,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   }
   const auto training_start = Clock::now();
   const int64_t first_step = step;
+  DataWaitWatch data_wait;
   while (step < cfg.train.steps) {
     world.set_step(step);
     if (cfg.train.val_every > 0 && step % cfg.train.val_every == 0) evaluate(step);
@@ -1075,6 +1087,16 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
       return kExitDiverged;
     }
     if (leader) log->step(stats, step % cfg.train.log_every == 0 || step + 1 == cfg.train.steps);
+    if (leader && data_wait.starved(stats.data_s, stats.total_s)) {
+      const std::string warning = fmt::format(
+          "data loading is on the critical path: rank 0 waited for data more than {:.0f}% of "
+          "the step for {} steps in a row ({:.1f} of {:.1f} ms at step {}; data_ms in "
+          "metrics.jsonl): raise data.prefetch, or look at the storage",
+          100 * data_wait.share(), data_wait.steps(), stats.data_s * 1e3, stats.total_s * 1e3,
+          step);
+      fmt::print("warning: {}\n", warning);
+      log->event({{"step", step}, {"warning", warning}});
+    }
     report(run.writer.poll());
     step++;
     // Preempted: a checkpoint of the finished steps, then "requeue me" (after the last step the
