@@ -18,7 +18,9 @@ namespace {
 
 constexpr char kMagic[8] = {'T', 'R', 'T', 'O', 'K', 'E', 'N', 'S'};
 constexpr size_t kHeaderBytes = 64;
-constexpr int32_t kLlmcMagic = 20240520;
+// llm.c's dev/data/data_common.py: GPT-2 shards {20240520, version 1} hold uint16 tokens,
+// Llama-3 ones {20240801, version 7} uint32 tokens.
+constexpr int32_t kLlmcMagic = 20240520, kLlmcLlama3Magic = 20240801;
 constexpr size_t kLlmcHeaderBytes = 256 * sizeof(int32_t);
 
 struct Header {
@@ -76,6 +78,8 @@ TokenShard::TokenShard(const std::string& path, int vocab_size, bool headerless)
 
   size_t header = 0;
   uint64_t declared = 0, documents = 0;
+  int32_t llmc_magic = 0;
+  if (map_bytes_ >= 4) std::memcpy(&llmc_magic, bytes, 4);
   if (headerless) {
     if (map_bytes_ % 2 != 0)
       fail(
@@ -100,24 +104,28 @@ TokenShard::TokenShard(const std::string& path, int vocab_size, bool headerless)
     declared = h.count;
     tokenizer_hash_ = h.version >= 2 ? h.tokenizer_hash : 0;
     documents = h.version >= 2 ? h.documents : 0;
-  } else if (map_bytes_ >= 4 && reinterpret_cast<const int32_t*>(bytes)[0] == kLlmcMagic) {
+  } else if (llmc_magic == kLlmcMagic || llmc_magic == kLlmcLlama3Magic) {
     if (map_bytes_ < kLlmcHeaderBytes)
       fail(fmt::format("llm.c header truncated: expected {} bytes, file has {}", kLlmcHeaderBytes,
                        map_bytes_));
     const auto* h = reinterpret_cast<const int32_t*>(bytes);
-    if (h[1] != 1) fail(fmt::format("offset 4: expected llm.c version 1, found {}", h[1]));
-    format_ = "llm.c";
+    const bool llama3 = llmc_magic == kLlmcLlama3Magic;
+    if (h[1] != (llama3 ? 7 : 1))
+      fail(fmt::format("offset 4: expected llm.c version {} after magic {}, found {}",
+                       llama3 ? 7 : 1, h[0], h[1]));
+    format_ = llama3 ? "llm.c uint32 (v7)" : "llm.c";
     header = kLlmcHeaderBytes;
+    width_ = llama3 ? 4 : 2;
     declared = uint64_t(uint32_t(h[2]));
   } else {
     std::string shown;
     for (size_t i = 0; i < std::min<size_t>(map_bytes_, 8); i++)
       shown += fmt::format("{}{:02x}", i ? " " : "", bytes[i]);
     fail(fmt::format(
-        "offset 0: unrecognised data file: expected the magic \"TRTOKENS\" or llm.c's {}, found "
-        "{} bytes starting {} (a headerless nanoGPT file of uint16 tokens needs data.format = "
-        "\"nanogpt\")",
-        kLlmcMagic, map_bytes_, shown));
+        "offset 0: unrecognised data file: expected the magic \"TRTOKENS\" or llm.c's {} or {}, "
+        "found {} bytes starting {} (a headerless nanoGPT file of uint16 tokens needs "
+        "data.format = \"nanogpt\")",
+        kLlmcMagic, kLlmcLlama3Magic, map_bytes_, shown));
   }
   if (declared > map_bytes_)  // keeps the sum below from overflowing
     fail(fmt::format("{} header declares {} tokens, more than a file of {} bytes can hold", format_,

@@ -6,7 +6,8 @@
 //    then the tokens, little-endian, then (version 2, D > 0) the document index: D u64 token
 //    offsets at which documents start, strictly increasing and below the token count (a shard
 //    may begin inside a document that an earlier shard started);
-//  - llm.c: 256 x int32 header {20240520, 1, token count, ...}, then uint16 tokens;
+//  - llm.c: 256 x int32 header {magic, version, token count, ...}, then the tokens: GPT-2's
+//    {20240520, 1} with uint16 tokens, Llama-3's {20240801, 7} with uint32 ones;
 //  - nanoGPT: a headerless file of uint16 tokens, only when asked for (data.format =
 //    "nanogpt"): with no magic to check, a damaged header would otherwise be read as tokens.
 #include <cstdint>

@@ -77,6 +77,39 @@ TEST_F(DataTest, LlmcLayout) {
       path("short.bin") + ": llm.c file of 5 tokens should be 1034 bytes, found 1032 (truncated)");
 }
 
+// llm.c's Llama-3 shards (dev/data/data_common.py): magic 20240801, version 7, uint32 tokens.
+TEST_F(DataTest, LlmcLlama3Layout) {
+  std::vector<int32_t> header(256, 0);
+  header[0] = 20240801;
+  header[1] = 7;
+  header[2] = 4;
+  const std::vector<uint32_t> tokens = {128000, 9906, 1917, 128001};  // above uint16's range
+  auto write = [&](const std::string& name, size_t token_bytes) {
+    std::ofstream f(path(name), std::ios::binary);
+    f.write(reinterpret_cast<const char*>(header.data()), 1024);
+    f.write(reinterpret_cast<const char*>(tokens.data()), std::streamsize(token_bytes));
+  };
+  write("llama3.bin", 16);
+  TokenShard s(path("llama3.bin"), 128256);
+  EXPECT_STREQ(s.format(), "llm.c uint32 (v7)");
+  std::vector<int32_t> back(4);
+  s.read(0, 4, back.data());
+  EXPECT_EQ(back, (std::vector<int32_t>{128000, 9906, 1917, 128001}));
+  EXPECT_EQ(Dataset({path("llama3.bin"), path("llama3.bin")}, 128256, 3).describe(),
+            "2 shards, llm.c uint32 (v7) format");
+  // Sized as uint32: the 8 bytes that would hold 4 uint16 tokens are a truncated file.
+  write("short.bin", 8);
+  EXPECT_EQ(
+      error_of("short.bin", 128256),
+      path("short.bin") +
+          ": llm.c uint32 (v7) file of 4 tokens should be 1040 bytes, found 1032 (truncated)");
+  // Each magic has its own version.
+  header[1] = 1;
+  write("v1.bin", 16);
+  EXPECT_EQ(error_of("v1.bin", 128256),
+            path("v1.bin") + ": offset 4: expected llm.c version 7 after magic 20240801, found 1");
+}
+
 // nanoGPT's headerless uint16 files are read when data.format says so, and only then: a file
 // whose magic is none of the known ones (a damaged header) is not silently re-read as tokens.
 TEST_F(DataTest, NanoGptHeaderlessUint16) {
@@ -88,7 +121,8 @@ TEST_F(DataTest, NanoGptHeaderlessUint16) {
   EXPECT_EQ(error_of("nano.bin", 10),
             path("nano.bin") +
                 ": offset 0: unrecognised data file: expected the magic "
-                "\"TRTOKENS\" or llm.c's 20240520, found 12 bytes starting 03 00 01 00 "
+                "\"TRTOKENS\" or llm.c's 20240520 or 20240801, found 12 bytes starting "
+                "03 00 01 00 "
                 "04 00 01 00 (a headerless nanoGPT file of uint16 tokens needs "
                 "data.format = \"nanogpt\")");
   // Our own file with one byte of its magic flipped.
@@ -100,7 +134,7 @@ TEST_F(DataTest, NanoGptHeaderlessUint16) {
   }
   EXPECT_NE(error_of("ours.bin")
                 .find("unrecognised data file: expected the magic \"TRTOKENS\" "
-                      "or llm.c's 20240520, found 264 bytes starting 58 52 54 4f"),
+                      "or llm.c's 20240520 or 20240801, found 264 bytes starting 58 52 54 4f"),
             std::string::npos)
       << error_of("ours.bin");
   EXPECT_EQ(Dataset({path("nano.bin"), path("nano.bin")}, 10, 2, true).describe(),
@@ -124,7 +158,8 @@ TEST_F(DataTest, WrongMagic) {
   EXPECT_EQ(error_of("x.dat"),
             path("x.dat") +
                 ": offset 0: unrecognised data file: expected the magic \"TRTOKENS\" or llm.c's "
-                "20240520, found 25 bytes starting 74 68 69 73 20 69 73 20 (a headerless nanoGPT "
+                "20240520 or 20240801, found 25 bytes starting 74 68 69 73 20 69 73 20 (a "
+                "headerless nanoGPT "
                 "file of uint16 tokens needs data.format = \"nanogpt\")");
 }
 
