@@ -5,6 +5,7 @@
 #include <chrono>
 #include <map>
 #include <random>
+#include <set>
 #include <stdexcept>
 
 #include "io/input_files.h"
@@ -20,7 +21,9 @@ std::vector<std::string> expand_shard_paths(const std::vector<std::string>& path
       continue;
     }
     const std::vector<std::string> matched = glob_sorted(p, "token shard");
-    out.insert(out.end(), matched.begin(), matched.end());
+    const std::set<std::string> all(matched.begin(), matched.end());
+    for (const std::string& m : matched)  // a Megatron pair is one dataset: its .bin names it
+      if (!m.ends_with(".idx") || !all.count(m.substr(0, m.size() - 4) + ".bin")) out.push_back(m);
   }
   return out;
 }

@@ -19,7 +19,8 @@
 namespace trainer {
 
 // Shard paths with glob patterns ("fineweb_train_*.bin") expanded, each in sorted order;
-// a pattern that matches nothing is a DataError.
+// a pattern that matches nothing is a DataError. A Megatron pair matched whole (prefix.bin and
+// prefix.idx) is listed once, by its .bin.
 std::vector<std::string> expand_shard_paths(const std::vector<std::string>& paths);
 
 class Dataset {

@@ -142,6 +142,22 @@ TEST_F(Cli, DataErrorsExitTwoAndWriteNothing) {
             "trainer: data error: " + path("absent.txt") + ": cannot open input text file\n");
 }
 
+// A Megatron .idx that does not match its .bin (issue 20): exit 2, one line naming the .idx.
+TEST_F(Cli, MegatronIndexNotMatchingItsBinExitsTwo) {
+  const Result w =
+      test::write_megatron("[(\"" + path("m") + "\", \"uint16\", [[list(range(100))] * 3])]");
+  ASSERT_EQ(w.code, 0) << w.output;
+  fs::resize_file(path("m.bin"), 598);  // one token short
+  const std::string cfg = write_config("run.toml", "out", 5);
+  const Result r = run("train " + cfg + " --set data.train=" + path("m.idx") +
+                       " --set data.val=" + path("m.idx"));
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_EQ(r.output, "trainer: data error: " + path("m.idx") +
+                          ": sequence lengths sum to 300 tokens (600 bytes of uint16), but " +
+                          path("m.bin") + " has 598 bytes\n");
+  EXPECT_FALSE(fs::exists(path("out")));
+}
+
 // Inputs that are not regular files: a FIFO as a shard would block forever in open(), a device
 // as an input text would be read without end. Each is one line naming it, exit 2.
 TEST_F(Cli, SpecialFilesAreRefused) {

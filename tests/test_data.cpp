@@ -1,4 +1,4 @@
-// Token shards in all three layouts, every kind of damaged file, and the batch order.
+// Token shards in all four layouts, every kind of damaged file, and the batch order.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -80,6 +80,39 @@ TEST_F(DataTest, LlmcLayout) {
       path("short.bin") + ": llm.c file of 5 tokens should be 1034 bytes, found 1032 (truncated)");
 }
 
+// llm.c's Llama-3 shards (dev/data/data_common.py): magic 20240801, version 7, uint32 tokens.
+TEST_F(DataTest, LlmcLlama3Layout) {
+  std::vector<int32_t> header(256, 0);
+  header[0] = 20240801;
+  header[1] = 7;
+  header[2] = 4;
+  const std::vector<uint32_t> tokens = {128000, 9906, 1917, 128001};  // above uint16's range
+  auto write = [&](const std::string& name, size_t token_bytes) {
+    std::ofstream f(path(name), std::ios::binary);
+    f.write(reinterpret_cast<const char*>(header.data()), 1024);
+    f.write(reinterpret_cast<const char*>(tokens.data()), std::streamsize(token_bytes));
+  };
+  write("llama3.bin", 16);
+  TokenShard s(path("llama3.bin"), 128256);
+  EXPECT_STREQ(s.format(), "llm.c uint32 (v7)");
+  std::vector<int32_t> back(4);
+  s.read(0, 4, back.data());
+  EXPECT_EQ(back, (std::vector<int32_t>{128000, 9906, 1917, 128001}));
+  EXPECT_EQ(Dataset({path("llama3.bin"), path("llama3.bin")}, 128256, 3).describe(),
+            "2 shards, llm.c uint32 (v7) format");
+  // Sized as uint32: the 8 bytes that would hold 4 uint16 tokens are a truncated file.
+  write("short.bin", 8);
+  EXPECT_EQ(
+      error_of("short.bin", 128256),
+      path("short.bin") +
+          ": llm.c uint32 (v7) file of 4 tokens should be 1040 bytes, found 1032 (truncated)");
+  // Each magic has its own version.
+  header[1] = 1;
+  write("v1.bin", 16);
+  EXPECT_EQ(error_of("v1.bin", 128256),
+            path("v1.bin") + ": offset 4: expected llm.c version 7 after magic 20240801, found 1");
+}
+
 // nanoGPT's headerless uint16 files are read when data.format says so, and only then: a file
 // whose magic is none of the known ones (a damaged header) is not silently re-read as tokens.
 TEST_F(DataTest, NanoGptHeaderlessUint16) {
@@ -91,9 +124,10 @@ TEST_F(DataTest, NanoGptHeaderlessUint16) {
   EXPECT_EQ(error_of("nano.bin", 10),
             path("nano.bin") +
                 ": offset 0: unrecognised data file: expected the magic "
-                "\"TRTOKENS\" or llm.c's 20240520, found 12 bytes starting 03 00 01 00 "
+                "\"TRTOKENS\" or llm.c's 20240520 or 20240801, found 12 bytes starting "
+                "03 00 01 00 "
                 "04 00 01 00 (a headerless nanoGPT file of uint16 tokens needs "
-                "data.format = \"nanogpt\")");
+                "data.format = \"nanogpt\"; a Megatron .bin needs its .idx beside it)");
   // Our own file with one byte of its magic flipped.
   write_token_shard(path("ours.bin"), ramp(100, 256), 256);
   {
@@ -103,11 +137,128 @@ TEST_F(DataTest, NanoGptHeaderlessUint16) {
   }
   EXPECT_NE(error_of("ours.bin")
                 .find("unrecognised data file: expected the magic \"TRTOKENS\" "
-                      "or llm.c's 20240520, found 264 bytes starting 58 52 54 4f"),
+                      "or llm.c's 20240520 or 20240801, found 264 bytes starting 58 52 54 4f"),
             std::string::npos)
       << error_of("ours.bin");
   EXPECT_EQ(Dataset({path("nano.bin"), path("nano.bin")}, 10, 2, true).describe(),
             "2 shards, nanoGPT uint16 format");
+}
+
+std::vector<int32_t> tokens_of(const TokenShard& s) {
+  std::vector<int32_t> t(size_t(s.size()));
+  s.read(0, s.size(), t.data());
+  return t;
+}
+
+// Megatron-LM's .bin/.idx pair, written by numpy as Megatron writes it, in both token types it is
+// read in, named by either file or the bare prefix; its documents (one empty, as Megatron writes
+// for an empty text) become the document index.
+TEST_F(DataTest, MegatronPairReadsBackTheExactTokens) {
+  const auto r =
+      test::write_megatron("[(\"" + path("u16") +
+                           "\", \"uint16\", [[[1, 2, 3], [4, 65535]], [], [[6, 7, 8, 9]], [[0]]]), "
+                           "(\"" +
+                           path("i32") +
+                           "\", \"int32\", [[[70000, 1]], [[2], [], [99999]]]), "
+                           "(\"" +
+                           path("neg") +
+                           "\", \"int32\", [[[5, -3, 7]]]), "
+                           "(\"" +
+                           path("i64") + "\", \"int64\", [[[1, 2]]])]");
+  ASSERT_EQ(r.code, 0) << r.output;
+  for (const char* name : {"u16.bin", "u16.idx", "u16"}) {
+    TokenShard s(path(name), 65536);
+    EXPECT_STREQ(s.format(), "Megatron uint16") << name;
+    EXPECT_EQ(tokens_of(s), (std::vector<int32_t>{1, 2, 3, 4, 65535, 6, 7, 8, 9, 0})) << name;
+    ASSERT_EQ(s.documents(), 3) << name;
+    EXPECT_EQ(s.document_start(0), 0);
+    EXPECT_EQ(s.document_start(1), 5);
+    EXPECT_EQ(s.document_start(2), 9);
+  }
+  TokenShard s(path("i32.idx"), 100000);
+  EXPECT_STREQ(s.format(), "Megatron int32");
+  EXPECT_EQ(tokens_of(s), (std::vector<int32_t>{70000, 1, 2, 99999}));
+  EXPECT_EQ(s.documents(), 2);
+  EXPECT_EQ(s.document_start(1), 2);
+  EXPECT_EQ(error_of("neg.bin"),
+            path("neg.bin") +
+                ": offset 4: token -3 at index 1 is outside the vocabulary (vocab_size = 256)");
+  EXPECT_EQ(error_of("i64.idx"),
+            path("i64.idx") +
+                ": offset 17: dtype code 5 (int64): only uint16 (8) and int32 (4) tokens are read");
+  // A pattern that matches both files of a pair lists it once.
+  EXPECT_EQ(expand_shard_paths({path("u16*")}), (std::vector<std::string>{path("u16.bin")}));
+  EXPECT_EQ(Dataset({path("u16*"), path("i32")}, 100000, 2).describe(),
+            "2 shards: 1 Megatron int32, 1 Megatron uint16");
+}
+
+// Every kind of .idx that does not match its .bin is one line naming the .idx, the offset or the
+// field, what was expected and what was found.
+TEST_F(DataTest, DamagedMegatronIndex) {
+  // 3 sequences {3, 2, 3 tokens} in 2 documents: lengths at 34, pointers at 46, documents at 70.
+  const auto r = test::write_megatron("[(\"" + path("m") +
+                                      "\", \"uint16\", [[[1, 2, 3], [4, 5]], [[6, 7, 8]]])]");
+  ASSERT_EQ(r.code, 0) << r.output;
+  ASSERT_EQ(fs::file_size(path("m.idx")), 94u);
+  int n = 0;
+  // A copy of the pair with `edit` applied; returns the error of opening it by its .idx.
+  auto damaged = [&](auto edit) {
+    const std::string p = "d" + std::to_string(n++);
+    fs::copy_file(path("m.idx"), path(p + ".idx"));
+    fs::copy_file(path("m.bin"), path(p + ".bin"));
+    edit(path(p));
+    return error_of(p + ".idx");
+  };
+  auto put = [](const std::string& file, size_t at, auto value) {
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(std::streamoff(at));
+    f.write(reinterpret_cast<const char*>(&value), sizeof value);
+  };
+  // `what` with {} for the damaged copy's prefix.
+  auto expect = [&](auto edit, const std::string& what) {
+    const std::string name = path("d" + std::to_string(n));
+    EXPECT_EQ(damaged(edit),
+              fmt::format("{}.idx: {}", name, fmt::format(fmt::runtime(what), name)));
+  };
+  expect([&](const std::string& p) { fs::resize_file(p + ".idx", 90); },
+         "Megatron index of 3 sequences and 3 document indices should be 94 bytes, found 90 "
+         "(truncated)");
+  expect([&](const std::string& p) { fs::resize_file(p + ".idx", 20); },
+         "Megatron index header truncated: expected 34 bytes, file has 20");
+  expect([&](const std::string& p) { put(p + ".idx", 0, 'X'); },
+         "offset 0: not a Megatron index: expected the magic \"MMIDIDX\\0\\0\", found 94 bytes "
+         "starting 58 4d 49 44 49 44 58 00 00");
+  expect([&](const std::string& p) { put(p + ".idx", 9, uint64_t(2)); },
+         "offset 9: expected Megatron index version 1, found 2");
+  expect([&](const std::string& p) { put(p + ".idx", 18, uint64_t(1) << 40); },
+         "offset 18: header declares 1099511627776 sequences, more than a file of 94 bytes can "
+         "hold");
+  // Lengths that do not fill the .bin, or a .bin that is not this index's.
+  expect([&](const std::string& p) { put(p + ".idx", 38, int32_t(3)); },
+         "sequence lengths sum to 9 tokens (18 bytes of uint16), but {}.bin has 16 bytes");
+  expect([&](const std::string& p) { fs::resize_file(p + ".bin", 14); },
+         "sequence lengths sum to 8 tokens (16 bytes of uint16), but {}.bin has 14 bytes");
+  expect([&](const std::string& p) { put(p + ".idx", 34, int32_t(-1)); },
+         "offset 34: sequence 0 has length -1, expected 0 or more");
+  expect([&](const std::string& p) { put(p + ".idx", 62, int64_t(1000)); },
+         "offset 62: sequence 2 points at byte 1000, outside {}.bin's 16 bytes, expected 10 "
+         "(sequences lie back to back from byte 0 of the .bin)");
+  expect([&](const std::string& p) { put(p + ".idx", 54, int64_t(4)); },
+         "offset 54: sequence 1 points at byte 4, expected 6 (sequences lie back to back from "
+         "byte 0 of the .bin)");
+  expect([&](const std::string& p) { put(p + ".idx", 70, int64_t(1)); },
+         "offset 70: document index 0 of 3 is 1, expected 0");
+  expect([&](const std::string& p) { put(p + ".idx", 78, int64_t(-1)); },
+         "offset 78: document index 1 of 3 is -1, expected 0 to 3");
+  expect([&](const std::string& p) { put(p + ".idx", 86, int64_t(2)); },
+         "offset 86: document index 2 of 3 is 2, expected the sequence count 3");
+  // The .bin missing, named by the .idx or by the prefix.
+  fs::remove(path("m.bin"));
+  for (const char* name : {"m.idx", "m"})
+    EXPECT_EQ(error_of(name), path("m.bin") +
+                                  ": cannot open data file: No such file or directory "
+                                  "(the tokens of the Megatron index " +
+                                  path("m.idx") + ")");
 }
 
 TEST_F(DataTest, TruncatedOurs) {
@@ -127,8 +278,10 @@ TEST_F(DataTest, WrongMagic) {
   EXPECT_EQ(error_of("x.dat"),
             path("x.dat") +
                 ": offset 0: unrecognised data file: expected the magic \"TRTOKENS\" or llm.c's "
-                "20240520, found 25 bytes starting 74 68 69 73 20 69 73 20 (a headerless nanoGPT "
-                "file of uint16 tokens needs data.format = \"nanogpt\")");
+                "20240520 or 20240801, found 25 bytes starting 74 68 69 73 20 69 73 20 (a "
+                "headerless nanoGPT "
+                "file of uint16 tokens needs data.format = \"nanogpt\"; a Megatron .bin needs its "
+                ".idx beside it)");
 }
 
 TEST_F(DataTest, BadVersionAndWidth) {

@@ -55,6 +55,32 @@ inline std::string source_dir() {
 }
 #endif
 
+// Megatron-LM's indexed dataset (prefix.bin, prefix.idx), written independently of our reader by
+// a few lines of numpy that follow megatron/core/datasets/indexed_dataset.py (_IndexWriter,
+// IndexedDatasetBuilder.add_document). `datasets`: a Python list of (prefix, numpy dtype name,
+// documents), each document a list of sequences of token ids; no single quotes.
+inline CommandResult write_megatron(const std::string& datasets) {
+  return run_command(
+      "/usr/bin/python3 -c 'import struct, sys, numpy as np\n"
+      "codes = dict(uint8=1, int8=2, int16=3, int32=4, int64=5, float64=6, float32=7, uint16=8)\n"
+      "for prefix, dtype, docs in eval(sys.argv[1]):\n"
+      "  lengths, doc_idx = [], [0]\n"
+      "  with open(prefix + \".bin\", \"wb\") as f:\n"
+      "    for doc in docs:\n"
+      "      for seq in doc:\n"
+      "        f.write(np.array(seq, dtype=dtype).tobytes())\n"
+      "        lengths.append(len(seq))\n"
+      "      doc_idx.append(len(lengths))\n"
+      "  pointers = np.cumsum([0] + lengths)[:-1] * np.dtype(dtype).itemsize\n"
+      "  with open(prefix + \".idx\", \"wb\") as f:\n"
+      "    f.write(b\"MMIDIDX\\x00\\x00\" + struct.pack(\"<QBQQ\", 1, codes[dtype], len(lengths),"
+      " len(doc_idx)))\n"
+      "    f.write(np.array(lengths, np.int32).tobytes() + np.array(pointers, "
+      "np.int64).tobytes())\n"
+      "    f.write(np.array(doc_idx, np.int64).tobytes())' '" +
+      datasets + "'");
+}
+
 // A fresh directory per test, removed afterwards.
 // Standard base64 with padding (the tokens of a .tiktoken rank file).
 inline std::string base64(const std::string& bytes) {
