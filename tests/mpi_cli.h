@@ -51,6 +51,11 @@ class MpiCli : public test::TempDirTest {
   std::string ranks_pattern() {
     return "'^" + test::trainer_bin() + " train " + path("run.toml") + "'";
   }
+  // The run was refused: exit code 2 and the line saying why.
+  static void expect_refused(const test::CommandResult& r, const std::string& why) {
+    EXPECT_EQ(r.code, 2) << r.output;
+    EXPECT_NE(r.output.find(why), std::string::npos) << r.output;
+  }
   static int count(const std::string& text, const std::string& what) {
     int n = 0;
     for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) n++;
