@@ -173,8 +173,11 @@ std::unique_ptr<ByteStream> open_byte_stream(const std::string& path) {
   const auto* b = reinterpret_cast<const uint8_t*>(f->data());
   const size_t n = f->available();
   if (n >= 2 && b[0] == 0x1f && b[1] == 0x8b) return std::make_unique<GzipStream>(std::move(f));
-  if (n >= 4 && b[0] == 0x28 && b[1] == 0xb5 && b[2] == 0x2f && b[3] == 0xfd)
-    return std::make_unique<ZstdStream>(std::move(f));
+  // A zstd frame, or one of zstd's skippable frames (0x184D2A5?, little-endian) before one.
+  const bool zstd_frame = n >= 4 && b[0] == 0x28 && b[1] == 0xb5 && b[2] == 0x2f && b[3] == 0xfd;
+  const bool skippable =
+      n >= 4 && (b[0] & 0xf0) == 0x50 && b[1] == 0x2a && b[2] == 0x4d && b[3] == 0x18;
+  if (zstd_frame || skippable) return std::make_unique<ZstdStream>(std::move(f));
   return std::make_unique<PlainStream>(std::move(f));
 }
 

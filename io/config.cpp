@@ -414,6 +414,7 @@ Config parse_config(const std::string& text, const std::string& origin,
     r.field("train", c.data.train);
     r.field("val", c.data.val);
     r.field("prefetch", c.data.prefetch, in_range(1, 1024));
+    r.field("cache_dir", c.data.cache_dir);
     r.field("format", c.data.format, one_of({"auto", "nanogpt"}));
     r.field("sources", c.data.sources);
     r.finish();
@@ -695,7 +696,10 @@ static toml::table train_table(const TrainConfig& t) {
 
 // [data], with either `train` or the [[data.sources]] of a blend.
 static toml::table data_table(const DataConfig& d) {
-  toml::table t{{"val", strings(d.val)}, {"prefetch", d.prefetch}, {"format", d.format}};
+  toml::table t{{"val", strings(d.val)},
+                {"prefetch", d.prefetch},
+                {"format", d.format},
+                {"cache_dir", d.cache_dir}};
   if (d.sources.empty()) {
     t.insert("train", strings(d.train));
     return t;

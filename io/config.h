@@ -40,6 +40,9 @@ struct DataConfig {
   std::vector<std::string> val = {"data/austen/val.bin"};
   std::vector<DataSource> sources;  // a blend instead of `train` (which is then unset)
   int prefetch = 4;                 // micro-batches ready ahead of the step
+  // Where zstd-compressed shards are kept decompressed between runs, verified by hash on every
+  // use (a local disk; "" = decompress into a temporary file each run).
+  std::string cache_dir;
   // "auto": each shard's magic says its layout (ours or llm.c); "nanogpt": headerless uint16
   // files, which have no magic to recognise (io/token_shard.h).
   std::string format = "auto";

@@ -1,6 +1,7 @@
 #include "io/dataset.h"
 
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <map>
@@ -8,6 +9,7 @@
 #include <set>
 #include <stdexcept>
 
+#include "io/compressed_shard.h"
 #include "io/input_files.h"
 #include "model/init.h"
 
@@ -28,18 +30,37 @@ std::vector<std::string> expand_shard_paths(const std::vector<std::string>& path
   return out;
 }
 
-Dataset::Dataset(const std::vector<std::string>& patterns, int vocab_size, int T, bool headerless)
+Dataset::Dataset(const std::vector<std::string>& patterns, int vocab_size, int T, bool headerless,
+                 const std::string& cache_dir)
     : T_(T) {
-  for (const auto& p : expand_shard_paths(patterns)) {
-    shards_.emplace_back(p, vocab_size, headerless);
+  const std::vector<std::string> paths = expand_shard_paths(patterns);
+  int64_t short_tokens = 0;
+  for (const auto& p : paths) {
+    if (!headerless && is_zstd_file(p)) {
+      const DecompressedShard d = decompress_shard(p, cache_dir);
+      try {
+        shards_.emplace_back(d.path, vocab_size, headerless);
+      } catch (...) {
+        if (d.temporary) ::unlink(d.path.c_str());
+        throw;
+      }
+      if (d.temporary) ::unlink(d.path.c_str());  // the mapping stays
+      decompressed_[d.how]++;
+    } else {
+      shards_.emplace_back(p, vocab_size, headerless);
+    }
     const TokenShard& s = shards_.back();
-    const int64_t n = (s.size() - 1) / T;
-    if (n < 1)
-      throw DataError(fmt::format("{}: {} tokens are fewer than one window of seq_len + 1 = {}", p,
-                                  s.size(), T + 1));
-    for (int64_t k = 0; k < n; k++) starts_.emplace_back(int32_t(shards_.size() - 1), k * T);
     tokens_ += s.size();
+    // A set's last shard may hold less than a window (prepare --shard-tokens): it adds none.
+    const int64_t n = (s.size() - 1) / T;
+    if (n < 1) short_shards_++, short_tokens = s.size();
+    for (int64_t k = 0; k < n; k++) starts_.emplace_back(int32_t(shards_.size() - 1), k * T);
   }
+  if (starts_.empty())
+    throw DataError(
+        fmt::format("{}: {} tokens are fewer than one window of seq_len + 1 = {}",
+                    paths.size() == 1 ? paths[0] : fmt::format("{} shards", paths.size()),
+                    paths.size() == 1 ? short_tokens : tokens_, T + 1));
 }
 
 void Dataset::check_tokenizer(uint64_t hash, const std::string& tokenizer) const {
@@ -56,12 +77,19 @@ std::string Dataset::describe() const {
   std::map<std::string, int> by_format;
   for (const TokenShard& s : shards_) by_format[s.format()]++;
   const size_t n = shards_.size();
-  if (by_format.size() == 1)
-    return fmt::format("{} shard{}, {} format", n, n == 1 ? "" : "s", by_format.begin()->first);
-  std::string parts;
-  for (const auto& [format, count] : by_format)
-    parts += fmt::format("{}{} {}", parts.empty() ? "" : ", ", count, format);
-  return fmt::format("{} shards: {}", n, parts);
+  std::string out;
+  if (by_format.size() == 1) {
+    out = fmt::format("{} shard{}, {} format", n, n == 1 ? "" : "s", by_format.begin()->first);
+  } else {
+    std::string parts;
+    for (const auto& [format, count] : by_format)
+      parts += fmt::format("{}{} {}", parts.empty() ? "" : ", ", count, format);
+    out = fmt::format("{} shards: {}", n, parts);
+  }
+  for (const auto& [how, count] : decompressed_)
+    out += fmt::format("; {} zstd-compressed, {}", count, how);
+  if (short_shards_ > 0) out += fmt::format("; {} shorter than a window, unused", short_shards_);
+  return out;
 }
 
 void Dataset::window(int64_t w, int32_t* inputs, int32_t* targets) const {

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <span>
 #include <string>
@@ -26,8 +27,11 @@ std::vector<std::string> expand_shard_paths(const std::vector<std::string>& path
 class Dataset {
  public:
   // `paths`: token shards, in order; glob patterns are expanded (expand_shard_paths).
-  // headerless: nanoGPT's uint16 files (data.format = "nanogpt").
-  Dataset(const std::vector<std::string>& paths, int vocab_size, int T, bool headerless = false);
+  // headerless: nanoGPT's uint16 files (data.format = "nanogpt"). zstd-compressed shards are
+  // decompressed first, into `cache_dir` if one is given (io/compressed_shard.h). A shard too
+  // short for one window of T + 1 tokens adds none; a set with no window at all is a DataError.
+  Dataset(const std::vector<std::string>& paths, int vocab_size, int T, bool headerless = false,
+          const std::string& cache_dir = "");
 
   int64_t windows() const { return int64_t(starts_.size()); }
   int64_t tokens() const { return tokens_; }
@@ -42,6 +46,8 @@ class Dataset {
 
  private:
   std::vector<TokenShard> shards_;
+  std::map<std::string, int> decompressed_;  // compressed shards, by what their opening did
+  int short_shards_ = 0;
   std::vector<std::pair<int32_t, int64_t>> starts_;  // (shard, first token) of each window
   int T_;
   int64_t tokens_ = 0;

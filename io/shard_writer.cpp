@@ -9,6 +9,7 @@
 #include <filesystem>
 
 #include "io/atomic_file.h"
+#include "io/compressed_shard.h"
 #include "io/errors.h"
 
 namespace trainer {
@@ -39,12 +40,13 @@ void check(bool ok, const std::string& path) {
 }  // namespace
 
 ShardSetWriter::ShardSetWriter(std::string out_dir, std::string name, int64_t shard_tokens,
-                               int vocab_size, uint64_t tokenizer_hash)
+                               int vocab_size, uint64_t tokenizer_hash, bool compress)
     : out_dir_(std::move(out_dir)),
       name_(std::move(name)),
       shard_tokens_(shard_tokens),
       vocab_size_(vocab_size),
       tokenizer_hash_(tokenizer_hash),
+      compress_(compress),
       width_(vocab_size <= 65536 ? 2 : 4) {}
 
 ShardSetWriter::~ShardSetWriter() {
@@ -148,9 +150,14 @@ std::vector<std::pair<std::string, int64_t>> ShardSetWriter::commit() {
   if (file_) close_shard();
   std::vector<std::pair<std::string, int64_t>> out;
   for (const auto& [tmp, n] : closed_) {
-    const std::string final_path = tmp.substr(0, tmp.size() - std::strlen(".XXXXXX.tmp"));
-    if (std::rename(tmp.c_str(), final_path.c_str()) != 0)
+    std::string final_path = tmp.substr(0, tmp.size() - std::strlen(".XXXXXX.tmp"));
+    if (compress_) {
+      final_path += ".zst";
+      compress_shard(tmp, final_path);  // written atomically; the plain temporary goes
+      ::unlink(tmp.c_str());
+    } else if (std::rename(tmp.c_str(), final_path.c_str()) != 0) {
       throw DataError(fmt::format("{}: cannot rename into place: {}", final_path, strerror(errno)));
+    }
     out.emplace_back(final_path, n);
   }
   committed_ = true;
@@ -159,7 +166,8 @@ std::vector<std::pair<std::string, int64_t>> ShardSetWriter::commit() {
   if (shard_tokens_ > 0)
     for (size_t i = closed_.size();; i++) {
       const std::string stale = fmt::format("{}/{}_{:06d}.bin", out_dir_, name_, i);
-      if (::unlink(stale.c_str()) != 0) break;
+      const bool plain = ::unlink(stale.c_str()) == 0;
+      if (!(::unlink((stale + ".zst").c_str()) == 0 || plain)) break;
     }
   return out;
 }

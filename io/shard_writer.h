@@ -14,8 +14,10 @@ namespace trainer {
 
 class ShardSetWriter {
  public:
+  // compress: commit() writes each shard zstd-compressed, as <shard>.bin.zst
+  // (io/compressed_shard.h), instead of <shard>.bin.
   ShardSetWriter(std::string out_dir, std::string name, int64_t shard_tokens, int vocab_size,
-                 uint64_t tokenizer_hash);
+                 uint64_t tokenizer_hash, bool compress = false);
   ~ShardSetWriter();  // removes the temporaries of a set never committed
   ShardSetWriter(const ShardSetWriter&) = delete;
   ShardSetWriter& operator=(const ShardSetWriter&) = delete;
@@ -43,6 +45,7 @@ class ShardSetWriter {
   int64_t shard_tokens_;
   int vocab_size_;
   uint64_t tokenizer_hash_;
+  bool compress_;
   int width_;
   bool document_pending_ = false;
   int64_t total_tokens_ = 0;

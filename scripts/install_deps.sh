@@ -11,7 +11,7 @@ packages=(
   python3 python3-numpy python3-torch python3-h5py libjemalloc2
   zstd debootstrap
   libpcre2-dev libsentencepiece-dev sentencepiece python3-sentencepiece nodejs
-  zlib1g-dev libzstd-dev gzip
+  zlib1g-dev libzstd-dev libxxhash-dev gzip
   slurm-wlm slurmctld slurmd slurm-client munge
 )
 

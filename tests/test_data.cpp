@@ -9,6 +9,7 @@
 #include <set>
 #include <thread>
 
+#include "io/compressed_shard.h"
 #include "io/dataset.h"
 #include "io/token_shard.h"
 #include "test_util.h"
@@ -203,7 +204,7 @@ TEST_F(DataTest, DamagedMegatronIndex) {
   int n = 0;
   // A copy of the pair with `edit` applied; returns the error of opening it by its .idx.
   auto damaged = [&](auto edit) {
-    const std::string p = "d" + std::to_string(n++);
+    const std::string p = fmt::format("d{}", n++);
     fs::copy_file(path("m.idx"), path(p + ".idx"));
     fs::copy_file(path("m.bin"), path(p + ".bin"));
     edit(path(p));
@@ -216,7 +217,7 @@ TEST_F(DataTest, DamagedMegatronIndex) {
   };
   // `what` with {} for the damaged copy's prefix.
   auto expect = [&](auto edit, const std::string& what) {
-    const std::string name = path("d" + std::to_string(n));
+    const std::string name = path(fmt::format("d{}", n));
     EXPECT_EQ(damaged(edit),
               fmt::format("{}.idx: {}", name, fmt::format(fmt::runtime(what), name)));
   };
@@ -522,6 +523,85 @@ TEST_F(DataTest, ValidationWindowsSpanTheWholeSet) {
   validation_batch(data, 60, 80, 2, 10, batch);  // more than the set: all windows, wrapping
   EXPECT_TRUE(reads(20, 0));
   EXPECT_TRUE(reads(21, 1));
+}
+
+// A compressed shard: `zstd -d` gives back the shard (a standard zstd file), and a run reads the
+// same windows from it, decompressed into a temporary file or into the cache; a damaged cached
+// copy is noticed by its hash and made again; a damaged .zst is an error naming it.
+TEST_F(DataTest, CompressedShardsThroughTheCache) {
+  auto tokens = ramp(5001, 256);
+  write_token_shard(path("c.bin"), tokens, 256);
+  compress_shard(path("c.bin"), path("c.bin.zst"));
+  EXPECT_TRUE(is_zstd_file(path("c.bin.zst")));
+  EXPECT_FALSE(is_zstd_file(path("c.bin")));
+  auto r = test::run_command("zstd -q -d -c " + path("c.bin.zst") + " | cmp - " + path("c.bin"));
+  EXPECT_EQ(r.code, 0) << r.output;
+
+  const Dataset plain({path("c.bin")}, 256, 16);
+  auto same_windows = [&](const Dataset& d) {
+    std::vector<int32_t> a(16), b(16), c(16), e(16);
+    for (int64_t w = 0; w < plain.windows(); w++) {
+      plain.window(w, a.data(), b.data());
+      d.window(w, c.data(), e.data());
+      if (a != c || b != e) return false;
+    }
+    return d.windows() == plain.windows();
+  };
+  const Dataset uncached({path("c.bin.zst")}, 256, 16);
+  EXPECT_TRUE(same_windows(uncached));
+  EXPECT_EQ(uncached.describe(), "1 shard, trainer format; 1 zstd-compressed, decompressed");
+
+  const std::string cache = path("cache");
+  EXPECT_EQ(decompress_shard(path("c.bin.zst"), cache).how, "decompressed into the cache");
+  const DecompressedShard again = decompress_shard(path("c.bin.zst"), cache);
+  EXPECT_EQ(again.how, "from the cache");
+  EXPECT_FALSE(again.temporary);
+  EXPECT_TRUE(again.path.starts_with(cache + "/c-")) << again.path;
+  const Dataset cached({path("c.bin.zst")}, 256, 16, false, cache);
+  EXPECT_TRUE(same_windows(cached));
+  EXPECT_EQ(cached.describe(), "1 shard, trainer format; 1 zstd-compressed, from the cache");
+  for (const char* damage : {"flip", "truncate"}) {
+    if (std::string(damage) == "flip") {
+      std::fstream f(again.path, std::ios::in | std::ios::out | std::ios::binary);
+      f.seekp(1000);
+      f.put('\x7f');
+    } else {
+      fs::resize_file(again.path, 4000);
+    }
+    EXPECT_EQ(decompress_shard(path("c.bin.zst"), cache).how,
+              "decompressed again into the cache (the cached copy was damaged)")
+        << damage;
+    EXPECT_EQ(test::run_command("cmp " + again.path + " " + path("c.bin")).code, 0) << damage;
+  }
+
+  // A flipped byte inside the compressed data.
+  std::ifstream in(path("c.bin.zst"), std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), {});
+  bytes[bytes.size() / 2] ^= 0x55;
+  write_bytes("bad.bin.zst", bytes.data(), bytes.size());
+  try {
+    Dataset({path("bad.bin.zst")}, 256, 16, false, path("cache2"));
+    FAIL();
+  } catch (const DataError& e) {
+    EXPECT_TRUE(std::string(e.what()).starts_with(path("bad.bin.zst") + ": ")) << e.what();
+  }
+}
+
+// A set's last shard may be shorter than a window (prepare --shard-tokens): it adds none, and
+// the start-up says so; a set with no window at all is an error.
+TEST_F(DataTest, AShardShorterThanAWindowAddsNone) {
+  write_token_shard(path("long.bin"), ramp(101, 256), 256);
+  write_token_shard(path("short.bin"), ramp(7, 256), 256);
+  const Dataset d({path("long.bin"), path("short.bin")}, 256, 10);
+  EXPECT_EQ(d.windows(), 10);
+  EXPECT_EQ(d.describe(), "2 shards, trainer format; 1 shorter than a window, unused");
+  try {
+    Dataset({path("short.bin")}, 256, 10);
+    FAIL();
+  } catch (const DataError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              path("short.bin") + ": 7 tokens are fewer than one window of seq_len + 1 = 11");
+  }
 }
 
 // The data-wait warning fires after `steps` consecutive starved steps, and again only after as

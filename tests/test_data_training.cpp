@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <numeric>
@@ -22,6 +23,8 @@
 
 namespace trainer {
 namespace {
+
+namespace fs = std::filesystem;
 
 class BlendedRun : public MpiCli {
  protected:
@@ -156,6 +159,48 @@ TEST_F(MpiCli, BatchRampFollowsTheTableAndResumesMidRamp) {
   expect_refused(mpirun(2, "--set 'train.batch_ramp=[[0, 2], [3, 8]]' --set parallel.dp=2"),
                  "[train] batch_ramp: 2 sequences at 0 steps do not divide into micro-batches of "
                  "2 sequences on each of dp = 2 ranks");
+}
+
+// prepare --compress writes zstd shards; a run on them through data.cache_dir trains exactly as on
+// the same shards decompressed by zstd itself, and the next run takes them from the cache.
+TEST_F(MpiCli, CompressedShardsTrainAsThePlainOnes) {
+  auto r = test::run_command(test::trainer_bin() + " prepare --input " + test::source_dir() +
+                             "/tests/data/pride_and_prejudice_opening.txt --out-dir " +
+                             path("zdata") + " --compress --shard-tokens 5995");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("wrote " + path("zdata/train_000000.bin.zst")), std::string::npos)
+      << r.output;
+  EXPECT_FALSE(fs::exists(path("zdata/train_000000.bin")));
+  const std::string common = "--set train.steps=3 --set data.prefetch=2 ";
+  const std::string zst = common + "--set 'data.train=\"" + path("zdata/train_*.bin.zst") +
+                          "\"' --set 'data.val=\"" + path("zdata/val_*.bin.zst") +
+                          "\"' --set 'data.cache_dir=\"" + path("cache") + "\"' ";
+  r = mpirun(1, zst + "--set run.out_dir=" + quoted(path("zst")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("zstd-compressed, decompressed into the cache"), std::string::npos)
+      << r.output;
+  r = mpirun(1, zst + "--set run.out_dir=" + quoted(path("zst2")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  // 6000 val tokens: a shard of 5995 and one of 5, too short for a window.
+  EXPECT_NE(r.output.find("6000 val tokens (2 shards, trainer format; 2 zstd-compressed, from the "
+                          "cache; 1 shorter than a window, unused)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(loss_texts(path("zst/metrics.jsonl")), loss_texts(path("zst2/metrics.jsonl")));
+  // The same shards decompressed by zstd itself, as plain shards: the same run.
+  for (const auto& e : fs::directory_iterator(path("zdata"))) {
+    const std::string name = e.path().filename().string();
+    if (!name.ends_with(".zst")) continue;
+    ASSERT_EQ(test::run_command("zstd -q -d " + e.path().string() + " -o " + path("zdata/") +
+                                name.substr(0, name.size() - 4))
+                  .code,
+              0);
+  }
+  r = mpirun(1, common + "--set 'data.train=\"" + path("zdata/train_*.bin") +
+                    "\"' --set 'data.val=\"" + path("zdata/val_*.bin") +
+                    "\"' --set run.out_dir=" + quoted(path("unpacked")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(loss_texts(path("zst/metrics.jsonl")), loss_texts(path("unpacked/metrics.jsonl")));
 }
 
 // Data loading on the critical path is named: storage made slow (40 ms more per step than the

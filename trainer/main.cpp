@@ -2,7 +2,8 @@
 //   trainer train CONFIG [--set section.key=value ...]
 //   trainer generate --checkpoint DIR [--prompt TEXT] [--tokens N]
 //   trainer prepare --input FILE|DIR|GLOB... --out-dir DIR [--tokenizer KIND --tokenizer-path PATH]
-//                   [--format auto|text|jsonl --field NAME --threads N --shard-tokens N]
+//                   [--format auto|text|jsonl --field NAME --threads N --shard-tokens N
+//                    --compress]
 // Bad input of any kind ends with one line on stderr and exit code 2.
 #include <fmt/format.h>
 
@@ -137,6 +138,9 @@ int main(int argc, char** argv) {
   pre->add_option("--shard-tokens", prep.shard_tokens,
                   "at most this many tokens a shard, named train_000000.bin, ... (0: one shard)")
       ->check(CLI::Range(int64_t(0), int64_t(1) << 40));
+  pre->add_flag("--compress", prep.compress,
+                "write zstd-compressed shards, train.bin.zst, ... (decompressed once by a run, "
+                "into data.cache_dir if set)");
   std::string prep_config;
   pre->add_option("--config", prep_config, "take the tokenizer from this run config's [tokenizer]");
   std::string prep_kind, prep_path, prep_pattern;

@@ -199,9 +199,9 @@ int prepare(const PrepareOptions& opts) {
   Progress progress(total_bytes);
   try {
     ShardSetWriter train(opts.out_dir, "train", opts.shard_tokens, tokenizer->vocab_size(),
-                         tokenizer->identity_hash());
+                         tokenizer->identity_hash(), opts.compress);
     ShardSetWriter val(opts.out_dir, "val", opts.shard_tokens, tokenizer->vocab_size(),
-                       tokenizer->identity_hash());
+                       tokenizer->identity_hash(), opts.compress);
     Splitter splitter(opts, files, end_of_text_token(*tokenizer), train, val);
     DocumentReader reader(files, {opts.format, opts.field, size_t(kChunkBytes)});
     run_tokenize_pipeline(reader, *tokenizer, threads, [&](const TokenizedChunk& c) {

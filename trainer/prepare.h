@@ -17,6 +17,7 @@ struct PrepareOptions {
   std::string field = "text";  // JSON Lines: each line's field that holds the document
   int threads = 0;             // tokenizer threads; 0: every core
   int64_t shard_tokens = 0;    // at most this many tokens a shard; 0: one train.bin, one val.bin
+  bool compress = false;       // zstd-compressed shards, *.bin.zst (io/compressed_shard.h)
 };
 
 // Tokenizes documents into train/val shards that record the tokenizer and where each document

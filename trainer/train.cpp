@@ -252,7 +252,8 @@ struct Run {
   static std::vector<Dataset> load_sources(const Config& c) {
     std::vector<Dataset> v;
     for (const DataSource& s : training_sources(c.data))
-      v.emplace_back(s.path, c.model.vocab_size, c.model.seq_len, c.data.format == "nanogpt");
+      v.emplace_back(s.path, c.model.vocab_size, c.model.seq_len, c.data.format == "nanogpt",
+                     c.data.cache_dir);
     return v;
   }
   static BlendPlan fresh_blend(const Config& c) {
@@ -335,7 +336,8 @@ struct Run {
         groups(make_groups(w, dims, c.parallel, group_wrapper(gpu, w, *kernels))),
         tokenizer(load_run_tokenizer(c, origin)),
         train_data(load_sources(c)),
-        val_data(c.data.val, c.model.vocab_size, c.model.seq_len, c.data.format == "nanogpt"),
+        val_data(c.data.val, c.model.vocab_size, c.model.seq_len, c.data.format == "nanogpt",
+                 c.data.cache_dir),
         model(c.model, *kernels, compute_dtype(c.precision), c.train.micro_batch, c.model.seq_len,
               model_options(c, me, dims, groups.tp.get())),
         reducer(*kernels, model.grads(), model.params(), model.table().total, *groups.dp,
