@@ -127,10 +127,10 @@ TEST_F(MpiCli, BucketSizeIsInTheGradientsOwnBytes) {
       << bf16_log;
   EXPECT_NE(bf16_log.find("precision: compute bf16, gradients bf16,"), std::string::npos);
   EXPECT_NE(fp32_log.find("precision: compute fp32, gradients fp32,"), std::string::npos);
-  const std::string mem32 = line_after(fp32_log, "memory per rank (rank 0): params ");
-  const std::string mem16 = line_after(bf16_log, "memory per rank (rank 0): params ");
-  const double grads32 = std::stod(line_after(mem32, "MB, grads "));
-  const double grads16 = std::stod(line_after(mem16, "MB, grads "));
+  const std::string mem32 = line_after(fp32_log, "memory: ");
+  const std::string mem16 = line_after(bf16_log, "memory: ");
+  const double grads32 = std::stod(line_after(mem32, ", gradients "));
+  const double grads16 = std::stod(line_after(mem16, ", gradients "));
   EXPECT_NEAR(grads16, grads32 / 2, 0.011) << mem32 << "\n" << mem16;
 }
 

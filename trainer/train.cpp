@@ -543,11 +543,6 @@ std::string sample_text(Run& run, int64_t step) {
                               run.cfg.model.seq_len, run.cfg.train.sample_prompt, opts);
 }
 
-// MB of n elements of `bytes` each (fp32 unless said).
-double megabytes(int64_t n, size_t bytes = 4) {
-  return double(n) * double(bytes) / (1 << 20);
-}
-
 // This process's peak resident memory (VmHWM), in MB; 0 where /proc does not tell.
 double peak_rss_mb() {
   std::ifstream in("/proc/self/status");
@@ -562,8 +557,10 @@ double peak_rss_mb() {
 // the host copy of them a checkpoint takes.
 struct MemoryBudget {
   StageExecutor::Memory model;
-  double optimizer = 0, snapshot = 0;
-  double total() const { return double(model.total()) + optimizer + snapshot; }
+  double optimizer = 0;   // AdamW's moments and (16-bit models) fp32 master weights
+  double grad_shard = 0;  // ZeRO-1: the reduced gradients of this rank's piece
+  double snapshot = 0;
+  double total() const { return double(model.total()) + optimizer + grad_shard + snapshot; }
 };
 
 MemoryBudget memory_budget(const Config& cfg, const ParallelDims& dims, const RankCoords& me,
@@ -575,8 +572,8 @@ MemoryBudget memory_budget(const Config& cfg, const ParallelDims& dims, const Ra
                                          o, keeps_probs);
   const double elems = double(param_table(cfg.model, *o.shard, o.total_multiple).total);
   const double owned = cfg.parallel.zero ? elems / dims.dp() : elems;
-  b.optimizer = owned * 4 * (is_half(dtype) ? 3 : 2) +
-                (cfg.parallel.zero ? owned * dtype_size(*o.grad_dtype) : 0);
+  b.optimizer = owned * 4 * (is_half(dtype) ? 3 : 2);
+  b.grad_shard = cfg.parallel.zero ? owned * dtype_size(*o.grad_dtype) : 0;
   b.snapshot = owned * 4 * 3;
   return b;
 }
@@ -639,15 +636,20 @@ void print_start(const Run& run) {
   const MemoryBudget b =
       memory_budget(cfg, dims, dims.coords(0), run.kernels->attention_keeps_probabilities());
   const double MB = 1 << 20;
+  // One line from the plan the buffers are allocated by (and that check_memory refuses by).
   fmt::print(
-      "memory: recompute {}{}, rank 0 expects {:.1f} MB (weights {:.1f}, gradients {:.1f}, "
-      "activations {:.2f}, AdamW {:.1f}, checkpoint copy {:.1f})\n",
+      "memory: recompute {}{}, rank 0 expects {:.1f} MB (weights {:.2f}, gradients {:.2f}, "
+      "activations {:.2f}, AdamW {:.2f}{}, checkpoint copy {:.2f})\n",
       cfg.memory.recompute,
       cfg.memory.recompute != "none" && cfg.memory.recompute_layers > 0
           ? fmt::format(" (first {} blocks of each stage)", cfg.memory.recompute_layers)
           : "",
       b.total() / MB, double(b.model.params) / MB, double(b.model.grads) / MB,
-      double(b.model.activations + b.model.stats) / MB, b.optimizer / MB, b.snapshot / MB);
+      double(b.model.activations + b.model.stats) / MB, b.optimizer / MB,
+      cfg.parallel.zero ? fmt::format(" (ZeRO-1: 1/{} of the whole) + its gradient shard {:.2f}",
+                                      dims.dp(), b.grad_shard / MB)
+                        : "",
+      b.snapshot / MB);
   fmt::print("precision: compute {}, gradients {}, master weights and AdamW state fp32{}\n",
              precision_name(run.model.params().dtype), precision_name(run.model.grads().dtype),
              cfg.precision.compute != "fp16" ? ""
@@ -664,17 +666,6 @@ void print_start(const Run& run) {
   if (dims.world() > kRanksListed)
     fmt::print("  ... {} more ranks on {} nodes in all\n", dims.world() - kRanksListed,
                run.world.node_of(dims.world() - 1) + 1);
-  const int64_t params = run.model.table().total;
-  const size_t grad_bytes = dtype_size(run.model.grads().dtype);
-  fmt::print(
-      "memory per rank (rank 0): params {:.2f} MB, grads {:.2f} MB, optimizer state {:.2f} MB"
-      "{}\n",
-      megabytes(params, dtype_size(run.model.params().dtype)), megabytes(params, grad_bytes),
-      megabytes(2 * run.optimizer.state_elems()),
-      cfg.parallel.zero
-          ? fmt::format(" (ZeRO-1: 1/{} of {:.2f} MB, + {:.2f} MB gradient shard)", dims.dp(),
-                        megabytes(2 * params), megabytes(run.reducer.shard_elems(), grad_bytes))
-          : "");
   const double peak = run.kernels->peak_flops(compute_dtype(cfg.precision));
   fmt::print("MFU peak: {:.1f} GFLOP/s per rank ({}), {:.1f} MFLOP/token\n", peak / 1e9,
              cfg.run.peak_tflops > 0 ? "configured"
@@ -741,7 +732,7 @@ void check_memory(const Config& cfg, World& world, Kernels& kernels, const std::
   const MemoryBudget b =
       memory_budget(cfg, dims, dims.coords(world.rank()), kernels.attention_keeps_probabilities());
   const StageExecutor::Memory& model = b.model;
-  const double need = b.total(), optimizer = b.optimizer, snapshot = b.snapshot;
+  const double need = b.total(), optimizer = b.optimizer + b.grad_shard, snapshot = b.snapshot;
   const double have = available_bytes(kernels, world);
   if (have <= 0 || need <= have) return;
   const double GB = 1 << 30;
