@@ -43,6 +43,8 @@ class Dataset {
   void check_tokenizer(uint64_t hash, const std::string& tokenizer) const;
   // Window w: T+1 tokens split into inputs (T) and targets (T).
   void window(int64_t w, int32_t* inputs, int32_t* targets) const;
+  // Window w's T + 1 tokens, whole.
+  void read_window(int64_t w, int32_t* tokens) const;
 
  private:
   std::vector<TokenShard> shards_;
@@ -76,7 +78,11 @@ struct Batch {
 // what it always has), a stream of its own for each other.
 uint64_t source_seed(uint64_t seed, int source);
 
-// Fills batches in a background thread into a bounded queue; next() only pops.
+// Fills batches ahead of the step in two stages, each its own thread with a bounded queue after
+// it: `read` finds each row's window (the blend, the source's order) and copies its T + 1
+// tokens out of the mapped shard (where page faults on cold storage are paid), up to
+// prefetch x B windows ahead; `assemble` splits rows into micro-batches of inputs and targets,
+// up to `prefetch` batches ahead. next() only pops.
 class DataLoader {
  public:
   // Micro-batches in the loader's step k (0: the first it fills), which starts at global sample
@@ -102,11 +108,19 @@ class DataLoader {
   const Batch& next();
   // Time next() spent waiting for the producer, in seconds, since the last call.
   double take_wait_seconds();
-  // Batches filled and waiting (at most `prefetch`).
+  // Batches assembled and waiting (at most `prefetch`).
   int ready_batches();
+  // Windows read and waiting to be assembled (at most prefetch x B).
+  int ready_windows();
 
  private:
-  void produce();
+  struct Row {
+    int64_t step;
+    int micro;
+    std::vector<int32_t> tokens;  // T + 1
+  };
+  void read_stage();
+  void assemble_stage();
 
   std::span<const Dataset> sources_;
   int B_, T_, dp_rank_, dp_size_, prefetch_;
@@ -119,11 +133,12 @@ class DataLoader {
 
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<Batch> ready_, free_;
+  std::deque<Row> rows_, free_rows_;  // read -> assemble
+  std::deque<Batch> ready_, free_;    // assemble -> next()
   Batch current_;
   bool stop_ = false;
   double wait_s_ = 0;
-  std::thread thread_;
+  std::thread reader_, assembler_;
 };
 
 // Validation batch `index` of `count`: the count * B windows spread evenly over the whole
