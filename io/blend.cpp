@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
 #include <numeric>
 #include <stdexcept>
 
@@ -15,20 +16,24 @@ BlendPlan BlendPlan::fresh(const std::vector<double>& weights) {
   return p;
 }
 
+constexpr int kFixedBits = 32;
+
 BlendOrder::BlendOrder(BlendPlan plan)
     : plan_(std::move(plan)), cursor_(plan_.start), counts_(plan_.weights.size(), 0) {
   if (plan_.weights.empty() || plan_.base.size() != plan_.weights.size())
     throw std::logic_error("a blend needs a weight and a base position per source");
+  for (double w : plan_.weights) fixed_.push_back(std::llround(std::ldexp(w, kFixedBits)));
 }
 
 int BlendOrder::next_source() const {
-  const double i = double(cursor_ - plan_.start) + 1;
+  const __int128 i = cursor_ - plan_.start + 1;
+  auto lag = [&](size_t s) {
+    return __int128(fixed_[s]) * i - (__int128(counts_[s]) << kFixedBits);
+  };
   int best = 0;
-  double lag = plan_.weights[0] * i - double(counts_[0]);
-  for (size_t s = 1; s < counts_.size(); s++) {
-    const double l = plan_.weights[s] * i - double(counts_[s]);
-    if (l > lag) best = int(s), lag = l;
-  }
+  __int128 most = lag(0);
+  for (size_t s = 1; s < counts_.size(); s++)
+    if (const __int128 l = lag(s); l > most) best = int(s), most = l;
   return best;
 }
 

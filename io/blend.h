@@ -2,10 +2,11 @@
 // Blending training sources ([[data.sources]], each with a weight): which source each global
 // sample comes from. As Megatron's blended dataset does, sample i goes to the source that is
 // furthest behind its share, argmax_s (w_s * (i + 1) - n_s(i)) with n_s(i) the samples source
-// s gave before i (ties to the lower index). The mix is a pure function of the sample index, so
-// every layout and every resume reads the same samples, and after n samples each source has
-// given w_s * n of them to within one. Each source then reads its own sample index through its
-// own permutation (SampleOrder), so the sources' epochs are independent.
+// s gave before i (ties to the lower index; in 32-bit fixed point, exact on every machine). The mix
+// is a pure function of the sample index, so every layout and every resume reads the same samples,
+// and after n samples each source has given w_s * n of them to within one. Each source then reads
+// its own sample index through its own permutation (SampleOrder), so the sources' epochs are
+// independent.
 //
 // When a resumed run brings new weights, the new mix starts at the resume sample with each
 // source where it stood (`start`, `base`): no source repeats or skips a sample.
@@ -46,6 +47,8 @@ class BlendOrder {
   int next_source() const;    // the source of sample cursor_
 
   BlendPlan plan_;
+  std::vector<int64_t> fixed_;  // the weights x 2^32, rounded: integer arithmetic, so the same
+                                // choices on every machine and compiler (no FMA contraction)
   int64_t cursor_;
   std::vector<int64_t> counts_;
 };

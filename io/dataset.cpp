@@ -35,9 +35,10 @@ Dataset::Dataset(const std::vector<std::string>& patterns, int vocab_size, int T
                  const std::string& cache_dir)
     : T_(T) {
   const std::vector<std::string> paths = expand_shard_paths(patterns);
-  int64_t short_tokens = 0;
+  int64_t longest = 0;
   for (const auto& p : paths) {
-    if (!headerless && is_zstd_file(p)) {
+    // By name as well as magic: a headerless or Megatron .bin may begin with any two tokens.
+    if (!headerless && p.ends_with(".zst") && is_zstd_file(p)) {
       const DecompressedShard d = decompress_shard(p, cache_dir);
       try {
         shards_.emplace_back(d.path, vocab_size, headerless);
@@ -52,16 +53,21 @@ Dataset::Dataset(const std::vector<std::string>& patterns, int vocab_size, int T
     }
     const TokenShard& s = shards_.back();
     tokens_ += s.size();
-    // A set's last shard may hold less than a window (prepare --shard-tokens): it adds none.
+    // A shard may hold less than a window (a set's last, from prepare --shard-tokens): it adds
+    // none. Windows never span shards.
     const int64_t n = (s.size() - 1) / T;
-    if (n < 1) short_shards_++, short_tokens = s.size();
+    if (n < 1) short_shards_++;
+    longest = std::max(longest, s.size());
     for (int64_t k = 0; k < n; k++) starts_.emplace_back(int32_t(shards_.size() - 1), k * T);
   }
   if (starts_.empty())
     throw DataError(
-        fmt::format("{}: {} tokens are fewer than one window of seq_len + 1 = {}",
-                    paths.size() == 1 ? paths[0] : fmt::format("{} shards", paths.size()),
-                    paths.size() == 1 ? short_tokens : tokens_, T + 1));
+        paths.size() == 1
+            ? fmt::format("{}: {} tokens are fewer than one window of seq_len + 1 = {}", paths[0],
+                          longest, T + 1)
+            : fmt::format("{} and {} more shards: each is shorter than one window of seq_len + 1 "
+                          "= {} tokens (the longest has {}; windows do not span shards)",
+                          paths[0], paths.size() - 1, T + 1, longest));
 }
 
 void Dataset::check_tokenizer(uint64_t hash, const std::string& tokenizer) const {
@@ -139,7 +145,8 @@ DataLoader::DataLoader(std::span<const Dataset> sources, BlendPlan blend, int B,
     throw std::logic_error("the blend's weights are not one per source");
   for (size_t k = 0; k < sources.size(); k++)
     orders_.emplace_back(sources[k].windows(), source_seed(seed, int(k)));
-  // prefetch x B rows ready ahead, and one batch's worth that the assembler holds.
+  // prefetch x B rows ready ahead, and one batch's worth more (the assembler holds one row at a
+  // time, the reader fills one).
   for (int i = 0; i < (prefetch + 1) * B; i++)
     free_rows_.push_back({0, 0, std::vector<int32_t>(size_t(T) + 1)});
   // `prefetch` batches ready ahead, and one more that the consumer holds (next()'s result).
@@ -149,8 +156,21 @@ DataLoader::DataLoader(std::span<const Dataset> sources, BlendPlan blend, int B,
     b.targets.resize(size_t(B) * T);
     free_.push_back(std::move(b));
   }
-  reader_ = std::thread([this] { read_stage(); });
-  assembler_ = std::thread([this] { assemble_stage(); });
+  reader_ = std::thread([this] { run_stage(&DataLoader::read_stage); });
+  assembler_ = std::thread([this] { run_stage(&DataLoader::assemble_stage); });
+}
+
+void DataLoader::run_stage(void (DataLoader::*stage)()) {
+  try {
+    (this->*stage)();
+  } catch (...) {
+    {
+      std::lock_guard lock(mu_);
+      if (!error_) error_ = std::current_exception();
+      stop_ = true;
+    }
+    cv_.notify_all();
+  }
 }
 
 DataLoader::~DataLoader() {
@@ -238,7 +258,8 @@ const Batch& DataLoader::next() {
   const auto t0 = std::chrono::steady_clock::now();
   std::unique_lock lock(mu_);
   if (!current_.inputs.empty()) free_.push_back(std::move(current_));
-  cv_.wait(lock, [&] { return !ready_.empty(); });
+  cv_.wait(lock, [&] { return !ready_.empty() || error_; });
+  if (ready_.empty()) std::rethrow_exception(error_);
   current_ = std::move(ready_.front());
   ready_.pop_front();
   wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -270,7 +291,7 @@ void validation_batch(const Dataset& data, int index, int count, int B, int T, B
   const int64_t n = int64_t(count) * B, windows = data.windows();
   for (int r = 0; r < B; r++) {
     const int64_t j = int64_t(index) * B + r;
-    const int64_t w = n >= windows ? j % windows : int64_t(__int128(j) * windows / n);
+    const int64_t w = int64_t(__int128(j) * windows / n);
     data.window(w, out.inputs.data() + int64_t(r) * T, out.targets.data() + int64_t(r) * T);
   }
 }

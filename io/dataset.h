@@ -1,11 +1,13 @@
 #pragma once
 // Training batches: windows of T+1 tokens from one or more shards, in an order that is a pure
-// function of (seed, global sample index). Step s, micro-step m and row b of data-parallel rank
-// r read global sample ((s * accum + m) * dp + r) * B + b, so dp = k with accumulation 1 sees
-// the same global batch as dp = 1 with accumulation k, and a resumed run continues exactly.
+// function of (seed, global sample index). In a step that starts at global sample S, micro-step m
+// and row b of data-parallel rank r read global sample S + (m * dp + r) * B + b (S grows by
+// accum x dp x B a step, accum per the batch schedule), so dp = k with accumulation 1 sees the
+// same global batch as dp = 1 with accumulation k, and a resumed run continues exactly.
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -104,7 +106,8 @@ class DataLoader {
   DataLoader(const DataLoader&) = delete;
   DataLoader& operator=(const DataLoader&) = delete;
 
-  // The next micro-batch in (step, micro) order. Valid until the following call.
+  // The next micro-batch in (step, micro) order. Valid until the following call. An error in a
+  // stage (a DataError, bad_alloc) is rethrown here.
   const Batch& next();
   // Time next() spent waiting for the producer, in seconds, since the last call.
   double take_wait_seconds();
@@ -121,6 +124,8 @@ class DataLoader {
   };
   void read_stage();
   void assemble_stage();
+  // Runs a stage; an exception in it stops both and reaches the consumer.
+  void run_stage(void (DataLoader::*stage)());
 
   std::span<const Dataset> sources_;
   int B_, T_, dp_rank_, dp_size_, prefetch_;
@@ -137,13 +142,14 @@ class DataLoader {
   std::deque<Batch> ready_, free_;    // assemble -> next()
   Batch current_;
   bool stop_ = false;
+  std::exception_ptr error_;  // a stage failed: next() rethrows it
   double wait_s_ = 0;
   std::thread reader_, assembler_;
 };
 
 // Validation batch `index` of `count`: the count * B windows spread evenly over the whole
-// validation set (all of them, in order, when it has no more), the same every evaluation and in
-// every layout.
+// validation set (row j of n reads window j * windows / n: with more rows than windows, each
+// window once or twice, evenly), the same every evaluation and in every layout.
 void validation_batch(const Dataset& data, int index, int count, int B, int T, Batch& out);
 
 }  // namespace trainer

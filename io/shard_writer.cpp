@@ -148,16 +148,30 @@ void ShardSetWriter::close_shard() {
 
 std::vector<std::pair<std::string, int64_t>> ShardSetWriter::commit() {
   if (file_) close_shard();
-  std::vector<std::pair<std::string, int64_t>> out;
+  std::vector<std::string> finals;
   for (const auto& [tmp, n] : closed_) {
-    std::string final_path = tmp.substr(0, tmp.size() - std::strlen(".XXXXXX.tmp"));
-    if (compress_) {
-      final_path += ".zst";
-      compress_shard(tmp, final_path);  // written atomically; the plain temporary goes
+    finals.push_back(tmp.substr(0, tmp.size() - std::strlen(".XXXXXX.tmp")));
+    if (compress_) finals.back() += ".zst";
+  }
+  // Compressed: every shard into a temporary first (the slow part, where a full disk shows), so
+  // that a failure publishes none of the new set beside an older one.
+  if (compress_)
+    for (auto& [tmp, n] : closed_) {
+      const std::string packed = tmp.substr(0, tmp.size() - std::strlen(".tmp")) + ".zst.tmp";
+      compress_shard(tmp, packed);
       ::unlink(tmp.c_str());
-    } else if (std::rename(tmp.c_str(), final_path.c_str()) != 0) {
-      throw DataError(fmt::format("{}: cannot rename into place: {}", final_path, strerror(errno)));
+      tmp = packed;  // what the destructor removes if a later one fails
     }
+  std::vector<std::pair<std::string, int64_t>> out;
+  for (size_t i = 0; i < closed_.size(); i++) {
+    const auto& [tmp, n] = closed_[i];
+    const std::string& final_path = finals[i];
+    if (std::rename(tmp.c_str(), final_path.c_str()) != 0)
+      throw DataError(fmt::format("{}: cannot rename into place: {}", final_path, strerror(errno)));
+    // The shard in the other form, from an earlier run, would be read beside this one by a glob.
+    const std::string twin =
+        compress_ ? final_path.substr(0, final_path.size() - 4) : final_path + ".zst";
+    ::unlink(twin.c_str());
     out.emplace_back(final_path, n);
   }
   committed_ = true;

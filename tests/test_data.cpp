@@ -423,6 +423,19 @@ TEST_F(DataTest, LoaderKeepsPrefetchBatchesReadyAhead) {
   }
 }
 
+// An error inside a loader stage reaches the consumer (not std::terminate in the stage's thread):
+// here a blend that starts after the first sample asked for.
+TEST_F(DataTest, AnErrorInALoaderStageIsRethrownByNext) {
+  write_token_shard(path("e.bin"), ramp(501, 256), 256);
+  std::vector<Dataset> sources;
+  sources.emplace_back(std::vector<std::string>{path("e.bin")}, 256, 16);
+  sources.emplace_back(std::vector<std::string>{path("e.bin")}, 256, 16);
+  BlendPlan plan = BlendPlan::fresh({1, 1});
+  plan.start = 100;
+  DataLoader loader(sources, plan, 2, 16, DataLoader::constant(1), 1, 2, 0);
+  EXPECT_THROW(loader.next(), std::logic_error);
+}
+
 TEST_F(DataTest, ShardsDoNotShareWindows) {
   write_token_shard(path("s1.bin"), ramp(25, 256), 256);
   write_token_shard(path("s2.bin"), ramp(35, 200), 256);
@@ -525,9 +538,9 @@ TEST_F(DataTest, ValidationWindowsSpanTheWholeSet) {
     validation_batch(data, i, 4, 2, 10, batch);
     for (int r = 0; r < 2; r++) EXPECT_TRUE(reads((i * 2 + r) * 100 / 8, r)) << i << " " << r;
   }
-  validation_batch(data, 60, 80, 2, 10, batch);  // more than the set: all windows, wrapping
-  EXPECT_TRUE(reads(20, 0));
-  EXPECT_TRUE(reads(21, 1));
+  validation_batch(data, 60, 80, 2, 10, batch);  // 160 rows of 100 windows: j * 100 / 160
+  EXPECT_TRUE(reads(75, 0));
+  EXPECT_TRUE(reads(75, 1));  // 121 * 100 / 160
 }
 
 // A compressed shard: `zstd -d` gives back the shard (a standard zstd file), and a run reads the

@@ -157,8 +157,10 @@ TEST_F(MpiCli, BatchRampFollowsTheTableAndResumesMidRamp) {
   for (int i = 0; i < 8; i++) EXPECT_NEAR(one[i].loss, f[i].loss, 1e-5 * f[i].loss) << i;
   // A row that two ranks cannot split into micro-batches of 2: one line, exit 2.
   expect_refused(mpirun(2, "--set 'train.batch_ramp=[[0, 2], [3, 8]]' --set parallel.dp=2"),
-                 "[train] batch_ramp: 2 sequences at 0 steps do not divide into micro-batches of "
-                 "2 sequences on each of dp = 2 ranks");
+                 "trainer: config error: " + path("run.toml") +
+                     ": [train] batch_ramp: 2 sequences at 0 steps do not divide into "
+                     "micro-batches of 2 sequences on each of dp = 2 ranks (a multiple of 4 is "
+                     "needed)\n");
 }
 
 // prepare --compress writes zstd shards; a run on them through data.cache_dir trains exactly as on
@@ -204,7 +206,9 @@ TEST_F(MpiCli, CompressedShardsTrainAsThePlainOnes) {
 }
 
 // Data loading on the critical path is named: storage made slow (40 ms more per step than the
-// tiny model's step) makes the 20th consecutive starved step print a warning and log it.
+// tiny model's step) makes the 20th consecutive starved step print a warning and log it. (That a
+// step fed in time resets the count is DataTest.DataWaitWatchCountsConsecutiveStarvedSteps: a run
+// without the hook could still be starved on a loaded machine.)
 TEST_F(MpiCli, SlowDataLoadingIsWarnedAbout) {
   auto r =
       mpirun(1, "--set train.steps=25 --set data.prefetch=1", "TRAINER_TEST_DATA_DELAY_MS=40 ");
@@ -216,9 +220,6 @@ TEST_F(MpiCli, SlowDataLoadingIsWarnedAbout) {
       << r.output;
   EXPECT_NE(text_of(path("out/metrics.jsonl")).find("\"warning\":\"data loading"),
             std::string::npos);
-  r = mpirun(1, "--set train.steps=25 --set run.overwrite=true");  // the same run, fed in time
-  ASSERT_EQ(r.code, 0) << r.output;
-  EXPECT_EQ(r.output.find("warning: data loading"), std::string::npos) << r.output;
 }
 
 }  // namespace

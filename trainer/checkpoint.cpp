@@ -239,16 +239,18 @@ void read_blend(const H5File& f, TrainState& s, Bad bad) {
   if (std::abs(sum - 1) > 1e-9) bad("data_blend_weights", fmt::format("summing to {}", sum), "1");
   if (b.start < 0 || b.start > s.data_samples)
     bad("data_blend_start", std::to_string(b.start), fmt::format("0 to {}", s.data_samples));
-  if (b.base.size() != n || s.source_samples.size() != n)
-    bad("data_source_samples",
-        fmt::format("{} and {} values", b.base.size(), s.source_samples.size()),
-        fmt::format("one per source, {}", n));
+  for (const auto& [name, values] :
+       {std::pair{"data_blend_base", &b.base}, std::pair{"data_source_samples", &s.source_samples}})
+    if (values->size() != n)
+      bad(name, fmt::format("[{} values]", values->size()), fmt::format("one per source, {}", n));
+  constexpr int64_t kMax = int64_t(1) << 50;
   int64_t since = 0;
   for (size_t k = 0; k < n; k++) {
-    if (b.base[k] < 0 || s.source_samples[k] < b.base[k] ||
-        s.source_samples[k] > (int64_t(1) << 50))
+    if (b.base[k] < 0 || b.base[k] > kMax)
+      bad("data_blend_base", std::to_string(b.base[k]), fmt::format("0 to {}", kMax));
+    if (s.source_samples[k] < b.base[k] || s.source_samples[k] > kMax)
       bad("data_source_samples", std::to_string(s.source_samples[k]),
-          fmt::format("source {}'s position, at least its base {}", k, b.base[k]));
+          fmt::format("source {}'s position, {} (its base) to {}", k, b.base[k], kMax));
     since += s.source_samples[k] - b.base[k];
   }
   if (since != s.data_samples - b.start)

@@ -263,13 +263,19 @@ struct Run {
   }
 
   // The layout for this world; its errors name the config file they come from.
+  // The batch ramp's rows must divide among this layout's data-parallel ranks, checked here
+  // with the config's name (model_options and memory_budget rebuild the schedule after).
   static ParallelDims layout(const Config& c, int world, const std::string& origin) {
-    try {
-      return ParallelDims::make(world, c.parallel.dp, c.parallel.tp, c.parallel.pp,
-                                c.parallel.order, c.model);
-    } catch (const ConfigError& e) {
-      throw ConfigError(origin + ": " + e.what());
-    }
+    const ParallelDims dims = [&] {
+      try {
+        return ParallelDims::make(world, c.parallel.dp, c.parallel.tp, c.parallel.pp,
+                                  c.parallel.order, c.model);
+      } catch (const ConfigError& e) {
+        throw ConfigError(origin + ": " + e.what());
+      }
+    }();
+    BatchSchedule(c.train, c.model.seq_len, dims.dp(), origin);
+    return dims;
   }
 
   // Where the data order stands: the samples consumed before step data_step, and how many of
