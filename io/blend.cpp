@@ -25,6 +25,22 @@ BlendOrder::BlendOrder(BlendPlan plan)
   for (double w : plan_.weights) fixed_.push_back(std::llround(std::ldexp(w, kFixedBits)));
 }
 
+BlendOrder::BlendOrder(BlendPlan plan, int64_t sample, const std::vector<int64_t>& positions)
+    : BlendOrder(std::move(plan)) {
+  if (positions.size() != counts_.size() || sample < plan_.start)
+    throw std::logic_error("a blend's known point needs a position per source, after its start");
+  int64_t since = 0;
+  for (size_t s = 0; s < counts_.size(); s++) {
+    counts_[s] = positions[s] - plan_.base[s];
+    if (counts_[s] < 0) throw std::logic_error("a blend position before its base");
+    since += counts_[s];
+  }
+  if (since != sample - plan_.start)
+    throw std::logic_error(
+        fmt::format("blend positions account for {} samples, not {}", since, sample - plan_.start));
+  cursor_ = sample;
+}
+
 int BlendOrder::next_source() const {
   const __int128 i = cursor_ - plan_.start + 1;
   auto lag = [&](size_t s) {

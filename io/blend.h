@@ -28,14 +28,21 @@ struct BlendPlan {
 
 class BlendOrder {
  public:
-  explicit BlendOrder(BlendPlan plan);
+  // The order from the plan's start (implicit: a plan is the order that starts at its start).
+  BlendOrder(BlendPlan plan);  // NOLINT(google-explicit-constructor)
+  // The order with a known point: each source's position at global sample `sample` (a
+  // checkpoint's data_source_samples), so that samples from there on need no replay from the
+  // plan's start. The positions must be the plan's own (their excess over the base sums to
+  // sample - start; else std::logic_error).
+  BlendOrder(BlendPlan plan, int64_t sample, const std::vector<int64_t>& positions);
 
   struct Pick {
     int source;
     int64_t index;  // the source's own sample index
   };
   // Global sample `sample` (>= the plan's start). Cheap when samples are asked for in increasing
-  // order, as the loader and the checkpoints do; an earlier one replays from the plan's start.
+  // order, as the loader and the checkpoints do; an earlier one replays from the plan's start
+  // (O(samples x sources)).
   Pick at(int64_t sample);
   // The samples each source gave before global sample `sample`.
   std::vector<int64_t> positions(int64_t sample);

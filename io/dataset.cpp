@@ -128,7 +128,7 @@ uint64_t source_seed(uint64_t seed, int source) {
   return source == 0 ? seed : mix64(seed ^ mix64(uint64_t(source) + 0x50u));
 }
 
-DataLoader::DataLoader(std::span<const Dataset> sources, BlendPlan blend, int B, int T,
+DataLoader::DataLoader(std::span<const Dataset> sources, BlendOrder blend, int B, int T,
                        AccumOf accum, uint64_t seed, int prefetch, int64_t first_sample,
                        int dp_rank, int dp_size)
     : sources_(sources),

@@ -100,7 +100,7 @@ class DataLoader {
   // first step starts at global sample `first_sample` (the samples consumed before: a resumed
   // run continues with the next unseen one whatever its layout). Global samples come from
   // `sources` as `blend` mixes them (io/blend.h).
-  DataLoader(std::span<const Dataset> sources, BlendPlan blend, int B, int T, AccumOf accum,
+  DataLoader(std::span<const Dataset> sources, BlendOrder blend, int B, int T, AccumOf accum,
              uint64_t seed, int prefetch, int64_t first_sample, int dp_rank = 0, int dp_size = 1);
   ~DataLoader();
   DataLoader(const DataLoader&) = delete;

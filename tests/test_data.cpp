@@ -487,6 +487,26 @@ TEST_F(DataTest, BlendWithNewWeightsContinuesEachSourceWhereItStood) {
   EXPECT_THROW(after.at(999), std::logic_error);
 }
 
+// A known point (a checkpoint's positions) is where the order continues from, not a replay: the
+// same picks as the replay when the positions are the replay's, and visibly the known ones when
+// they are not (which a replay would ignore).
+TEST_F(DataTest, BlendContinuesFromAKnownPointWithoutReplaying) {
+  const BlendPlan plan = BlendPlan::fresh({0.5, 0.3, 0.2});
+  BlendOrder replay(plan);
+  BlendOrder known(plan, 7000, replay.positions(7000));
+  for (int64_t i = 7000; i < 7100; i++) {
+    const BlendOrder::Pick a = replay.at(i), b = known.at(i);
+    ASSERT_EQ(a.source, b.source) << i;
+    ASSERT_EQ(a.index, b.index) << i;
+  }
+  const BlendPlan even = BlendPlan::fresh({0.5, 0.5});
+  BlendOrder lopsided(even, 10, {10, 0});  // a replay would stand at {5, 5}
+  const BlendOrder::Pick p = lopsided.at(10);
+  EXPECT_EQ(p.source, 1);
+  EXPECT_EQ(p.index, 0);
+  EXPECT_THROW(BlendOrder(even, 10, {6, 5}), std::logic_error);  // 11 samples, not 10
+}
+
 // The loader reads sample i from the source the blend picks, through that source's own order;
 // data-parallel ranks together read what one rank reads.
 TEST_F(DataTest, LoaderReadsEachSourceThroughItsOwnOrder) {

@@ -297,8 +297,9 @@ struct Run {
       if (inject_data_delay.count() > 0) std::this_thread::sleep_for(inject_data_delay);
       return schedule.accum(step + k, at);
     };
-    loader.emplace(train_data, blend, cfg.train.micro_batch, cfg.model.seq_len, accum, cfg.run.seed,
-                   cfg.data.prefetch, samples, me.dp, dims.dp());
+    // The loader's own copy of the order, from the known point a resume gave it.
+    loader.emplace(train_data, blend_positions, cfg.train.micro_batch, cfg.model.seq_len, accum,
+                   cfg.run.seed, cfg.data.prefetch, samples, me.dp, dims.dp());
   }
   bool blended() const { return train_data.size() > 1; }
   // The blend a resumed run continues: the checkpoint's, or where its weights differ from the
@@ -319,10 +320,12 @@ struct Run {
             format_weights(ts.blend.weights), format_weights(blend.weights), ts.data_samples,
             fmt::join(ts.source_samples, ", "));
       blend = {blend.weights, ts.data_samples, ts.source_samples};
+      blend_positions = BlendOrder(blend);
     } else {
+      // The same mix: from the checkpoint's positions on, without replaying it from its start.
       blend = ts.blend;
+      blend_positions = BlendOrder(blend, ts.data_samples, ts.source_samples);
     }
-    blend_positions = BlendOrder(blend);
   }
 
   // The checkpoint writer's own communicator (a single process writes without MPI-IO).
