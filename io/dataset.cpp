@@ -145,10 +145,6 @@ DataLoader::DataLoader(std::span<const Dataset> sources, BlendOrder blend, int B
     throw std::logic_error("the blend's weights are not one per source");
   for (size_t k = 0; k < sources.size(); k++)
     orders_.emplace_back(sources[k].windows(), source_seed(seed, int(k)));
-  // prefetch x B rows ready ahead, and one batch's worth more (the assembler holds one row at a
-  // time, the reader fills one).
-  for (int i = 0; i < (prefetch + 1) * B; i++)
-    free_rows_.push_back({0, 0, std::vector<int32_t>(size_t(T) + 1)});
   // `prefetch` batches ready ahead, and one more that the consumer holds (next()'s result).
   for (int i = 0; i < prefetch + 1; i++) {
     Batch b;
@@ -156,21 +152,18 @@ DataLoader::DataLoader(std::span<const Dataset> sources, BlendOrder blend, int B
     b.targets.resize(size_t(B) * T);
     free_.push_back(std::move(b));
   }
-  reader_ = std::thread([this] { run_stage(&DataLoader::read_stage); });
-  assembler_ = std::thread([this] { run_stage(&DataLoader::assemble_stage); });
-}
-
-void DataLoader::run_stage(void (DataLoader::*stage)()) {
-  try {
-    (this->*stage)();
-  } catch (...) {
-    {
-      std::lock_guard lock(mu_);
-      if (!error_) error_ = std::current_exception();
-      stop_ = true;
+  thread_ = std::thread([this] {
+    try {
+      produce();
+    } catch (...) {  // reaches the consumer: next() rethrows it
+      {
+        std::lock_guard lock(mu_);
+        error_ = std::current_exception();
+        stop_ = true;
+      }
+      cv_.notify_all();
     }
-    cv_.notify_all();
-  }
+  });
 }
 
 DataLoader::~DataLoader() {
@@ -179,45 +172,10 @@ DataLoader::~DataLoader() {
     stop_ = true;
   }
   cv_.notify_all();
-  reader_.join();
-  assembler_.join();
+  thread_.join();
 }
 
-void DataLoader::read_stage() {
-  for (int r = 0;;) {
-    Row row;
-    {
-      std::unique_lock lock(mu_);
-      cv_.wait(lock, [&] {
-        return stop_ || (!free_rows_.empty() && int(rows_.size()) < prefetch_ * B_);
-      });
-      if (stop_) return;
-      row = std::move(free_rows_.front());
-      free_rows_.pop_front();
-    }
-    row.step = next_step_;
-    row.micro = next_micro_;
-    // Row r of micro-batch m on data-parallel rank d is the step's global sample (m dp + d) B + r.
-    const int64_t sample = step_sample_ + (int64_t(next_micro_) * dp_size_ + dp_rank_) * B_ + r;
-    const BlendOrder::Pick pick = blend_.at(sample);
-    sources_[pick.source].read_window(orders_[pick.source].window(pick.index), row.tokens.data());
-    if (++r == B_) {
-      r = 0;
-      if (++next_micro_ == step_accum_) {
-        step_sample_ += int64_t(step_accum_) * dp_size_ * B_;
-        next_micro_ = 0;
-        step_accum_ = accum_of_(++next_step_, step_sample_);
-      }
-    }
-    {
-      std::lock_guard lock(mu_);
-      rows_.push_back(std::move(row));
-    }
-    cv_.notify_all();
-  }
-}
-
-void DataLoader::assemble_stage() {
+void DataLoader::produce() {
   for (;;) {
     Batch b;
     {
@@ -227,24 +185,20 @@ void DataLoader::assemble_stage() {
       b = std::move(free_.front());
       free_.pop_front();
     }
+    b.step = next_step_;
+    b.micro = next_micro_;
+    // Row r of micro-batch m on data-parallel rank d: the step's global sample (m dp + d) B + r.
+    const int64_t first = step_sample_ + (int64_t(b.micro) * dp_size_ + dp_rank_) * B_;
     for (int r = 0; r < B_; r++) {
-      Row row;
-      {
-        std::unique_lock lock(mu_);
-        cv_.wait(lock, [&] { return stop_ || !rows_.empty(); });
-        if (stop_) return;
-        row = std::move(rows_.front());
-        rows_.pop_front();
-      }
-      b.step = row.step;
-      b.micro = row.micro;
-      std::copy_n(row.tokens.begin(), T_, b.inputs.begin() + int64_t(r) * T_);
-      std::copy_n(row.tokens.begin() + 1, T_, b.targets.begin() + int64_t(r) * T_);
-      {
-        std::lock_guard lock(mu_);
-        free_rows_.push_back(std::move(row));
-      }
-      cv_.notify_all();
+      const BlendOrder::Pick pick = blend_.at(first + r);
+      sources_[pick.source].window(orders_[pick.source].window(pick.index),
+                                   b.inputs.data() + int64_t(r) * T_,
+                                   b.targets.data() + int64_t(r) * T_);
+    }
+    if (++next_micro_ == step_accum_) {
+      step_sample_ += int64_t(step_accum_) * dp_size_ * B_;
+      next_micro_ = 0;
+      step_accum_ = accum_of_(++next_step_, step_sample_);
     }
     {
       std::lock_guard lock(mu_);
@@ -264,18 +218,13 @@ const Batch& DataLoader::next() {
   ready_.pop_front();
   wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   lock.unlock();
-  cv_.notify_all();  // a buffer and a place in the queue are free: the assembler fills the next
+  cv_.notify_all();  // a buffer and a place in the queue are free: the producer fills the next
   return current_;
 }
 
 int DataLoader::ready_batches() {
   std::lock_guard lock(mu_);
   return int(ready_.size());
-}
-
-int DataLoader::ready_windows() {
-  std::lock_guard lock(mu_);
-  return int(rows_.size());
 }
 
 double DataLoader::take_wait_seconds() {

@@ -80,11 +80,7 @@ struct Batch {
 // what it always has), a stream of its own for each other.
 uint64_t source_seed(uint64_t seed, int source);
 
-// Fills batches ahead of the step in two stages, each its own thread with a bounded queue after
-// it: `read` finds each row's window (the blend, the source's order) and copies its T + 1
-// tokens out of the mapped shard (where page faults on cold storage are paid), up to
-// prefetch x B windows ahead; `assemble` splits rows into micro-batches of inputs and targets,
-// up to `prefetch` batches ahead. next() only pops.
+// Fills batches in a background thread into a bounded queue; next() only pops.
 class DataLoader {
  public:
   // Micro-batches in the loader's step k (0: the first it fills), which starts at global sample
@@ -106,26 +102,16 @@ class DataLoader {
   DataLoader(const DataLoader&) = delete;
   DataLoader& operator=(const DataLoader&) = delete;
 
-  // The next micro-batch in (step, micro) order. Valid until the following call. An error in a
-  // stage (a DataError, bad_alloc) is rethrown here.
+  // The next micro-batch in (step, micro) order. Valid until the following call. An error in the
+  // producer (a DataError, bad_alloc) is rethrown here.
   const Batch& next();
   // Time next() spent waiting for the producer, in seconds, since the last call.
   double take_wait_seconds();
-  // Batches assembled and waiting (at most `prefetch`).
+  // Batches filled and waiting (at most `prefetch`).
   int ready_batches();
-  // Windows read and waiting to be assembled (at most prefetch x B).
-  int ready_windows();
 
  private:
-  struct Row {
-    int64_t step;
-    int micro;
-    std::vector<int32_t> tokens;  // T + 1
-  };
-  void read_stage();
-  void assemble_stage();
-  // Runs a stage; an exception in it stops both and reaches the consumer.
-  void run_stage(void (DataLoader::*stage)());
+  void produce();
 
   std::span<const Dataset> sources_;
   int B_, T_, dp_rank_, dp_size_, prefetch_;
@@ -138,13 +124,12 @@ class DataLoader {
 
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<Row> rows_, free_rows_;  // read -> assemble
-  std::deque<Batch> ready_, free_;    // assemble -> next()
+  std::deque<Batch> ready_, free_;
   Batch current_;
   bool stop_ = false;
-  std::exception_ptr error_;  // a stage failed: next() rethrows it
+  std::exception_ptr error_;  // the producer failed: next() rethrows it
   double wait_s_ = 0;
-  std::thread reader_, assembler_;
+  std::thread thread_;
 };
 
 // Validation batch `index` of `count`: the count * B windows spread evenly over the whole

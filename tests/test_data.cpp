@@ -397,35 +397,30 @@ TEST_F(DataTest, LoaderYieldsTheGlobalSamplesInStepOrder) {
     }
 }
 
-// prefetch = N: N batches assembled ahead, also while the consumer holds the one next()
-// returned, and behind them N x B windows read ahead by the read stage.
+// prefetch = N: N batches ready ahead, also while the consumer holds the one next() returned.
 TEST_F(DataTest, LoaderKeepsPrefetchBatchesReadyAhead) {
   write_token_shard(path("p.bin"), ramp(5001, 256), 256);
   Dataset data({path("p.bin")}, 256, 16);
-  // The stages' threads fill their queues, and stop there.
-  auto settle = [](DataLoader& loader, int batches, int windows) {
-    for (int i = 0;
-         i < 500 && (loader.ready_batches() < batches || loader.ready_windows() < windows); i++)
+  auto settle = [](DataLoader& loader, int want) {  // the producer thread fills the queue
+    for (int i = 0; i < 500 && loader.ready_batches() < want; i++)
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    return std::pair{loader.ready_batches(), loader.ready_windows()};
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // and stops there
+    return loader.ready_batches();
   };
-  const int B = 2;
   for (int prefetch : {1, 3}) {
-    DataLoader loader(std::span(&data, 1), BlendPlan::fresh({1}), B, 16, DataLoader::constant(1),
+    DataLoader loader(std::span(&data, 1), BlendPlan::fresh({1}), 2, 16, DataLoader::constant(1),
                       42, prefetch, 0);
-    const std::pair full{prefetch, prefetch * B};
-    EXPECT_EQ(settle(loader, prefetch, prefetch * B), full);
+    EXPECT_EQ(settle(loader, prefetch), prefetch);
     for (int step = 0; step < 3; step++) {
       loader.next();
-      EXPECT_EQ(settle(loader, prefetch, prefetch * B), full) << "prefetch " << prefetch;
+      EXPECT_EQ(settle(loader, prefetch), prefetch) << "prefetch " << prefetch;
     }
   }
 }
 
-// An error inside a loader stage reaches the consumer (not std::terminate in the stage's thread):
+// An error inside the loader's thread reaches the consumer (not std::terminate in that thread):
 // here a blend that starts after the first sample asked for.
-TEST_F(DataTest, AnErrorInALoaderStageIsRethrownByNext) {
+TEST_F(DataTest, AnErrorInTheLoaderIsRethrownByNext) {
   write_token_shard(path("e.bin"), ramp(501, 256), 256);
   std::vector<Dataset> sources;
   sources.emplace_back(std::vector<std::string>{path("e.bin")}, 256, 16);

@@ -451,7 +451,6 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   const double scale = run.scaler.scale();
   s.loss_scale = scale;
   s.data_queue = run.loader->ready_batches();
-  s.data_windows = run.loader->ready_windows();
   // Dropout's masks: a function of (seed, step, micro-batch x dp + dp rank), as the data is.
   run.model.train_mode(mix64(uint64_t(cfg.run.seed) ^ mix64(uint64_t(step))), run.me.dp, dp);
   const double loss_sum = run.pipe.step(
