@@ -1,7 +1,7 @@
 #pragma once
 // An input file read as a stream of bytes, decompressed on the fly where its first bytes are the
-// magic of gzip (1f 8b) or zstd (28 b5 2f fd, or a skippable frame 5? 2a 4d 18): prepare reads corpora far larger than memory, so
-// nothing here holds more than one buffer of the file.
+// magic of gzip (1f 8b) or zstd (28 b5 2f fd, or a skippable frame 5? 2a 4d 18): prepare reads
+// corpora far larger than memory, so nothing here holds more than one buffer of the file.
 #include <cstdint>
 #include <memory>
 #include <string>
