@@ -45,20 +45,26 @@ void check_space(const std::string& path, int64_t bytes) {
                                 strerror(error)));
 }
 
-void write_file_atomic(const std::string& path, const std::string& text) {
-  // A fresh temporary, created exclusively (mkstemp: O_CREAT | O_EXCL): nothing planted beside
-  // `path` (a symlink named like the temporary) is written through. The rename then replaces
-  // `path` itself, a symlink included, never what it points to.
-  std::string tmp = path + ".XXXXXX.tmp";
+FILE* open_temporary_beside(const std::string& path, std::string& tmp) {
+  tmp = path + ".XXXXXX.tmp";
   const int fd = ::mkstemps(tmp.data(), 4);
   if (fd < 0) throw DataError(fmt::format("{}: cannot write: {}", tmp, strerror(errno)));
   ::fchmod(fd, 0644);
-  FILE* f = ::fdopen(fd, "wb");
+  FILE* f = ::fdopen(fd, "w+b");
   if (!f) {
     ::close(fd);
     ::unlink(tmp.c_str());
     throw DataError(fmt::format("{}: cannot write: {}", tmp, strerror(errno)));
   }
+  return f;
+}
+
+void write_file_atomic(const std::string& path, const std::string& text) {
+  // A fresh temporary, created exclusively (mkstemp: O_CREAT | O_EXCL): nothing planted beside
+  // `path` (a symlink named like the temporary) is written through. The rename then replaces
+  // `path` itself, a symlink included, never what it points to.
+  std::string tmp;
+  FILE* f = open_temporary_beside(path, tmp);
   bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
   ok = std::fflush(f) == 0 && ok;
   ok = ::fsync(fileno(f)) == 0 && ok;

@@ -5,6 +5,11 @@
 
 namespace trainer {
 
+// A fresh temporary file beside `path`, named <path>.XXXXXX.tmp (the X's filled in, returned in
+// `tmp`), created exclusively (O_CREAT | O_EXCL), so nothing planted beside `path` is written
+// through; mode 0644, open for reading and writing. Throws DataError.
+FILE* open_temporary_beside(const std::string& path, std::string& tmp);
+
 // Writes `text` to `path` through a fresh temporary file (created exclusively beside it, named
 // <path>.XXXXXX.tmp) that is flushed, fsynced and renamed, so that `path` is either the old file
 // or the complete new one, and nothing planted there is written through. Throws DataError.

@@ -54,17 +54,10 @@ struct HashState {
   uint64_t digest() const { return XXH3_64bits_digest(s); }
 };
 
-// A fresh temporary beside `path` (<path>.XXXXXX.tmp), created exclusively.
+// open_temporary_beside (io/atomic_file.h), owned.
 std::pair<std::string, File> temporary_beside(const std::string& path) {
-  std::string tmp = path + ".XXXXXX.tmp";
-  const int fd = ::mkstemps(tmp.data(), 4);
-  if (fd < 0) throw DataError(fmt::format("{}: cannot write: {}", tmp, strerror(errno)));
-  ::fchmod(fd, 0644);
-  File f(::fdopen(fd, "w+b"));
-  if (!f) {
-    ::close(fd);
-    throw DataError(fmt::format("{}: cannot write: {}", tmp, strerror(errno)));
-  }
+  std::string tmp;
+  File f(open_temporary_beside(path, tmp));
   return {tmp, std::move(f)};
 }
 

@@ -62,16 +62,7 @@ void ShardSetWriter::open_shard() {
   const std::string final_path =
       shard_tokens_ > 0 ? fmt::format("{}/{}_{:06d}.bin", out_dir_, name_, closed_.size())
                         : fmt::format("{}/{}.bin", out_dir_, name_);
-  // Created exclusively (mkstemps): nothing planted beside the shard is written through.
-  tmp_path_ = final_path + ".XXXXXX.tmp";
-  const int fd = ::mkstemps(tmp_path_.data(), 4);
-  if (fd < 0) throw DataError(fmt::format("{}: cannot write: {}", tmp_path_, strerror(errno)));
-  ::fchmod(fd, 0644);
-  file_ = ::fdopen(fd, "wb");
-  if (!file_) {
-    ::close(fd);
-    throw DataError(fmt::format("{}: cannot write: {}", tmp_path_, strerror(errno)));
-  }
+  file_ = open_temporary_beside(final_path, tmp_path_);
   const Header blank{};  // rewritten when the shard closes and its counts are known
   check(std::fwrite(&blank, sizeof blank, 1, file_) == 1, tmp_path_);
   count_ = documents_ = 0;
