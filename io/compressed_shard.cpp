@@ -9,6 +9,7 @@
 #include <zstd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -137,7 +138,26 @@ std::pair<std::string, File> decompress_beside(const std::string& zst, const std
   return {tmp, std::move(out)};
 }
 
+// Temporaries beside `path` (<path>.XXXXXX.tmp) not written for ten minutes: left by a process
+// that was killed while decompressing (a live one writes a megabyte at a time).
+void remove_stale_temporaries(const std::string& path) {
+  const fs::path p(path);
+  const std::string prefix = p.filename().string() + ".";
+  std::error_code ec;
+  const auto now = fs::file_time_type::clock::now();
+  for (const auto& e : fs::directory_iterator(p.parent_path(), ec)) {
+    const std::string name = e.path().filename().string();
+    if (!name.starts_with(prefix) || !name.ends_with(".tmp")) continue;
+    const auto written = fs::last_write_time(e.path(), ec);
+    if (!ec && now - written > std::chrono::minutes(10)) fs::remove(e.path(), ec);
+  }
+}
+
 }  // namespace
+
+void ShardDecompressor::mapped(const DecompressedShard& d) {
+  if (d.temporary) ::unlink(d.path.c_str());
+}
 
 bool is_zstd_file(const std::string& path) {
   File f(std::fopen(path.c_str(), "rb"));
@@ -209,6 +229,7 @@ DecompressedShard decompress_shard(const std::string& zst, const std::string& ca
   for (const char* ext : {".zst", ".bin"})
     if (stem.ends_with(ext)) stem.resize(stem.size() - std::strlen(ext));
   const std::string cached = fmt::format("{}/{}-{:016x}.bin", cache_dir, stem, recorded.hash);
+  remove_stale_temporaries(cached);
   uint64_t hash = 0, bytes = 0;
   const bool present = fs::exists(cached);
   if (present && hash_file(cached, hash, bytes) && hash == recorded.hash && bytes == recorded.bytes)

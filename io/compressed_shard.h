@@ -9,9 +9,10 @@
 // a node share it, and it stays for the next run), checked against the recorded hash every time
 // it is used and decompressed again when it does not match (a damaged or truncated cache file);
 // without a cache directory (or for a .zst without our frame) into a temporary file that is
-// gone once mapped.
+// gone once mapped. In a run, one rank per node decompresses and the others map its file.
 #include <cstdint>
 #include <string>
+#include <utility>
 
 namespace trainer {
 
@@ -31,7 +32,25 @@ struct DecompressedShard {
   std::string how;
 };
 // Throws DataError naming the file for a damaged compressed shard, or a decompressed shard whose
-// hash is not the one recorded.
+// hash is not the one recorded. Temporaries that a killed process left in the cache beside the
+// shard's name (not written for ten minutes) are removed.
 DecompressedShard decompress_shard(const std::string& zst, const std::string& cache_dir);
+
+// How a data set turns its compressed shards into files to map. This one decompresses in the
+// calling process; a run shares one decompression among the ranks of a node
+// (trainer/node_shards.h).
+class ShardDecompressor {
+ public:
+  explicit ShardDecompressor(std::string cache_dir = "") : cache_dir_(std::move(cache_dir)) {}
+  virtual ~ShardDecompressor() = default;
+  virtual DecompressedShard open(const std::string& zst) {
+    return decompress_shard(zst, cache_dir_);
+  }
+  // This process has mapped `d` (or failed to): a temporary is removed (the mapping stays).
+  virtual void mapped(const DecompressedShard& d);
+
+ protected:
+  const std::string cache_dir_;
+};
 
 }  // namespace trainer

@@ -4,7 +4,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <map>
 #include <random>
 #include <set>
@@ -34,19 +33,32 @@ std::vector<std::string> expand_shard_paths(const std::vector<std::string>& path
 Dataset::Dataset(const std::vector<std::string>& patterns, int vocab_size, int T, bool headerless,
                  const std::string& cache_dir)
     : T_(T) {
+  ShardDecompressor decompressor(cache_dir);
+  open(patterns, vocab_size, headerless, decompressor);
+}
+
+Dataset::Dataset(const std::vector<std::string>& patterns, int vocab_size, int T, bool headerless,
+                 ShardDecompressor& decompressor)
+    : T_(T) {
+  open(patterns, vocab_size, headerless, decompressor);
+}
+
+void Dataset::open(const std::vector<std::string>& patterns, int vocab_size, bool headerless,
+                   ShardDecompressor& decompressor) {
+  const int T = T_;
   const std::vector<std::string> paths = expand_shard_paths(patterns);
   int64_t longest = 0;
   for (const auto& p : paths) {
     // By name as well as magic: a headerless or Megatron .bin may begin with any two tokens.
     if (!headerless && p.ends_with(".zst") && is_zstd_file(p)) {
-      const DecompressedShard d = decompress_shard(p, cache_dir);
+      const DecompressedShard d = decompressor.open(p);
       try {
         shards_.emplace_back(d.path, vocab_size, headerless);
       } catch (...) {
-        if (d.temporary) ::unlink(d.path.c_str());
+        decompressor.mapped(d);
         throw;
       }
-      if (d.temporary) ::unlink(d.path.c_str());  // the mapping stays
+      decompressor.mapped(d);  // a temporary may go: the mapping stays
       decompressed_[d.how]++;
     } else {
       shards_.emplace_back(p, vocab_size, headerless);
@@ -126,112 +138,6 @@ int64_t SampleOrder::window(int64_t sample) {
 
 uint64_t source_seed(uint64_t seed, int source) {
   return source == 0 ? seed : mix64(seed ^ mix64(uint64_t(source) + 0x50u));
-}
-
-DataLoader::DataLoader(std::span<const Dataset> sources, BlendOrder blend, int B, int T,
-                       AccumOf accum, uint64_t seed, int prefetch, int64_t first_sample,
-                       int dp_rank, int dp_size)
-    : sources_(sources),
-      B_(B),
-      T_(T),
-      dp_rank_(dp_rank),
-      dp_size_(dp_size),
-      prefetch_(prefetch),
-      accum_of_(std::move(accum)),
-      blend_(std::move(blend)),
-      step_sample_(first_sample),
-      step_accum_(accum_of_(0, first_sample)) {
-  if (blend_.plan().weights.size() != sources.size())
-    throw std::logic_error("the blend's weights are not one per source");
-  for (size_t k = 0; k < sources.size(); k++)
-    orders_.emplace_back(sources[k].windows(), source_seed(seed, int(k)));
-  // `prefetch` batches ready ahead, and one more that the consumer holds (next()'s result).
-  for (int i = 0; i < prefetch + 1; i++) {
-    Batch b;
-    b.inputs.resize(size_t(B) * T);
-    b.targets.resize(size_t(B) * T);
-    free_.push_back(std::move(b));
-  }
-  thread_ = std::thread([this] {
-    try {
-      produce();
-    } catch (...) {  // reaches the consumer: next() rethrows it
-      {
-        std::lock_guard lock(mu_);
-        error_ = std::current_exception();
-        stop_ = true;
-      }
-      cv_.notify_all();
-    }
-  });
-}
-
-DataLoader::~DataLoader() {
-  {
-    std::lock_guard lock(mu_);
-    stop_ = true;
-  }
-  cv_.notify_all();
-  thread_.join();
-}
-
-void DataLoader::produce() {
-  for (;;) {
-    Batch b;
-    {
-      std::unique_lock lock(mu_);
-      cv_.wait(lock, [&] { return stop_ || (!free_.empty() && int(ready_.size()) < prefetch_); });
-      if (stop_) return;
-      b = std::move(free_.front());
-      free_.pop_front();
-    }
-    b.step = next_step_;
-    b.micro = next_micro_;
-    // Row r of micro-batch m on data-parallel rank d: the step's global sample (m dp + d) B + r.
-    const int64_t first = step_sample_ + (int64_t(b.micro) * dp_size_ + dp_rank_) * B_;
-    for (int r = 0; r < B_; r++) {
-      const BlendOrder::Pick pick = blend_.at(first + r);
-      sources_[pick.source].window(orders_[pick.source].window(pick.index),
-                                   b.inputs.data() + int64_t(r) * T_,
-                                   b.targets.data() + int64_t(r) * T_);
-    }
-    if (++next_micro_ == step_accum_) {
-      step_sample_ += int64_t(step_accum_) * dp_size_ * B_;
-      next_micro_ = 0;
-      step_accum_ = accum_of_(++next_step_, step_sample_);
-    }
-    {
-      std::lock_guard lock(mu_);
-      ready_.push_back(std::move(b));
-    }
-    cv_.notify_all();
-  }
-}
-
-const Batch& DataLoader::next() {
-  const auto t0 = std::chrono::steady_clock::now();
-  std::unique_lock lock(mu_);
-  if (!current_.inputs.empty()) free_.push_back(std::move(current_));
-  cv_.wait(lock, [&] { return !ready_.empty() || error_; });
-  if (ready_.empty()) std::rethrow_exception(error_);
-  current_ = std::move(ready_.front());
-  ready_.pop_front();
-  wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  lock.unlock();
-  cv_.notify_all();  // a buffer and a place in the queue are free: the producer fills the next
-  return current_;
-}
-
-int DataLoader::ready_batches() {
-  std::lock_guard lock(mu_);
-  return int(ready_.size());
-}
-
-double DataLoader::take_wait_seconds() {
-  std::lock_guard lock(mu_);
-  double w = wait_s_;
-  wait_s_ = 0;
-  return w;
 }
 
 void validation_batch(const Dataset& data, int index, int count, int B, int T, Batch& out) {

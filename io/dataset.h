@@ -4,19 +4,12 @@
 // and row b of data-parallel rank r read global sample S + (m * dp + r) * B + b (S grows by
 // accum x dp x B a step, accum per the batch schedule), so dp = k with accumulation 1 sees the
 // same global batch as dp = 1 with accumulation k, and a resumed run continues exactly.
-#include <condition_variable>
 #include <cstdint>
-#include <deque>
-#include <exception>
-#include <functional>
 #include <map>
-#include <mutex>
-#include <span>
 #include <string>
-#include <thread>
 #include <vector>
 
-#include "io/blend.h"
+#include "io/compressed_shard.h"
 #include "io/token_shard.h"
 
 namespace trainer {
@@ -34,6 +27,9 @@ class Dataset {
   // short for one window of T + 1 tokens adds none; a set with no window at all is a DataError.
   Dataset(const std::vector<std::string>& paths, int vocab_size, int T, bool headerless = false,
           const std::string& cache_dir = "");
+  // Compressed shards through `decompressor` (a run's shares the work among a node's ranks).
+  Dataset(const std::vector<std::string>& paths, int vocab_size, int T, bool headerless,
+          ShardDecompressor& decompressor);
 
   int64_t windows() const { return int64_t(starts_.size()); }
   int64_t tokens() const { return tokens_; }
@@ -49,6 +45,9 @@ class Dataset {
   void read_window(int64_t w, int32_t* tokens) const;
 
  private:
+  void open(const std::vector<std::string>& patterns, int vocab_size, bool headerless,
+            ShardDecompressor& decompressor);
+
   std::vector<TokenShard> shards_;
   std::map<std::string, int> decompressed_;  // compressed shards, by what their opening did
   int short_shards_ = 0;
@@ -79,58 +78,6 @@ struct Batch {
 // The seed of source k's sample order: the run's seed for the first (a single-source run reads
 // what it always has), a stream of its own for each other.
 uint64_t source_seed(uint64_t seed, int source);
-
-// Fills batches in a background thread into a bounded queue; next() only pops.
-class DataLoader {
- public:
-  // Micro-batches in the loader's step k (0: the first it fills), which starts at global sample
-  // `samples`.
-  using AccumOf = std::function<int(int64_t step, int64_t samples)>;
-  static AccumOf constant(int accum) {
-    return [accum](int64_t, int64_t) { return accum; };
-  }
-
-  // Data-parallel rank dp_rank of dp_size reads its own, disjoint part of every global batch:
-  // in a step of `accum` micro-batches, micro-batch m of rank r holds the step's global samples
-  // [(m * dp + r) * B, + B), so dp = k with one micro-batch reads what dp = 1 with k does. The
-  // first step starts at global sample `first_sample` (the samples consumed before: a resumed
-  // run continues with the next unseen one whatever its layout). Global samples come from
-  // `sources` as `blend` mixes them (io/blend.h).
-  DataLoader(std::span<const Dataset> sources, BlendOrder blend, int B, int T, AccumOf accum,
-             uint64_t seed, int prefetch, int64_t first_sample, int dp_rank = 0, int dp_size = 1);
-  ~DataLoader();
-  DataLoader(const DataLoader&) = delete;
-  DataLoader& operator=(const DataLoader&) = delete;
-
-  // The next micro-batch in (step, micro) order. Valid until the following call. An error in the
-  // producer (a DataError, bad_alloc) is rethrown here.
-  const Batch& next();
-  // Time next() spent waiting for the producer, in seconds, since the last call.
-  double take_wait_seconds();
-  // Batches filled and waiting (at most `prefetch`).
-  int ready_batches();
-
- private:
-  void produce();
-
-  std::span<const Dataset> sources_;
-  int B_, T_, dp_rank_, dp_size_, prefetch_;
-  AccumOf accum_of_;
-  BlendOrder blend_;
-  std::vector<SampleOrder> orders_;  // per source
-  int64_t step_sample_;              // the first global sample of the step being filled
-  int64_t next_step_ = 0;
-  int next_micro_ = 0, step_accum_;
-
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Batch> ready_, free_;
-  Batch current_;
-  bool stop_ = false;
-  std::exception_ptr error_;  // the producer failed: next() rethrows it
-  double wait_s_ = 0;
-  std::thread thread_;
-};
 
 // Validation batch `index` of `count`: the count * B windows spread evenly over the whole
 // validation set (row j of n reads window j * windows / n: with more rows than windows, each

@@ -51,6 +51,23 @@ class MpiCli : public test::TempDirTest {
   std::string ranks_pattern() {
     return "'^" + test::trainer_bin() + " train " + path("run.toml") + "'";
   }
+  // Sets attribute `name` of an HDF5 file to a Python expression, keeping its type family.
+  void set_attr(const std::string& file, const std::string& name, const std::string& value) {
+    const auto r = test::run_command(
+        "/usr/bin/python3 -c 'import h5py, numpy as np, sys\n"
+        "f = h5py.File(sys.argv[1], \"r+\")\n"
+        "v = eval(sys.argv[3])\n"
+        "old = f.attrs.get(sys.argv[2], 0.0)\n"
+        "if isinstance(old, (bytes, str)) or (hasattr(old, \"dtype\") and old.dtype.kind in "
+        "\"SUO\"):"
+        " v = str(v)\n"
+        "elif hasattr(old, \"dtype\") and old.dtype.kind == \"i\" and isinstance(v, float):"
+        " v = np.float64(v)\n"
+        "if sys.argv[2] in f.attrs: del f.attrs[sys.argv[2]]\n"
+        "f.attrs[sys.argv[2]] = v' " +
+        file + " " + name + " '" + value + "'");
+    ASSERT_EQ(r.code, 0) << r.output;
+  }
   // The run was refused: exit code 2 and the line saying why.
   static void expect_refused(const test::CommandResult& r, const std::string& why) {
     EXPECT_EQ(r.code, 2) << r.output;

@@ -3,7 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <random>
 #include <thread>
@@ -13,6 +16,11 @@
 #include "comm/grad_reducer.h"
 #include "comm/parallel_dims.h"
 #include "comm/staged_comm.h"
+#include "io/compressed_shard.h"
+#include "io/dataset.h"
+#include "io/errors.h"
+#include "io/token_shard.h"
+#include "trainer/node_shards.h"
 
 namespace trainer {
 namespace {
@@ -282,6 +290,60 @@ TEST(Mpi, StagedCommunicatorMovesDeviceBuffersThroughHostMemory) {
 // every rank's final residual adds up to the sum of all true gradients. (fp16 and bf16 add the
 // 16-bit values on the wire, as NCCL would: those sums round once more, by at most a few
 // units of the format's precision relative to the magnitudes added.)
+// A compressed shard is decompressed once per node: without a cache, every rank maps local rank
+// 0's one temporary (a rank decompressing for itself would name its own), removed once all
+// have mapped it; with a cache, every rank is handed the cache file; and a damaged shard is the
+// same DataError on every rank, not a hang.
+TEST(Mpi, NodeRanksShareOneDecompression) {
+  World& w = *g_world;
+  const std::unique_ptr<Communicator> node = node_group(w);
+  ASSERT_EQ(node->size(), w.local_size());
+  std::string dir;
+  if (node->rank() == 0) {
+    dir = std::filesystem::temp_directory_path() /
+          ("trainer_node_shards_" + std::to_string(getpid()));
+    std::filesystem::create_directories(dir);
+    std::vector<int32_t> tokens(4001);
+    for (size_t i = 0; i < tokens.size(); i++) tokens[i] = int32_t(i * 7 % 256);
+    write_token_shard(dir + "/s.bin", tokens, 256);
+    compress_shard(dir + "/s.bin", dir + "/s.bin.zst");
+    std::ofstream(dir + "/bad.bin.zst") << "\x28\xb5\x2f\xfd not really zstd";
+  }
+  broadcast_string(*node, dir, 0);
+
+  NodeShardDecompressor shared(*node, "");
+  const DecompressedShard d = shared.open(dir + "/s.bin.zst");
+  EXPECT_TRUE(d.temporary);
+  std::string first = d.path;
+  broadcast_string(*node, first, 0);
+  EXPECT_EQ(d.path, first) << "rank " << w.rank() << " decompressed a copy of its own";
+  {
+    TokenShard mapped(d.path, 256);
+    shared.mapped(d);
+    node->barrier();  // local rank 0 has removed it by now
+    EXPECT_FALSE(std::filesystem::exists(d.path));  // removed, and still mapped:
+    std::vector<int32_t> got(3);
+    mapped.read(4000 - 2, 3, got.data());
+    EXPECT_EQ(got, (std::vector<int32_t>{int32_t(3998 * 7 % 256), int32_t(3999 * 7 % 256),
+                                         int32_t(4000 * 7 % 256)}));
+  }
+
+  NodeShardDecompressor cached(*node, dir + "/cache");
+  const Dataset data({dir + "/s.bin.zst"}, 256, 16, false, cached);
+  EXPECT_EQ(data.windows(), 4000 / 16);
+  EXPECT_EQ(data.describe(),
+            "1 shard, trainer format; 1 zstd-compressed, decompressed into the cache");
+
+  try {
+    shared.open(dir + "/bad.bin.zst");
+    ADD_FAILURE() << "a damaged shard opened";
+  } catch (const DataError& e) {
+    EXPECT_TRUE(std::string(e.what()).starts_with(dir + "/bad.bin.zst: ")) << e.what();
+  }
+  node->barrier();
+  if (node->rank() == 0) std::filesystem::remove_all(dir);
+}
+
 TEST(Mpi, CompressionBytesAndErrorFeedback) {
   Communicator& c = g_world->comm();
   const int r = c.rank(), P = c.size();
@@ -343,7 +405,8 @@ int main(int argc, char** argv) {
   auto world = trainer::make_mpi_world(&argc, &argv);
   trainer::g_world = world.get();
   ::testing::InitGoogleTest(&argc, argv);
-  if (world->rank() != 0) {  // one rank prints; every rank's result counts
+  // One rank prints (TRAINER_TEST_ALL_RANKS=1: every rank); every rank's result counts.
+  if (world->rank() != 0 && !std::getenv("TRAINER_TEST_ALL_RANKS")) {
     auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
     delete listeners.Release(listeners.default_result_printer());
   }

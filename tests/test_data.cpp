@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "io/compressed_shard.h"
+#include "io/data_loader.h"
 #include "io/dataset.h"
 #include "io/token_shard.h"
 #include "test_util.h"
@@ -397,23 +398,27 @@ TEST_F(DataTest, LoaderYieldsTheGlobalSamplesInStepOrder) {
     }
 }
 
-// prefetch = N: N batches ready ahead, also while the consumer holds the one next() returned.
-TEST_F(DataTest, LoaderKeepsPrefetchBatchesReadyAhead) {
+// prefetch = N: N batches ready ahead, also while the consumer holds the one next() returned,
+// and N x B rows read ahead of those.
+TEST_F(DataTest, LoaderKeepsPrefetchBatchesAndRowsReadyAhead) {
   write_token_shard(path("p.bin"), ramp(5001, 256), 256);
   Dataset data({path("p.bin")}, 256, 16);
-  auto settle = [](DataLoader& loader, int want) {  // the producer thread fills the queue
-    for (int i = 0; i < 500 && loader.ready_batches() < want; i++)
+  const int B = 2;
+  auto settle = [&](DataLoader& loader, int prefetch) {  // the stages fill their queues
+    for (int i = 0;
+         i < 500 && (loader.ready_batches() < prefetch || loader.ready_rows() < prefetch * B); i++)
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // and stops there
-    return loader.ready_batches();
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // and stop there
+    return std::pair(loader.ready_batches(), loader.ready_rows());
   };
   for (int prefetch : {1, 3}) {
-    DataLoader loader(std::span(&data, 1), BlendPlan::fresh({1}), 2, 16, DataLoader::constant(1),
+    SCOPED_TRACE(prefetch);
+    DataLoader loader(std::span(&data, 1), BlendPlan::fresh({1}), B, 16, DataLoader::constant(1),
                       42, prefetch, 0);
-    EXPECT_EQ(settle(loader, prefetch), prefetch);
+    EXPECT_EQ(settle(loader, prefetch), std::pair(prefetch, prefetch * B));
     for (int step = 0; step < 3; step++) {
       loader.next();
-      EXPECT_EQ(settle(loader, prefetch), prefetch) << "prefetch " << prefetch;
+      EXPECT_EQ(settle(loader, prefetch), std::pair(prefetch, prefetch * B));
     }
   }
 }
@@ -618,6 +623,22 @@ TEST_F(DataTest, CompressedShardsThroughTheCache) {
   } catch (const DataError& e) {
     EXPECT_TRUE(std::string(e.what()).starts_with(path("bad.bin.zst") + ": ")) << e.what();
   }
+}
+
+// A killed process leaves its temporary beside the cached shard: one not written for ten minutes
+// is removed the next time the shard is opened; a fresh one (a live decompression's) stays.
+TEST_F(DataTest, StaleDecompressionTemporariesLeaveTheCache) {
+  write_token_shard(path("t.bin"), ramp(2001, 256), 256);
+  compress_shard(path("t.bin"), path("t.bin.zst"));
+  const std::string cached = decompress_shard(path("t.bin.zst"), path("cache")).path;
+  const std::string stale = cached + ".a1b2c3.tmp", live = cached + ".d4e5f6.tmp";
+  std::ofstream(stale) << "x";
+  std::ofstream(live) << "x";
+  fs::last_write_time(stale, fs::file_time_type::clock::now() - std::chrono::minutes(11));
+  EXPECT_EQ(decompress_shard(path("t.bin.zst"), path("cache")).how, "from the cache");
+  EXPECT_FALSE(fs::exists(stale));
+  EXPECT_TRUE(fs::exists(live));
+  EXPECT_TRUE(fs::exists(cached));
 }
 
 // A set's last shard may be shorter than a window (prepare --shard-tokens): it adds none, and

@@ -116,6 +116,42 @@ TEST_F(BlendedRun, ResumesAcrossLayoutsAndContinuesEachSourceUnderNewWeights) {
                  "[data] sources: the checkpoint was trained on 3 sources, the config names 2");
 }
 
+// A checkpoint's blend attributes edited out of range: each edit is named on resume (exit 2). At
+// step 4 on one process the blend has taken 8 samples.
+TEST_F(BlendedRun, EditedBlendAttributesAreNamed) {
+  ASSERT_EQ(mpirun(1, "--set train.steps=4").code, 0);
+  const std::string file = state("out", 4);
+  fs::copy_file(file, path("pristine.h5"));
+  struct Case {
+    std::string attr, value, message;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"data_blend_weights", "[1.0]",
+            "data_blend_weights = [1 values] out of range (expected "
+            "2 to 4096)"},
+           {"data_blend_weights", "[0.5, 0.6, -0.1]",
+            "data_blend_weights = [... -0.1 ...] out of range (expected (0, 1])"},
+           {"data_blend_weights", "[0.5, 0.3, 0.3]",
+            "data_blend_weights = summing to 1.1 out of range (expected 1)"},
+           {"data_blend_start", "10**6",
+            "data_blend_start = 1000000 out of range (expected 0 to 8)"},
+           {"data_blend_base", "[0, 0]",
+            "data_blend_base = [2 values] out of range (expected one per source, 3)"},
+           {"data_source_samples", "[-1, 5, 4]",
+            "data_source_samples = -1 out of range (expected source 0's position, 0 (its base) "
+            "to "},
+           {"data_source_samples", "[4, 2, 1]",
+            "data_source_samples = 7 samples since the blend's start out of range (expected "
+            "data_samples - data_blend_start = 8)"},
+       }) {
+    SCOPED_TRACE(c.attr + " = " + c.value);
+    fs::copy_file(path("pristine.h5"), file, fs::copy_options::overwrite_existing);
+    set_attr(file, c.attr, c.value);
+    expect_refused(mpirun(1, "--set train.steps=6 --set checkpoint.resume=" + quoted(file)),
+                   file + ": attribute " + c.message);
+  }
+}
+
 // Global batches of 4, 8 and 16 sequences from steps 0, 3 and 6: two ranks accumulate 1, 2 and 4
 // micro-batches of 2, one rank 2, 4 and 8.
 TEST_F(MpiCli, BatchRampFollowsTheTableAndResumesMidRamp) {

@@ -16,26 +16,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-class Untrusted : public MpiCli {
- protected:
-  // Sets attribute `name` of an HDF5 file to a Python expression, keeping its type family.
-  void set_attr(const std::string& file, const std::string& name, const std::string& value) {
-    const auto r = test::run_command(
-        "/usr/bin/python3 -c 'import h5py, numpy as np, sys\n"
-        "f = h5py.File(sys.argv[1], \"r+\")\n"
-        "v = eval(sys.argv[3])\n"
-        "old = f.attrs.get(sys.argv[2], 0.0)\n"
-        "if isinstance(old, (bytes, str)) or (hasattr(old, \"dtype\") and old.dtype.kind in "
-        "\"SUO\"):"
-        " v = str(v)\n"
-        "elif hasattr(old, \"dtype\") and old.dtype.kind == \"i\" and isinstance(v, float):"
-        " v = np.float64(v)\n"
-        "if sys.argv[2] in f.attrs: del f.attrs[sys.argv[2]]\n"
-        "f.attrs[sys.argv[2]] = v' " +
-        file + " " + name + " '" + value + "'");
-    ASSERT_EQ(r.code, 0) << r.output;
-  }
-};
+class Untrusted : public MpiCli {};
 
 // Every attribute of a real checkpoint set in turn to values negative, huge, NaN or merely
 // wrong (about 50 runs): resume = "auto" ends on the previous checkpoint (step 2) or exits 2,

@@ -34,6 +34,7 @@ void MetricsLog::step(const StepStats& s, bool print) {
                       {"ms", s.total_s * 1e3},
                       {"data_ms", s.data_s * 1e3},
                       {"data_queue", s.data_queue},
+                      {"data_rows", s.data_rows},
                       {"optimizer_ms", s.optimizer_s * 1e3},
                       {"comm_exposed_ms", s.comm_s * 1e3},
                       {"bytes_sent", s.bytes_sent},

@@ -22,7 +22,9 @@ struct StepStats {
   bool checkpoint_due = false;  // [checkpoint] every_minutes has passed (rank 0's clock)
   std::string bad;              // why the step guard skipped it ("" if it did not)
   bool rollback = false;        // too many bad steps in a row: back to the last checkpoint
-  int data_queue = 0;  // batches the loader had ready when the step began (at most prefetch)
+  // The loader's queues when the step began: micro-batches assembled (at most prefetch) and
+  // rows read ahead of them (at most prefetch x micro_batch).
+  int data_queue = 0, data_rows = 0;
   // Seconds per phase: waiting for data, forward, backward, norm + optimizer, and the total.
   double data_s = 0, forward_s = 0, backward_s = 0, optimizer_s = 0, total_s = 0;
   bool phases_timed = true;  // forward_s and backward_s measured (else not reported)

@@ -21,6 +21,7 @@
 #include "comm/parallel_dims.h"
 #include "comm/rank_groups.h"
 #include "io/atomic_file.h"
+#include "io/data_loader.h"
 #include "io/dataset.h"
 #include "io/hdf5_file.h"
 #include "io/tokenizer.h"
@@ -35,6 +36,7 @@
 #include "trainer/loss_scaler.h"
 #include "trainer/lr_schedule.h"
 #include "trainer/metrics.h"
+#include "trainer/node_shards.h"
 #include "trainer/pipeline.h"
 #include "trainer/report_error.h"
 #include "trainer/run_dir.h"
@@ -183,7 +185,10 @@ struct Run {
   std::unique_ptr<Kernels> kernels;  // before the groups: NCCL communicators need the GPU
   Groups groups;
   std::unique_ptr<Tokenizer> tokenizer;  // [tokenizer]: samples, checkpoints, the data's check
-  std::vector<Dataset> train_data;       // one per source of the blend
+  // The ranks of this node, who share the decompression of compressed shards.
+  std::unique_ptr<Communicator> node = node_group(world);
+  NodeShardDecompressor decompressor{*node, cfg.data.cache_dir};
+  std::vector<Dataset> train_data;  // one per source of the blend
   Dataset val_data;
   StageExecutor model;
   GradReducer reducer;
@@ -249,11 +254,11 @@ struct Run {
     return o;
   }
 
-  static std::vector<Dataset> load_sources(const Config& c) {
+  static std::vector<Dataset> load_sources(const Config& c, ShardDecompressor& decompressor) {
     std::vector<Dataset> v;
     for (const DataSource& s : training_sources(c.data))
       v.emplace_back(s.path, c.model.vocab_size, c.model.seq_len, c.data.format == "nanogpt",
-                     c.data.cache_dir);
+                     decompressor);
     return v;
   }
   static BlendPlan fresh_blend(const Config& c) {
@@ -344,9 +349,9 @@ struct Run {
         kernels(std::move(k)),
         groups(make_groups(w, dims, c.parallel, group_wrapper(gpu, w, *kernels))),
         tokenizer(load_run_tokenizer(c, origin)),
-        train_data(load_sources(c)),
+        train_data(load_sources(c, decompressor)),
         val_data(c.data.val, c.model.vocab_size, c.model.seq_len, c.data.format == "nanogpt",
-                 c.data.cache_dir),
+                 decompressor),
         model(c.model, *kernels, compute_dtype(c.precision), c.train.micro_batch, c.model.seq_len,
               model_options(c, me, dims, groups.tp.get())),
         reducer(*kernels, model.grads(), model.params(), model.table().total, *groups.dp,
@@ -451,6 +456,7 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   const double scale = run.scaler.scale();
   s.loss_scale = scale;
   s.data_queue = run.loader->ready_batches();
+  s.data_rows = run.loader->ready_rows();
   // Dropout's masks: a function of (seed, step, micro-batch x dp + dp rank), as the data is.
   run.model.train_mode(mix64(uint64_t(cfg.run.seed) ^ mix64(uint64_t(step))), run.me.dp, dp);
   const double loss_sum = run.pipe.step(
