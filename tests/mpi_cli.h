@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "io/hdf5_file.h"
+#include "model/model_definition.h"
 #include "test_util.h"
 
 namespace trainer {
@@ -101,6 +102,27 @@ inline std::string text_of(const std::string& file) {
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
+}
+
+// The model of MpiCli's run.toml.
+inline ModelConfig cli_model() {
+  ModelConfig cfg;
+  cfg.seq_len = 16, cfg.n_layer = 2, cfg.n_head = 2, cfg.d_model = 16;
+  return cfg;
+}
+
+// Every tensor of two checkpoints is bitwise equal (params, moments).
+inline void expect_same_tensors(const std::string& a_file, const std::string& b_file,
+                                const ModelConfig& cfg = cli_model()) {
+  H5File a = H5File::open_read(a_file);
+  H5File b = H5File::open_read(b_file);
+  for (const ParamInfo& p : param_table(cfg).params)
+    for (const std::string group : {"params/", "optim/m/", "optim/v/"}) {
+      std::vector<float> x(p.logical_numel()), y(p.logical_numel());
+      a.read(group + p.name, p.shape, x.data());
+      b.read(group + p.name, p.shape, y.data());
+      ASSERT_EQ(x, y) << group << p.name;
+    }
 }
 
 // The fp32 values of params/<name> in a checkpoint's state.h5.

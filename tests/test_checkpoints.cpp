@@ -21,27 +21,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// The model of MpiCli's run.toml.
-ModelConfig cli_model() {
-  ModelConfig cfg;
-  cfg.seq_len = 16, cfg.n_layer = 2, cfg.n_head = 2, cfg.d_model = 16;
-  return cfg;
-}
-
-// Every tensor of two checkpoints is bitwise equal (params, moments).
-void expect_same_tensors(const std::string& a_file, const std::string& b_file,
-                         const ModelConfig& cfg = cli_model()) {
-  H5File a = H5File::open_read(a_file);
-  H5File b = H5File::open_read(b_file);
-  for (const ParamInfo& p : param_table(cfg).params)
-    for (const std::string group : {"params/", "optim/m/", "optim/v/"}) {
-      std::vector<float> x(p.logical_numel()), y(p.logical_numel());
-      a.read(group + p.name, p.shape, x.data());
-      b.read(group + p.name, p.shape, y.data());
-      ASSERT_EQ(x, y) << group << p.name;
-    }
-}
-
 std::string latest_of(const std::string& dir) {
   std::ifstream in(dir + "/latest");
   std::string name;

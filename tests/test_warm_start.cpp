@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -15,6 +17,8 @@
 
 namespace trainer {
 namespace {
+
+namespace fs = std::filesystem;
 
 // The validation losses of a run, by step.
 std::vector<std::pair<int64_t, double>> val_losses(const std::string& out) {
@@ -102,6 +106,95 @@ TEST_F(MpiCli, WarmStartFromAnotherShapeIsAnError) {
     EXPECT_EQ(r.code, 2) << r.output;
     EXPECT_EQ(count(r.output, c.message), 1) << r.output;
     EXPECT_FALSE(std::filesystem::exists(path("out"))) << "nothing is written";
+  }
+}
+
+// trainer export writes a checkpoint's weights as safetensors; an independent Python reader
+// (tests/safetensors_tool.py) finds every tensor of the checkpoint in it, exactly in fp32 and
+// rounded to nearest even in bf16 and fp16; [init] from reads it back. From a dp2 x tp2
+// checkpoint into dp2 x tp2 the warm start is bit for bit the one from the checkpoint itself.
+TEST_F(MpiCli, SafetensorsExportRoundTripsInAFourRankLayout) {
+  const std::string layout = "--set parallel.dp=2 --set parallel.tp=2 ";
+  const std::string source = path("source");
+  auto r = mpirun(4, layout + "--set train.steps=3 --set run.out_dir=" + quoted(source));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::string state = source + "/checkpoints/step_00000003/state.h5";
+  const std::string tool = "/usr/bin/python3 " + test::source_dir() + "/tests/safetensors_tool.py ";
+  for (const std::string dtype : {"fp32", "bf16", "fp16"}) {
+    const std::string file = path(dtype + ".safetensors");
+    r = test::run_command(test::trainer_bin() + " export --checkpoint " + source + " --out " +
+                          file + " --dtype " + dtype);
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_EQ(r.output.find("exported 28 tensors ("), 0u) << r.output;
+    r = test::run_command(tool + "check " + file + " " + state);
+    EXPECT_EQ(r.code, 0) << dtype << ": " << r.output;
+    EXPECT_EQ(r.output, "ok 28 tensors, gpt2\n");
+  }
+  // Warm starts in the source's layout, from the checkpoint and from its export: the same run.
+  const std::string warm = layout + "--set train.steps=2 --set train.val_every=1 ";
+  for (const std::string& from : {state, path("fp32.safetensors"), path("bf16.safetensors")}) {
+    r = mpirun(4, warm + "--set init.from=" + quoted(from) + " --set run.out_dir=" +
+                      quoted(path("from_" + fs::path(from).stem().string())));
+    ASSERT_EQ(r.code, 0) << r.output;
+  }
+  EXPECT_NE(r.output.find("initialized from " + path("bf16.safetensors") +
+                          " (safetensors weights; optimizer state"),
+            std::string::npos)
+      << r.output;
+  const auto from_h5 = val_losses(path("from_state")), from_st = val_losses(path("from_fp32")),
+             from_bf16 = val_losses(path("from_bf16"));
+  ASSERT_EQ(from_h5.size(), 3u);
+  EXPECT_EQ(from_st, from_h5);  // bit for bit
+  expect_same_tensors(path("from_state/checkpoints/step_00000002/state.h5"),
+                      path("from_fp32/checkpoints/step_00000002/state.h5"), cli_model());
+  // The bf16 export holds about 3 significant digits of each weight.
+  EXPECT_NEAR(from_bf16.front().second, from_h5.front().second, 1e-2 * from_h5.front().second);
+  EXPECT_NE(from_bf16.front().second, from_h5.front().second);
+}
+
+// Weights that do not fit the model: exit 2, one line naming the tensor (and both shapes).
+TEST_F(MpiCli, SafetensorsThatDoNotFitAreNamed) {
+  auto r = mpirun(1, "--set train.steps=1 --set run.out_dir=" + quoted(path("source")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::string w = path("w.safetensors");
+  ASSERT_EQ(test::run_command(test::trainer_bin() + " export --checkpoint " + path("source") +
+                              " --out " + w)
+                .code,
+            0);
+  const std::string tool = "/usr/bin/python3 " + test::source_dir() + "/tests/safetensors_tool.py ";
+  ASSERT_EQ(
+      test::run_command(tool + "drop " + w + " " + path("drop.safetensors") + " h.1.mlp.fc.bias")
+          .code,
+      0);
+  ASSERT_EQ(test::run_command(tool + "extra " + w + " " + path("extra.safetensors") +
+                              " h.9.attn.qkv.weight")
+                .code,
+            0);
+  ASSERT_EQ(
+      test::run_command(tool + "meta " + w + " " + path("meta.safetensors") + " n_head 4").code, 0);
+  {
+    std::ifstream in(w, std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(in)), {});
+    std::ofstream(path("cut.safetensors"), std::ios::binary) << bytes.substr(0, bytes.size() / 2);
+  }
+  struct Case {
+    std::string file, settings, message;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"drop.safetensors", "", ": no tensor h.1.mlp.fc.bias, which this model needs ([64])"},
+           {"extra.safetensors", "",
+            ": tensor h.9.attn.qkv.weight (F32 [2]) has no place in this model (gpt2)"},
+           {"meta.safetensors", "",
+            ": the weights are for a model with n_head = 4, this model has n_head = 2"},
+           {"w.safetensors", "--set model.d_model=32 ",
+            ": wte.weight has shape [256, 16], this model's is [256, 32]"},
+           {"cut.safetensors", "", ": tensor "},
+       }) {
+    SCOPED_TRACE(c.file);
+    r = mpirun(2, c.settings + "--set init.from=" + quoted(path(c.file)));
+    expect_refused(r, path(c.file) + c.message);
+    EXPECT_EQ(count(r.output, "\n"), 1) << r.output;
+    EXPECT_FALSE(fs::exists(path("out"))) << "nothing is written";
   }
 }
 

@@ -17,6 +17,7 @@
 #include "comm/mpi_comm.h"
 #include "io/atomic_file.h"
 #include "io/hdf5_file.h"
+#include "io/safetensors.h"
 
 namespace fs = std::filesystem;
 
@@ -743,18 +744,64 @@ std::string newest_valid_checkpoint(const std::string& dir, const ModelConfig& m
 
 namespace {
 
-// This rank's elements of a group of tensors ("params/", "optim/m/"), in the flat layout of its
-// parameters. Each rank reads only the boxes of its slices (the values arrive in local order).
-std::vector<float> read_local(const H5File& f, const StageExecutor& model,
-                              const std::string& group) {
+// Tensors under the model's logical names, to read weights from: a group of one of our
+// checkpoints ("params/", "optim/m/") or a safetensors file (trainer export, or a tool's).
+class TensorSource {
+ public:
+  virtual ~TensorSource() = default;
+  virtual bool exists(const std::string& name) const = 0;
+  virtual std::vector<int64_t> shape(const std::string& name) const = 0;
+  virtual void read_part(const std::string& name, const std::vector<int64_t>& shape,
+                         const std::vector<Box>& boxes, float* values) const = 0;
+};
+
+class H5Group : public TensorSource {
+ public:
+  H5Group(const H5File& f, std::string group) : f_(f), group_(std::move(group)) {}
+  bool exists(const std::string& name) const override { return f_.exists(group_ + name); }
+  std::vector<int64_t> shape(const std::string& name) const override {
+    return f_.shape(group_ + name);
+  }
+  void read_part(const std::string& name, const std::vector<int64_t>& shape,
+                 const std::vector<Box>& boxes, float* values) const override {
+    f_.read_part(group_ + name, shape, boxes, values);
+  }
+
+ private:
+  const H5File& f_;
+  std::string group_;
+};
+
+class SafetensorsSource : public TensorSource {
+ public:
+  explicit SafetensorsSource(const SafetensorsFile& f) : f_(f) {}
+  bool exists(const std::string& name) const override { return f_.exists(name); }
+  std::vector<int64_t> shape(const std::string& name) const override { return f_.at(name).shape; }
+  void read_part(const std::string& name, const std::vector<int64_t>& shape,
+                 const std::vector<Box>& boxes, float* values) const override {
+    f_.read_part(name, shape, boxes, values);
+  }
+
+ private:
+  const SafetensorsFile& f_;
+};
+
+// This rank's elements of the model's tensors, in the flat layout of its parameters. Each rank
+// reads only the boxes of its slices (the values arrive in local order).
+std::vector<float> read_local(const TensorSource& source, const StageExecutor& model) {
   const ParamTable full = param_table(model.config());
   std::vector<float> flat(model.table().total, 0.0f);
   for (const ParamInfo& p : model.table().params) {
     std::vector<Box> boxes;
     append_boxes(p, 0, p.local_numel(), boxes);
-    f.read_part(group + p.name, full.at(p.name).shape, boxes, flat.data() + p.offset);
+    source.read_part(p.name, full.at(p.name).shape, boxes, flat.data() + p.offset);
   }
   return flat;
+}
+
+std::vector<float> read_local(const H5File& f, const StageExecutor& model,
+                              const std::string& group) {
+  return read_local(H5Group(f, group), model);
 }
 
 // flat (read_local's layout) -> a state buffer indexed by the optimizer's segments.
@@ -767,35 +814,68 @@ void upload_state(Kernels& k, const AdamW& optimizer, const std::vector<float>& 
 }
 
 // The weights into the model and, when it computes in 16 bits, the fp32 master.
-void load_params(const H5File& f, StageExecutor& model, AdamW* optimizer) {
-  const std::vector<float> params = read_local(f, model, "params/");
+void load_params(const TensorSource& source, StageExecutor& model, AdamW* optimizer) {
+  const std::vector<float> params = read_local(source, model);
   model.kernels().upload_f32(model.params(), params.data(), model.table().total);
   if (optimizer && optimizer->master())
     upload_state(model.kernels(), *optimizer, params, optimizer->master());
+}
+
+void load_params(const H5File& f, StageExecutor& model, AdamW* optimizer) {
+  load_params(H5Group(f, "params/"), model, optimizer);
 }
 
 std::string shape_text(const std::vector<int64_t>& shape) {
   return fmt::format("[{}]", fmt::join(shape, ", "));
 }
 
+// Every tensor the model needs is in `source` with its shape. `prefix` names them in messages
+// ("params/"); `model_note` says what the file's model is, when it is known.
+void check_tensors(const TensorSource& source, const std::string& file, const std::string& prefix,
+                   const ModelConfig& model, const std::string& model_note) {
+  for (const ParamInfo& p : param_table(model).params) {
+    if (!source.exists(p.name))
+      throw CheckpointError(fmt::format("{}: no tensor {}{}, which this model needs ({}{})", file,
+                                        prefix, p.name, shape_text(p.shape), model_note));
+    const std::vector<int64_t> shape = source.shape(p.name);
+    if (shape != p.shape)
+      throw CheckpointError(fmt::format("{}: {}{} has shape {}, this model's is {}", file, prefix,
+                                        p.name, shape_text(shape), shape_text(p.shape)));
+  }
+}
+
+// A safetensors file's weights fit the model: every tensor it needs, of its shape, and no other
+// (a tensor this model has no place for means the file is another model's).
+void check_safetensors(const SafetensorsFile& f, const ModelConfig& model) {
+  check_tensors(SafetensorsSource(f), f.path(), "", model, "");
+  const ParamTable table = param_table(model);
+  for (const auto& [name, t] : f.tensors())
+    if (!table.find(name))
+      throw CheckpointError(fmt::format("{}: tensor {} ({} {}) has no place in this model ({})",
+                                        f.path(), name, t.dtype, shape_text(t.shape),
+                                        arch_name(model.arch)));
+  // Our own export records the model; the same shapes may still be another (n_head).
+  const auto it = f.metadata().find("n_head");
+  if (it != f.metadata().end() && it->second != std::to_string(model.n_head))
+    throw CheckpointError(
+        fmt::format("{}: the weights are for a model with n_head = {}, this "
+                    "model has n_head = {}",
+                    f.path(), it->second, model.n_head));
+}
+
+bool is_safetensors(const std::string& path) {
+  return path.ends_with(".safetensors");
+}
+
 }  // namespace
 
 void check_weights(const std::string& state_file, const ModelConfig& model) {
+  if (is_safetensors(state_file)) return check_safetensors(SafetensorsFile(state_file), model);
   H5File f = H5File::open_read(state_file);
   check_version(f, state_file);
   const int64_t n_layer = f.attr_int("n_layer"), n_head = f.attr_int("n_head");
-  for (const ParamInfo& p : param_table(model).params) {
-    if (!f.exists("params/" + p.name))
-      throw CheckpointError(
-          fmt::format("{}: no tensor params/{}, which this model needs ({}; "
-                      "the checkpoint's model has n_layer = {})",
-                      state_file, p.name, shape_text(p.shape), n_layer));
-    const std::vector<int64_t> shape = f.shape("params/" + p.name);
-    if (shape != p.shape)
-      throw CheckpointError(fmt::format("{}: params/{} has shape {}, this model's is {}",
-                                        state_file, p.name, shape_text(shape),
-                                        shape_text(p.shape)));
-  }
+  check_tensors(H5Group(f, "params/"), state_file, "params/", model,
+                fmt::format("; the checkpoint's model has n_layer = {}", n_layer));
   // A deeper model's blocks would be silently dropped: the first parameter of block n_layer.
   ModelConfig deeper = model;
   deeper.n_layer++;
@@ -815,6 +895,10 @@ void check_weights(const std::string& state_file, const ModelConfig& model) {
 
 void load_weights(const std::string& state_file, StageExecutor& model, AdamW* optimizer) {
   check_weights(state_file, model.config());
+  if (is_safetensors(state_file)) {
+    const SafetensorsFile f(state_file);
+    return load_params(SafetensorsSource(f), model, optimizer);
+  }
   H5File f = H5File::open_read(state_file);
   load_params(f, model, optimizer);
 }

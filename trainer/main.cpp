@@ -19,6 +19,7 @@
 #include "io/tokenizer.h"
 #include "trainer/blas_setup.h"
 #include "trainer/checkpoint.h"
+#include "trainer/export.h"
 #include "trainer/prepare.h"
 #include "trainer/report_error.h"
 #include "trainer/sampler.h"
@@ -149,6 +150,18 @@ int main(int argc, char** argv) {
   pre->add_option("--tokenizer-path", prep_path, "the tokenizer's files");
   pre->add_option("--pattern", prep_pattern, "tiktoken's pre-tokenisation: gpt2 | cl100k | llama3");
 
+  trainer::ExportOptions exp;
+  auto* ex = app.add_subcommand("export", "write a checkpoint's weights for other tools");
+  ex->add_option("--checkpoint", exp.checkpoint, "checkpoint or run directory")->required();
+  ex->add_option("--format", exp.format,
+                 "safetensors: one file, the model's own tensor names (what [init] from reads)")
+      ->check(CLI::IsMember({"safetensors"}))
+      ->capture_default_str();
+  ex->add_option("--out", exp.out, "the file to write")->required();
+  ex->add_option("--dtype", exp.dtype, "fp32 | bf16 | fp16")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
+      ->capture_default_str();
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -178,6 +191,7 @@ int main(int argc, char** argv) {
   }
   try {
     if (*gen) return generate(checkpoint, prompt, prompt_option->count() > 0, tokens, sample);
+    if (*ex) return trainer::export_weights(exp);
     if (*pre) {
       // The [tokenizer] of --config, the flags on top, checked by the config's own rules.
       std::vector<std::string> set;

@@ -896,9 +896,12 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     load_weights(init, run.model, &run.optimizer);
     if (leader) {
       fmt::print(
-          "initialized from {} (weights of step {}; optimizer state, step, schedule and data "
-          "order start fresh)\n",
-          init, checkpoint_step(init));
+          "initialized from {} ({}; optimizer state, step, schedule and data order start "
+          "fresh)\n",
+          init,
+          init.ends_with(".safetensors")
+              ? std::string("safetensors weights")
+              : fmt::format("weights of step {}", checkpoint_step(init)));
       log->event({{"step", 0}, {"init_from", init}});
     }
   }
