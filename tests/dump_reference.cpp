@@ -1,5 +1,7 @@
 // Writes a tiny model's parameters, logits, loss and gradients to HDF5, for the independent
-// PyTorch check in tests/torch_reference.py. Usage: dump_reference <out.h5> [VARIANT]
+// PyTorch check in tests/torch_reference.py. Usage: dump_reference <out.h5> [VARIANT [HF_DIR]]
+// HF_DIR: also the weights in transformers' layout (trainer/hf_format.h), for
+// tests/hf_reference.py.
 // VARIANT: gpt2 (the default: tied head), gpt2-untied (and no biases), llama (grouped-query
 // attention, an untied head, Llama 3.1 rotary scaling), llama-mqa-tied (one key/value head, a tied
 // head).
@@ -15,6 +17,7 @@
 #include "kernels/kernels.h"
 #include "model/init.h"
 #include "model/stage_executor.h"
+#include "trainer/hf_format.h"
 
 using namespace trainer;
 
@@ -59,12 +62,13 @@ ModelConfig variant(const std::string& name) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 2 && argc != 3) {
-    std::fprintf(stderr, "usage: %s <out.h5> [gpt2|gpt2-untied|llama|llama-mqa-tied]\n", argv[0]);
+  if (argc < 2 || argc > 4) {
+    std::fprintf(stderr, "usage: %s <out.h5> [gpt2|gpt2-untied|llama|llama-mqa-tied [HF_DIR]]\n",
+                 argv[0]);
     return 2;
   }
   try {
-    const ModelConfig cfg = variant(argc == 3 ? argv[2] : "gpt2");
+    const ModelConfig cfg = variant(argc >= 3 ? argv[2] : "gpt2");
     const int B = 2, T = 16, V = cfg.vocab_size, Vp = cfg.padded_vocab();
     auto kernels = make_cpu_kernels();
     StageExecutor model(cfg, *kernels, DType::f32, B, T);
@@ -125,6 +129,13 @@ int main(int argc, char** argv) {
     out.set_attr("rope_high_freq_factor", cfg.rope_scaling.high_freq_factor);
     out.set_attr("rope_original_max_pos", int64_t(cfg.rope_scaling.original_max_pos));
     out.flush();
+    if (argc == 4)
+      write_hf(
+          cfg,
+          [&](const std::string& name) {
+            return model.read<float>(model.table().at(name), model.params());
+          },
+          argv[3], "F32", {{"format", "pt"}}, int64_t(1) << 40);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dump_reference: %s\n", e.what());
     return 1;

@@ -198,5 +198,52 @@ TEST_F(MpiCli, SafetensorsThatDoNotFitAreNamed) {
   }
 }
 
+// trainer export --format hf: transformers' names, shapes and config.json, one model.safetensors,
+// or above --max-shard-mb shards and an index that hold exactly the same tensors. (That these
+// weights compute our logits is tests/hf_reference.py, for every architecture variant.)
+TEST_F(MpiCli, HfExportIsTransformersLayoutShardedAboveTheLimit) {
+  const std::string model = "--set model.d_model=128 --set model.n_head=4 ";
+  auto r = mpirun(1, model + "--set train.steps=1 --set run.out_dir=" + quoted(path("source")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  for (const std::string shard : {"5000", "1"}) {
+    r = test::run_command(test::trainer_bin() + " export --format hf --checkpoint " +
+                          path("source") + " --out " + path("hf" + shard) + " --max-shard-mb " +
+                          shard);
+    ASSERT_EQ(r.code, 0) << r.output;
+  }
+  EXPECT_NE(r.output.find(": 5 files in "), std::string::npos)
+      << r.output;  // 2 shards, the index, the configs
+  const std::string check =
+      "import json, os, sys\n"
+      "sys.path.insert(0, \"" +
+      test::source_dir() +
+      "/tests\")\n"
+      "import hf_reference\n"
+      "one, sharded = (hf_reference.load_hf_dir(\"" +
+      path("hf") +
+      "\" + s) for s in (\"5000\", \"1\"))\n"
+      "assert sorted(os.listdir(\"" +
+      path("hf5000") +
+      "\")) == [\"config.json\", "
+      "\"generation_config.json\", \"model.safetensors\"]\n"
+      "index = json.load(open(\"" +
+      path("hf1") +
+      "/model.safetensors.index.json\"))\n"
+      "assert len(set(index[\"weight_map\"].values())) == 2, index\n"
+      "assert index[\"metadata\"][\"total_size\"] == 4 * sum(t.numel() for t in one.values())\n"
+      "assert one.keys() == sharded.keys() and all((one[k] == sharded[k]).all() for k in one)\n"
+      "c = json.load(open(\"" +
+      path("hf1") +
+      "/config.json\"))\n"
+      "assert c[\"architectures\"] == [\"GPT2LMHeadModel\"] and c[\"n_embd\"] == 128, c\n"
+      "assert one[\"transformer.h.1.attn.c_attn.weight\"].shape == (128, 384)\n"
+      "assert \"lm_head.weight\" not in one and c[\"tie_word_embeddings\"]\n"
+      "print(\"ok\", len(one))\n";
+  std::ofstream(path("check.py")) << check;
+  r = test::run_command("/usr/bin/python3 " + path("check.py"));
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(r.output, "ok 28\n");
+}
+
 }  // namespace
 }  // namespace trainer

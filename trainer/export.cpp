@@ -11,6 +11,7 @@
 #include "io/safetensors.h"
 #include "model/model_definition.h"
 #include "trainer/checkpoint.h"
+#include "trainer/hf_format.h"
 
 namespace trainer {
 
@@ -36,23 +37,30 @@ int export_weights(const ExportOptions& opts) {
       {"config", config_to_toml(cfg)},
   };
   const ParamTable table = param_table(m);
-  SafetensorsWriter out(opts.out, metadata);
-  int64_t numel = 0;
-  for (const ParamInfo& p : table.params) out.add(p.name, dtype, p.shape);
   H5File f = H5File::open_read(state);
-  std::vector<float> values;
-  for (const ParamInfo& p : table.params) {
-    int64_t n = 1;
-    for (int64_t d : p.shape) n *= d;
-    values.resize(size_t(n));
-    f.read("params/" + p.name, p.shape, values.data());
-    out.write(p.name, values.data());
-    numel += n;
+  auto read = [&](const std::string& name) {
+    const ParamInfo& p = table.at(name);
+    std::vector<float> values(size_t(p.logical_numel()));
+    f.read("params/" + name, p.shape, values.data());
+    return values;
+  };
+  int64_t numel = 0;
+  for (const ParamInfo& p : table.params) numel += p.logical_numel();
+  size_t written = table.params.size();
+  if (opts.format == "hf") {
+    written = write_hf(m, read, opts.out, dtype, metadata, opts.max_shard_mb << 20).size();
+  } else {
+    SafetensorsWriter out(opts.out, metadata);
+    for (const ParamInfo& p : table.params) out.add(p.name, dtype, p.shape);
+    for (const ParamInfo& p : table.params) out.write(p.name, read(p.name).data());
+    out.close();
   }
-  out.close();
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  fmt::print("exported {} tensors ({} parameters, {}) of {} to {} in {:.1f} s\n",
-             table.params.size(), numel, opts.dtype, state, opts.out, s);
+  fmt::print("exported {} ({} parameters, {}) of {} to {}: {} in {:.1f} s\n",
+             opts.format == "hf" ? "the model in transformers' layout"
+                                 : fmt::format("{} tensors", written),
+             numel, opts.dtype, state, opts.out,
+             opts.format == "hf" ? fmt::format("{} files", written) : std::string("one file"), s);
   return 0;
 }
 

@@ -154,10 +154,14 @@ int main(int argc, char** argv) {
   auto* ex = app.add_subcommand("export", "write a checkpoint's weights for other tools");
   ex->add_option("--checkpoint", exp.checkpoint, "checkpoint or run directory")->required();
   ex->add_option("--format", exp.format,
-                 "safetensors: one file, the model's own tensor names (what [init] from reads)")
-      ->check(CLI::IsMember({"safetensors"}))
+                 "safetensors: one file, the model's own tensor names (what [init] from reads); "
+                 "hf: a directory that transformers' from_pretrained loads")
+      ->check(CLI::IsMember({"safetensors", "hf"}))
       ->capture_default_str();
-  ex->add_option("--out", exp.out, "the file to write")->required();
+  ex->add_option("--out", exp.out, "the file (safetensors) or directory (hf) to write")->required();
+  ex->add_option("--max-shard-mb", exp.max_shard_mb, "hf: shards of at most this many MB")
+      ->check(CLI::Range(int64_t(1), int64_t(1) << 30))
+      ->capture_default_str();
   ex->add_option("--dtype", exp.dtype, "fp32 | bf16 | fp16")
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
       ->capture_default_str();
