@@ -254,6 +254,45 @@ class LlamaForCausalLM(nn.Module):
         return x @ self.model.embed_tokens.weight.T if self.tied else self.lm_head(x)
 
 
+def write_random_gpt2(path, n_layer, n_head, n_embd, n_positions, vocab_size, seed):
+    """A GPT-2 directory as the Hugging Face hub holds one: names without the "transformer."
+    prefix, the attention's causal-mask buffers ("h.0.attn.bias") among the weights, random
+    weights (normal, std 0.2; LayerNorm gains around 1)."""
+    config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+              "vocab_size": vocab_size, "n_positions": n_positions, "n_embd": n_embd,
+              "n_layer": n_layer, "n_head": n_head, "n_inner": None,
+              "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5}
+    model = GPT2LMHeadModel(dict(config, tie_word_embeddings=True))
+    gen = torch.Generator().manual_seed(seed)
+    tensors = []
+    for name, p in model.state_dict().items():
+        v = torch.randn(p.shape, generator=gen) * 0.2 + (1.0 if name.endswith("ln_1.weight") or
+                                                          name.endswith("ln_2.weight") or
+                                                          name.endswith("ln_f.weight") else 0.0)
+        tensors.append((name[len("transformer."):], "F32", list(p.shape),
+                        v.numpy().astype("<f4").tobytes()))
+    for i in range(n_layer):
+        mask = np.tril(np.ones((n_positions, n_positions), dtype="<f4"))[None, None]
+        tensors.append((f"h.{i}.attn.bias", "F32", list(mask.shape), mask.tobytes()))
+    os.makedirs(path, exist_ok=True)
+    safetensors_tool.write(os.path.join(path, "model.safetensors"), {"format": "pt"}, tensors)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def same_weights(a, b):
+    """Whether two GPT-2 directories hold the same weights bit for bit (names with or without
+    the "transformer." prefix; mask buffers ignored)."""
+    def weights(path):
+        return {k[len("transformer."):] if k.startswith("transformer.") else k: v
+                for k, v in load_hf_dir(path).items() if not k.endswith(".attn.bias")}
+    x, y = weights(a), weights(b)
+    assert x.keys() == y.keys(), sorted(set(x) ^ set(y))
+    for k in x:
+        assert torch.equal(x[k], y[k]), k
+    return len(x)
+
+
 def check(dump_tool, work_dir, variant):
     h5_path = os.path.join(work_dir, f"hf-{variant}.h5")
     hf_dir = os.path.join(work_dir, f"hf-{variant}")

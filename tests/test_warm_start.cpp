@@ -9,6 +9,7 @@
 #include <fstream>
 #include <iterator>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "io/hdf5_file.h"
@@ -150,6 +151,118 @@ TEST_F(MpiCli, SafetensorsExportRoundTripsInAFourRankLayout) {
   // The bf16 export holds about 3 significant digits of each weight.
   EXPECT_NEAR(from_bf16.front().second, from_h5.front().second, 1e-2 * from_h5.front().second);
   EXPECT_NE(from_bf16.front().second, from_h5.front().second);
+}
+
+// Both architectures, dp2 x tp2: a warm start from the safetensors export and from the
+// transformers directory is bit for bit the warm start from the checkpoint (losses, weights,
+// moments): the export and the import are exact inverses, however the layout slices them.
+TEST_F(MpiCli, ExportsRoundTripForGpt2AndLlamaInAFourRankLayout) {
+  ModelConfig llama = cli_model();
+  llama.arch = Arch::llama;
+  llama.n_head = 4, llama.n_kv_head = 2, llama.d_model = 32, llama.ffn_hidden = 64;
+  llama.tie_embeddings = false;
+  const std::string llama_settings = "--set model.arch=" + quoted("llama") +
+                                     " --set model.n_head=4 --set model.n_kv_head=2 "
+                                     "--set model.d_model=32 --set model.ffn_hidden=64 ";
+  const std::string layout = "--set parallel.dp=2 --set parallel.tp=2 ";
+  for (const auto& [arch, settings, model] :
+       {std::tuple{std::string("gpt2"), std::string(), cli_model()},
+        std::tuple{std::string("llama"), llama_settings, llama}}) {
+    SCOPED_TRACE(arch);
+    const std::string source = path(arch);
+    auto r =
+        mpirun(4, layout + settings + "--set train.steps=3 --set run.out_dir=" + quoted(source));
+    ASSERT_EQ(r.code, 0) << r.output;
+    for (const std::string format : {"safetensors", "hf"}) {
+      r = test::run_command(test::trainer_bin() + " export --format " + format + " --checkpoint " +
+                            source + " --out " + path(arch + "." + format));
+      ASSERT_EQ(r.code, 0) << r.output;
+    }
+    const std::string warm = layout + settings + "--set train.steps=2 --set train.val_every=1 ";
+    const std::string state = source + "/checkpoints/step_00000003/state.h5";
+    for (const std::string& from : {state, path(arch + ".safetensors"), path(arch + ".hf")}) {
+      r = mpirun(4, warm + "--set init.from=" + quoted(from) +
+                        " --set run.out_dir=" + quoted(from + ".warm"));
+      ASSERT_EQ(r.code, 0) << r.output;
+    }
+    EXPECT_NE(r.output.find("(weights in transformers' layout;"), std::string::npos) << r.output;
+    const auto base = val_losses(state + ".warm");
+    ASSERT_EQ(base.size(), 3u);
+    for (const std::string& from : {path(arch + ".safetensors"), path(arch + ".hf")}) {
+      SCOPED_TRACE(from);
+      EXPECT_EQ(val_losses(from + ".warm"), base);
+      expect_same_tensors(state + ".warm/checkpoints/step_00000002/state.h5",
+                          from + ".warm/checkpoints/step_00000002/state.h5", model);
+    }
+  }
+}
+
+// A GPT-2 directory as the hub holds one, written by an independent Python writer (no
+// "transformer." prefix, causal-mask buffers among the weights): imported in tp2 and trained one
+// step at lr 0, its re-export holds the same weights bit for bit. Directories that do not fit:
+// one line naming every disagreeing config.json field, or the tensor, exit 2, nothing written.
+TEST_F(MpiCli, HfDirectoriesImportAndThoseThatDoNotFitAreNamed) {
+  auto python = [&](const std::string& code) {
+    std::ofstream(path("script.py")) << "import json, os, shutil, sys\nsys.path.insert(0, \""
+                                     << test::source_dir() << "/tests\")\nimport hf_reference\n"
+                                     << code;
+    return test::run_command("/usr/bin/python3 " + path("script.py"));
+  };
+  const std::string hub = path("hub");
+  auto r = python("hf_reference.write_random_gpt2(\"" + hub + "\", 2, 2, 16, 16, 256, 7)\n");
+  ASSERT_EQ(r.code, 0) << r.output;
+  r = mpirun(2, "--set parallel.tp=2 --set train.steps=1 --set optim.lr=0 --set init.from=" +
+                    quoted(hub) + " --set run.out_dir=" + quoted(path("imported")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  r = test::run_command(test::trainer_bin() + " export --format hf --checkpoint " +
+                        path("imported") + " --out " + path("again"));
+  ASSERT_EQ(r.code, 0) << r.output;
+  r = python("print(hf_reference.same_weights(\"" + hub + "\", \"" + path("again") + "\"))\n");
+  EXPECT_EQ(r.output, "28\n");
+
+  const std::string tool = "/usr/bin/python3 " + test::source_dir() + "/tests/safetensors_tool.py ";
+  for (const std::string dir : {"dropped", "extra", "llama"}) {
+    fs::create_directories(path(dir));
+    fs::copy_file(hub + "/config.json", path(dir + "/config.json"));
+  }
+  ASSERT_EQ(test::run_command(tool + "drop " + hub + "/model.safetensors " +
+                              path("dropped/model.safetensors") + " h.1.mlp.c_fc.bias")
+                .code,
+            0);
+  ASSERT_EQ(test::run_command(tool + "extra " + hub + "/model.safetensors " +
+                              path("extra/model.safetensors") + " lm_head.weight")
+                .code,
+            0);
+  fs::copy_file(hub + "/model.safetensors", path("llama/model.safetensors"));
+  r = python("p = \"" + path("llama/config.json") +
+             "\"\nc = json.load(open(p))\nc[\"architectures\"] = [\"LlamaForCausalLM\"]\n"
+             "json.dump(c, open(p, \"w\"))\n");
+  ASSERT_EQ(r.code, 0) << r.output;
+  struct Case {
+    std::string dir, settings, message;
+  };
+  for (const Case& c : std::vector<Case>{
+           {hub, "--set model.d_model=32 --set model.n_layer=3 ",
+            hub + "/config.json: n_embd = 16, [model] d_model = 32; n_layer = 2, [model] "
+                  "n_layer = 3"},
+           {path("llama"), "",
+            path("llama") + "/config.json: architectures = [\"LlamaForCausalLM\"], [model] "
+                            "arch = \"gpt2\" (GPT2LMHeadModel)"},
+           {path("dropped"), "",
+            path("dropped") + ": no tensor transformer.h.1.mlp.c_fc.bias ([64]), which this "
+                              "model needs for h.1.mlp.fc.bias"},
+           {path("extra"), "",
+            path("extra") + ": tensor lm_head.weight has no place in this model (gpt2)"},
+           {hub, "--set model.bias=false ",
+            hub + ": h.0.ln_1.bias is not zero, and this model has no biases (model.bias = "
+                  "false)"},
+       }) {
+    SCOPED_TRACE(c.message);
+    r = mpirun(2, c.settings + "--set init.from=" + quoted(c.dir));
+    expect_refused(r, c.message);
+    EXPECT_EQ(count(r.output, "\n"), 1) << r.output;
+    EXPECT_FALSE(fs::exists(path("out"))) << "nothing is written";
+  }
 }
 
 // Weights that do not fit the model: exit 2, one line naming the tensor (and both shapes).

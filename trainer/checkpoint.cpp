@@ -18,6 +18,7 @@
 #include "io/atomic_file.h"
 #include "io/hdf5_file.h"
 #include "io/safetensors.h"
+#include "trainer/hf_format.h"
 
 namespace fs = std::filesystem;
 
@@ -621,7 +622,7 @@ void remove_incomplete_checkpoints(const std::string& dir) {
 std::string resolve_checkpoint(const std::string& path) {
   fs::path p(path);
   if (!fs::exists(p)) throw CheckpointError(fmt::format("{}: no such checkpoint", path));
-  if (fs::is_regular_file(p)) return p.string();
+  if (fs::is_regular_file(p) || HfDirectory::is_one(path)) return p.string();
   for (int depth = 0; depth < 3; depth++) {
     if (fs::exists(p / "state.h5")) return (p / "state.h5").string();
     if (fs::exists(p / "latest")) {
@@ -786,6 +787,24 @@ class SafetensorsSource : public TensorSource {
   const SafetensorsFile& f_;
 };
 
+// A transformers directory, under our names (trainer/hf_format.h), once checked.
+class HfSource : public TensorSource {
+ public:
+  HfSource(const HfDirectory& d, const ModelConfig& m) : d_(d), m_(m) {}
+  bool exists(const std::string&) const override { return true; }
+  std::vector<int64_t> shape(const std::string& name) const override {
+    return param_table(m_).at(name).shape;
+  }
+  void read_part(const std::string& name, const std::vector<int64_t>& shape,
+                 const std::vector<Box>& boxes, float* values) const override {
+    d_.read_part(m_, name, shape, boxes, values);
+  }
+
+ private:
+  const HfDirectory& d_;
+  ModelConfig m_;
+};
+
 // This rank's elements of the model's tensors, in the flat layout of its parameters. Each rank
 // reads only the boxes of its slices (the values arrive in local order).
 std::vector<float> read_local(const TensorSource& source, const StageExecutor& model) {
@@ -871,6 +890,7 @@ bool is_safetensors(const std::string& path) {
 
 void check_weights(const std::string& state_file, const ModelConfig& model) {
   if (is_safetensors(state_file)) return check_safetensors(SafetensorsFile(state_file), model);
+  if (HfDirectory::is_one(state_file)) return HfDirectory(state_file).check(model);
   H5File f = H5File::open_read(state_file);
   check_version(f, state_file);
   const int64_t n_layer = f.attr_int("n_layer"), n_head = f.attr_int("n_head");
@@ -898,6 +918,10 @@ void load_weights(const std::string& state_file, StageExecutor& model, AdamW* op
   if (is_safetensors(state_file)) {
     const SafetensorsFile f(state_file);
     return load_params(SafetensorsSource(f), model, optimizer);
+  }
+  if (HfDirectory::is_one(state_file)) {
+    const HfDirectory d(state_file);
+    return load_params(HfSource(d, model.config()), model, optimizer);
   }
   H5File f = H5File::open_read(state_file);
   load_params(f, model, optimizer);

@@ -1,11 +1,16 @@
 #include "trainer/hf_format.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "io/atomic_file.h"
+#include "io/errors.h"
 #include "io/safetensors.h"
 
 namespace trainer {
@@ -101,6 +106,33 @@ std::vector<float> hf_tensor_values(const HfTensor& t, const std::vector<float>&
             std::copy_n(in.begin() + from * cols, cols, out.begin() + to * cols);
           }
       break;
+    }
+  }
+  return out;
+}
+
+std::vector<float> our_tensor_values(const HfTensor& t, const std::vector<float>& hf) {
+  std::vector<float> out(hf.size());
+  switch (t.op) {
+    case Op::zeros:
+      return {};
+    case Op::copy:
+      return hf;
+    case Op::transpose: {  // transformers' (rows, cols) -> ours (cols, rows)
+      const int64_t rows = t.shape[0], cols = t.shape[1];
+      for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++) out[size_t(c * rows + r)] = hf[size_t(r * cols + c)];
+      return out;
+    }
+    case Op::rope_rows: {  // row hd/2 * part + i of a head back to 2i + part
+      const int64_t cols = t.shape[1], hd = t.shape[0] / t.heads;
+      for (int64_t h = 0; h < t.heads; h++)
+        for (int64_t i = 0; i < hd / 2; i++)
+          for (int64_t part = 0; part < 2; part++) {
+            const int64_t ours = h * hd + 2 * i + part, theirs = h * hd + part * (hd / 2) + i;
+            std::copy_n(hf.begin() + theirs * cols, cols, out.begin() + ours * cols);
+          }
+      return out;
     }
   }
   return out;
@@ -215,6 +247,222 @@ std::vector<std::string> write_hf(const ModelConfig& m,
   files.push_back("config.json");
   files.push_back("generation_config.json");
   return files;
+}
+
+// --- reading a directory back ------------------------------------------------------------------
+
+struct HfDirectory::Files {
+  nlohmann::json config;
+  std::vector<std::unique_ptr<SafetensorsFile>> files;
+  std::map<std::string, size_t> where;  // tensor name as stored -> its file
+};
+
+bool HfDirectory::is_one(const std::string& dir) {
+  namespace fs = std::filesystem;
+  return fs::is_directory(dir) && fs::exists(fs::path(dir) / "config.json") &&
+         (fs::exists(fs::path(dir) / "model.safetensors") ||
+          fs::exists(fs::path(dir) / "model.safetensors.index.json"));
+}
+
+HfDirectory::HfDirectory(const std::string& dir) : dir_(dir), files_(std::make_unique<Files>()) {
+  namespace fs = std::filesystem;
+  const std::string config = (fs::path(dir) / "config.json").string();
+  std::ifstream in(config);
+  if (!in) throw CheckpointError(fmt::format("{}: cannot read", config));
+  try {
+    files_->config = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    throw CheckpointError(fmt::format("{}: not JSON ({})", config, e.what()));
+  }
+  if (!files_->config.is_object())
+    throw CheckpointError(fmt::format("{}: not a JSON object", config));
+  std::set<std::string> names;
+  const fs::path index = fs::path(dir) / "model.safetensors.index.json";
+  if (fs::exists(index)) {
+    std::ifstream i(index);
+    try {
+      for (const auto& [tensor, file] : nlohmann::json::parse(i).at("weight_map").items())
+        names.insert(file.get<std::string>());
+    } catch (const nlohmann::json::exception& e) {
+      throw CheckpointError(
+          fmt::format("{}: not an index of shards ({})", index.string(), e.what()));
+    }
+  } else {
+    names.insert("model.safetensors");
+  }
+  for (const std::string& name : names) {
+    if (name.find('/') != std::string::npos)
+      throw CheckpointError(
+          fmt::format("{}: names {}, not a file beside it", index.string(), name));
+    files_->files.push_back(std::make_unique<SafetensorsFile>((fs::path(dir) / name).string()));
+    for (const auto& [tensor, t] : files_->files.back()->tensors())
+      if (!files_->where.emplace(tensor, files_->files.size() - 1).second)
+        throw CheckpointError(fmt::format("{}: tensor {} is in two shards", dir, tensor));
+  }
+}
+
+HfDirectory::~HfDirectory() = default;
+
+const SafetensorsFile* HfDirectory::file_of(const std::string& hf_name, std::string& stored) const {
+  // transformers saves GPT-2 without the "transformer." prefix of GPT2LMHeadModel's names.
+  for (const std::string& name :
+       {hf_name, hf_name.starts_with("transformer.") ? hf_name.substr(std::strlen("transformer."))
+                                                     : hf_name}) {
+    const auto it = files_->where.find(name);
+    if (it != files_->where.end()) {
+      stored = name;
+      return files_->files[it->second].get();
+    }
+  }
+  return nullptr;
+}
+
+std::vector<float> HfDirectory::read_full(const HfTensor& t) const {
+  std::string stored;
+  const SafetensorsFile* f = file_of(t.name, stored);
+  int64_t n = 1;
+  for (int64_t d : t.shape) n *= d;
+  std::vector<float> values(static_cast<size_t>(n));
+  const Box all =
+      t.shape.size() == 1 ? Box{0, 0, 1, t.shape[0]} : Box{0, 0, t.shape[0], t.shape[1]};
+  f->read_part(stored, t.shape, {all}, values.data());
+  return values;
+}
+
+namespace {
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  return fmt::format("[{}]", fmt::join(shape, ", "));
+}
+
+}  // namespace
+
+void HfDirectory::check(const ModelConfig& m) const {
+  const nlohmann::json& c = files_->config;
+  std::vector<std::string> wrong;
+  // A field of config.json against the model's value (absent: transformers' default).
+  auto field = [&](const char* key, const nlohmann::json& fallback, const nlohmann::json& ours,
+                   const std::string& our_key) {
+    const nlohmann::json& theirs = c.contains(key) && !c[key].is_null() ? c[key] : fallback;
+    const bool same = theirs.is_number() && ours.is_number()
+                          ? std::abs(theirs.get<double>() - ours.get<double>()) <=
+                                1e-9 * std::abs(ours.get<double>())
+                          : theirs == ours;
+    if (!same)
+      wrong.push_back(
+          fmt::format("{} = {}, [model] {} = {}", key, theirs.dump(), our_key, ours.dump()));
+  };
+  const std::string arch =
+      c.contains("architectures") && c["architectures"].is_array() && !c["architectures"].empty()
+          ? c["architectures"][0].dump()
+          : "none";
+  const char* want = m.arch == Arch::gpt2 ? "GPT2LMHeadModel" : "LlamaForCausalLM";
+  if (arch != nlohmann::json(want).dump())
+    wrong.push_back(fmt::format("architectures = [{}], [model] arch = \"{}\" ({})", arch,
+                                arch_name(m.arch), want));
+  field("vocab_size", nullptr, m.vocab_size, "vocab_size");
+  if (m.arch == Arch::gpt2) {
+    field("n_positions", 1024, m.seq_len, "seq_len");
+    field("n_embd", 768, m.d_model, "d_model");
+    field("n_layer", 12, m.n_layer, "n_layer");
+    field("n_head", 12, m.n_head, "n_head");
+    field("n_inner", 4 * m.d_model, 4 * m.d_model, "d_model x 4");
+    field("layer_norm_epsilon", 1e-5, 1e-5, "(LayerNorm's eps, fixed)");
+    const nlohmann::json act = c.value("activation_function", "gelu_new");
+    if (act != "gelu_new" && act != "gelu_pytorch_tanh")
+      wrong.push_back(
+          fmt::format("activation_function = {}, this GPT-2 has tanh GELU (gelu_new)", act.dump()));
+    field("tie_word_embeddings", true, m.tie_embeddings, "tie_embeddings");
+  } else {
+    field("hidden_size", nullptr, m.d_model, "d_model");
+    field("intermediate_size", nullptr, m.ffn(), "ffn_hidden (as derived)");
+    field("num_hidden_layers", nullptr, m.n_layer, "n_layer");
+    field("num_attention_heads", nullptr, m.n_head, "n_head");
+    field("num_key_value_heads", c.value("num_attention_heads", 0), m.kv_heads(), "n_kv_head");
+    field("head_dim", m.head_size(), m.head_size(), "d_model / n_head");
+    field("rms_norm_eps", 1e-6, m.norm_eps, "norm_eps");
+    field("rope_theta", 10000.0, m.rope_theta, "rope_theta");
+    field("hidden_act", "silu", "silu", "(SwiGLU's SiLU)");
+    field("tie_word_embeddings", false, m.tie_embeddings, "tie_embeddings");
+    field("attention_bias", false, false, "(no biases)");
+    field("mlp_bias", false, false, "(no biases)");
+    const nlohmann::json s = c.value("rope_scaling", nlohmann::json());
+    nlohmann::json ours = nullptr;
+    if (m.rope_scaling.factor > 0)
+      ours = {{"factor", m.rope_scaling.factor},
+              {"low_freq_factor", m.rope_scaling.low_freq_factor},
+              {"high_freq_factor", m.rope_scaling.high_freq_factor},
+              {"original_max_position_embeddings", m.rope_scaling.original_max_pos}};
+    nlohmann::json theirs = nullptr;
+    if (s.is_object()) {
+      theirs = nlohmann::json::object();
+      for (const char* k :
+           {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
+        if (s.contains(k)) theirs[k] = s[k];
+      const std::string type = s.value("rope_type", s.value("type", ""));
+      if (type != "llama3")
+        wrong.push_back(
+            fmt::format("rope_scaling.rope_type = \"{}\", this Llama has llama3's", type));
+    }
+    bool same = theirs.is_null() == ours.is_null();
+    if (same && !ours.is_null())
+      for (const auto& [k, v] : ours.items())
+        same =
+            same && theirs.contains(k) &&
+            std::abs(theirs[k].get<double>() - v.get<double>()) <= 1e-9 * std::abs(v.get<double>());
+    if (!same)
+      wrong.push_back(
+          fmt::format("rope_scaling = {}, [model] rope_scaling = {}", s.dump(), ours.dump()));
+  }
+  if (!wrong.empty())
+    throw CheckpointError(fmt::format("{}/config.json: {}", dir_, fmt::join(wrong, "; ")));
+
+  // The tensors: each the model needs, of its shape; zero biases where the model has none.
+  std::set<std::string> used;
+  for (const HfTensor& t : hf_tensors(m)) {
+    std::string stored;
+    const SafetensorsFile* f = file_of(t.name, stored);
+    if (!f) {
+      if (t.op == Op::zeros) continue;  // a model without biases: none is fine too
+      throw CheckpointError(fmt::format("{}: no tensor {} ({}), which this model needs for {}",
+                                        dir_, t.name, shape_text(t.shape), t.ours));
+    }
+    used.insert(stored);
+    if (f->at(stored).shape != t.shape)
+      throw CheckpointError(fmt::format("{}: {} has shape {}, this model's is {}", dir_, stored,
+                                        shape_text(f->at(stored).shape), shape_text(t.shape)));
+    if (t.op == Op::zeros)
+      for (float v : read_full(t))
+        if (v != 0)
+          throw CheckpointError(
+              fmt::format("{}: {} is not zero, and this model has no biases (model.bias = false)",
+                          dir_, stored));
+  }
+  for (const auto& [name, file] : files_->where) {
+    // GPT-2's causal-mask buffers, which older transformers saved with the weights.
+    if (name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias")) continue;
+    if (!used.count(name))
+      throw CheckpointError(fmt::format("{}: tensor {} has no place in this model ({})", dir_, name,
+                                        arch_name(m.arch)));
+  }
+}
+
+void HfDirectory::read_part(const ModelConfig& m, const std::string& name,
+                            const std::vector<int64_t>& shape, const std::vector<Box>& boxes,
+                            float* values) const {
+  for (const HfTensor& t : hf_tensors(m)) {
+    if (t.ours != name) continue;
+    const std::vector<float> full = our_tensor_values(t, read_full(t));
+    const int64_t cols = shape.back();
+    for (const Box& b : boxes) {
+      if (b.rows <= 0 || b.cols <= 0) continue;
+      const int64_t row0 = shape.size() == 1 ? 0 : b.row;
+      for (int64_t r = 0; r < b.rows; r++)
+        values = std::copy_n(full.begin() + (row0 + r) * cols + b.col, b.cols, values);
+    }
+    return;
+  }
+  throw std::logic_error("HfDirectory::read_part: no tensor of transformers' makes " + name);
 }
 
 }  // namespace trainer

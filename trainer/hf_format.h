@@ -6,9 +6,12 @@
 // interleaved pairs: convert_llama_weights_to_hf.py's permute()).
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "io/hdf5_file.h"  // Box
+#include "io/safetensors.h"
 #include "model/model_config.h"
 
 namespace trainer {
@@ -24,8 +27,10 @@ struct HfTensor {
 
 // Every tensor of the transformers model, in its order.
 std::vector<HfTensor> hf_tensors(const ModelConfig& m);
-// transformers' tensor from ours (`in`: our parameter's values, row-major in our shape).
+// transformers' tensor from ours (`in`: our parameter's values, row-major in our shape), and
+// back (our_tensor_values(t, hf_tensor_values(t, x)) == x).
 std::vector<float> hf_tensor_values(const HfTensor& t, const std::vector<float>& in);
+std::vector<float> our_tensor_values(const HfTensor& t, const std::vector<float>& hf);
 // config.json (torch_dtype from dtype: "F32", "BF16", "F16") and generation_config.json.
 std::string hf_config_json(const ModelConfig& m, const std::string& dtype = "F32");
 std::string hf_generation_config_json(const ModelConfig& m);
@@ -38,5 +43,33 @@ std::vector<std::string> write_hf(const ModelConfig& m,
                                   const std::string& dir, const std::string& dtype,
                                   const std::map<std::string, std::string>& metadata,
                                   int64_t max_shard_bytes);
+
+// A transformers model directory (our export, or a model saved by transformers: GPT-2's names
+// with or without the "transformer." prefix, its attention-mask buffers ignored), read under our
+// parameter names for a warm start. Throws CheckpointError (DataError for a damaged file).
+class HfDirectory {
+ public:
+  explicit HfDirectory(const std::string& dir);
+  ~HfDirectory();
+  HfDirectory(const HfDirectory&) = delete;
+  HfDirectory& operator=(const HfDirectory&) = delete;
+
+  // config.json against [model], and every tensor of the directory against the model's: one
+  // line naming every disagreeing field, or the first tensor missing, left over or mis-shaped.
+  void check(const ModelConfig& m) const;
+  // Our parameter `name` (of model m), converted from transformers' layout: the boxes of it,
+  // as H5File::read_part.
+  void read_part(const ModelConfig& m, const std::string& name, const std::vector<int64_t>& shape,
+                 const std::vector<Box>& boxes, float* values) const;
+  static bool is_one(const std::string& dir);  // holds config.json and safetensors weights
+
+ private:
+  struct Files;
+  const SafetensorsFile* file_of(const std::string& hf_name, std::string& stored) const;
+  std::vector<float> read_full(const HfTensor& t) const;
+
+  std::string dir_;
+  std::unique_ptr<Files> files_;
+};
 
 }  // namespace trainer

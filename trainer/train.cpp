@@ -33,6 +33,7 @@
 #include "trainer/checkpoint.h"
 #include "trainer/checkpoint_writer.h"
 #include "trainer/device.h"
+#include "trainer/hf_format.h"
 #include "trainer/loss_scaler.h"
 #include "trainer/lr_schedule.h"
 #include "trainer/metrics.h"
@@ -899,9 +900,9 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
           "initialized from {} ({}; optimizer state, step, schedule and data order start "
           "fresh)\n",
           init,
-          init.ends_with(".safetensors")
-              ? std::string("safetensors weights")
-              : fmt::format("weights of step {}", checkpoint_step(init)));
+          init.ends_with(".safetensors") ? std::string("safetensors weights")
+          : HfDirectory::is_one(init)    ? std::string("weights in transformers' layout")
+                                      : fmt::format("weights of step {}", checkpoint_step(init)));
       log->event({{"step", 0}, {"init_from", init}});
     }
   }
