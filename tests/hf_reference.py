@@ -280,6 +280,39 @@ def write_random_gpt2(path, n_layer, n_head, n_embd, n_positions, vocab_size, se
         json.dump(config, f)
 
 
+def write_random_llmc(path, n_layer, n_head, n_embd, n_positions, vocab_size, seed, version):
+    """An llm.c checkpoint as its train_gpt2.py writes one (write_model, write_tensors): the
+    256-int32 header, then wte padded to a multiple of 128 rows, wpe, and each kind of block
+    tensor stacked over the layers; random weights as write_random_gpt2's. version 3: fp32,
+    5: bf16."""
+    C, V = n_embd, vocab_size
+    Vp = (V + 127) // 128 * 128
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, mean=0.0):
+        return torch.randn(shape, generator=gen) * 0.2 + mean
+
+    wte = torch.cat([rand(V, C), torch.zeros(Vp - V, C)])
+    tensors = [wte, rand(n_positions, C)]
+    for kind, shape, mean in [("ln_1.weight", (C,), 1.0), ("ln_1.bias", (C,), 0.0),
+                              ("c_attn.weight", (3 * C, C), 0.0), ("c_attn.bias", (3 * C,), 0.0),
+                              ("attn.c_proj.weight", (C, C), 0.0), ("attn.c_proj.bias", (C,), 0.0),
+                              ("ln_2.weight", (C,), 1.0), ("ln_2.bias", (C,), 0.0),
+                              ("c_fc.weight", (4 * C, C), 0.0), ("c_fc.bias", (4 * C,), 0.0),
+                              ("mlp.c_proj.weight", (C, 4 * C), 0.0),
+                              ("mlp.c_proj.bias", (C,), 0.0)]:
+        tensors += [rand(*shape, mean=mean) for _ in range(n_layer)]
+    tensors += [rand(C, mean=1.0), rand(C)]
+    header = np.zeros(256, dtype="<i4")
+    header[:8] = [20240326, version, n_positions, V, n_layer, n_head, C, Vp]
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        for t in tensors:
+            v = t.numpy().astype(np.float32).reshape(-1)
+            f.write(v.astype("<f4").tobytes() if version == 3 else
+                    safetensors_tool.bf16_bits(v).astype("<u2").tobytes())
+
+
 def same_weights(a, b):
     """Whether two GPT-2 directories hold the same weights bit for bit (names with or without
     the "transformer." prefix; mask buffers ignored)."""

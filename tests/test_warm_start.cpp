@@ -1,6 +1,7 @@
 // Warm starts ([init] from): a fresh run takes only the weights of a checkpoint written in
 // another layout (and precision), and its optimizer state, step, schedule and data order start
 // fresh; a checkpoint of another shape is a clear error. Real mpirun runs and real files.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -262,6 +263,59 @@ TEST_F(MpiCli, HfDirectoriesImportAndThoseThatDoNotFitAreNamed) {
     expect_refused(r, c.message);
     EXPECT_EQ(count(r.output, "\n"), 1) << r.output;
     EXPECT_FALSE(fs::exists(path("out"))) << "nothing is written";
+  }
+}
+
+// llm.c's gpt2_124M.bin format, in fp32 (version 3) and bf16 (version 5): a file written by an
+// independent Python writer following llm.c's train_gpt2.py, imported in tp2 and trained one
+// step at lr 0, exports to the same bytes. Headers that do not fit: one line, exit 2.
+TEST_F(MpiCli, LlmcCheckpointsImportAndExportTheSameBytes) {
+  auto python = [&](const std::string& code) {
+    std::ofstream(path("script.py")) << "import sys\nsys.path.insert(0, \"" << test::source_dir()
+                                     << "/tests\")\nimport hf_reference\n"
+                                     << code;
+    return test::run_command("/usr/bin/python3 " + path("script.py"));
+  };
+  for (const auto& [version, dtype] : {std::pair{3, std::string("fp32")}, {5, "bf16"}}) {
+    SCOPED_TRACE(dtype);
+    const std::string bin = path(dtype + ".bin");
+    auto r = python(fmt::format(
+        "hf_reference.write_random_llmc(\"{}\", 2, 2, 16, 16, 256, 7, {})\n", bin, version));
+    ASSERT_EQ(r.code, 0) << r.output;
+    const std::string out = path(dtype + "_run");
+    r = mpirun(2, "--set parallel.tp=2 --set train.steps=1 --set optim.lr=0 --set init.from=" +
+                      quoted(bin) + " --set run.out_dir=" + quoted(out));
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("(weights in llm.c's format;"), std::string::npos) << r.output;
+    r = test::run_command(test::trainer_bin() + " export --format llmc --dtype " + dtype +
+                          " --checkpoint " + out + " --out " + path(dtype + "_again.bin"));
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_EQ(test::run_command("cmp " + bin + " " + path(dtype + "_again.bin")).code, 0);
+  }
+  const std::string bin = path("fp32.bin");
+  {  // version 4, and the file cut short
+    std::ifstream in(bin, std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(in)), {});
+    std::ofstream(path("cut.bin"), std::ios::binary) << bytes.substr(0, bytes.size() - 4);
+    bytes[4] = 4;
+    std::ofstream(path("v4.bin"), std::ios::binary) << bytes;
+  }
+  struct Case {
+    std::string file, settings, message;
+  };
+  for (const Case& c : std::vector<Case>{
+           {bin, "--set model.n_layer=3 --set model.d_model=32 ",
+            bin + ": n_layer = 2, [model] n_layer = 3; d_model = 16, [model] d_model = 32"},
+           {bin, "--set model.arch=" + quoted("llama") + " ",
+            bin + ": llm.c's GPT-2 (tied embeddings, biases), [model] arch = llama, untied"},
+           {path("v4.bin"), "", path("v4.bin") + ": version 4: llm.c writes 3 (fp32) or 5 (bf16)"},
+           {path("cut.bin"), "",
+            path("cut.bin") + ": 44796 bytes, the header's model needs 44800"},
+       }) {
+    SCOPED_TRACE(c.message);
+    const auto r = mpirun(2, c.settings + "--set init.from=" + quoted(c.file));
+    expect_refused(r, c.message);
+    EXPECT_EQ(count(r.output, "\n"), 1) << r.output;
   }
 }
 

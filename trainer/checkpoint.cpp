@@ -19,6 +19,7 @@
 #include "io/hdf5_file.h"
 #include "io/safetensors.h"
 #include "trainer/hf_format.h"
+#include "trainer/llmc_format.h"
 
 namespace fs = std::filesystem;
 
@@ -805,6 +806,24 @@ class HfSource : public TensorSource {
   ModelConfig m_;
 };
 
+// An llm.c checkpoint, once checked.
+class LlmcSource : public TensorSource {
+ public:
+  LlmcSource(const LlmcFile& f, const ModelConfig& m) : f_(f), m_(m) {}
+  bool exists(const std::string&) const override { return true; }
+  std::vector<int64_t> shape(const std::string& name) const override {
+    return param_table(m_).at(name).shape;
+  }
+  void read_part(const std::string& name, const std::vector<int64_t>& shape,
+                 const std::vector<Box>& boxes, float* values) const override {
+    f_.read_part(name, shape, boxes, values);
+  }
+
+ private:
+  const LlmcFile& f_;
+  ModelConfig m_;
+};
+
 // This rank's elements of the model's tensors, in the flat layout of its parameters. Each rank
 // reads only the boxes of its slices (the values arrive in local order).
 std::vector<float> read_local(const TensorSource& source, const StageExecutor& model) {
@@ -891,6 +910,7 @@ bool is_safetensors(const std::string& path) {
 void check_weights(const std::string& state_file, const ModelConfig& model) {
   if (is_safetensors(state_file)) return check_safetensors(SafetensorsFile(state_file), model);
   if (HfDirectory::is_one(state_file)) return HfDirectory(state_file).check(model);
+  if (LlmcFile::is_one(state_file)) return LlmcFile(state_file).check(model);
   H5File f = H5File::open_read(state_file);
   check_version(f, state_file);
   const int64_t n_layer = f.attr_int("n_layer"), n_head = f.attr_int("n_head");
@@ -922,6 +942,10 @@ void load_weights(const std::string& state_file, StageExecutor& model, AdamW* op
   if (HfDirectory::is_one(state_file)) {
     const HfDirectory d(state_file);
     return load_params(HfSource(d, model.config()), model, optimizer);
+  }
+  if (LlmcFile::is_one(state_file)) {
+    const LlmcFile f(state_file);
+    return load_params(LlmcSource(f, model.config()), model, optimizer);
   }
   H5File f = H5File::open_read(state_file);
   load_params(f, model, optimizer);

@@ -12,6 +12,7 @@
 #include "model/model_definition.h"
 #include "trainer/checkpoint.h"
 #include "trainer/hf_format.h"
+#include "trainer/llmc_format.h"
 
 namespace trainer {
 
@@ -47,7 +48,11 @@ int export_weights(const ExportOptions& opts) {
   int64_t numel = 0;
   for (const ParamInfo& p : table.params) numel += p.logical_numel();
   size_t written = table.params.size();
-  if (opts.format == "hf") {
+  if (opts.format == "llmc") {
+    if (dtype == "F16")
+      throw ConfigError("--dtype fp16: llm.c's format holds fp32 (version 3) or bf16 (version 5)");
+    write_llmc(m, read, opts.out, dtype);
+  } else if (opts.format == "hf") {
     written = write_hf(m, read, opts.out, dtype, metadata, opts.max_shard_mb << 20).size();
   } else {
     SafetensorsWriter out(opts.out, metadata);
@@ -57,8 +62,9 @@ int export_weights(const ExportOptions& opts) {
   }
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   fmt::print("exported {} ({} parameters, {}) of {} to {}: {} in {:.1f} s\n",
-             opts.format == "hf" ? "the model in transformers' layout"
-                                 : fmt::format("{} tensors", written),
+             opts.format == "hf"     ? std::string("the model in transformers' layout")
+             : opts.format == "llmc" ? std::string("the model in llm.c's format")
+                                     : fmt::format("{} tensors", written),
              numel, opts.dtype, state, opts.out,
              opts.format == "hf" ? fmt::format("{} files", written) : std::string("one file"), s);
   return 0;

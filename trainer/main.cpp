@@ -155,8 +155,9 @@ int main(int argc, char** argv) {
   ex->add_option("--checkpoint", exp.checkpoint, "checkpoint or run directory")->required();
   ex->add_option("--format", exp.format,
                  "safetensors: one file, the model's own tensor names (what [init] from reads); "
-                 "hf: a directory that transformers' from_pretrained loads")
-      ->check(CLI::IsMember({"safetensors", "hf"}))
+                 "hf: a directory that transformers' from_pretrained loads; llmc: llm.c's "
+                 "gpt2_124M.bin format")
+      ->check(CLI::IsMember({"safetensors", "hf", "llmc"}))
       ->capture_default_str();
   ex->add_option("--out", exp.out, "the file (safetensors) or directory (hf) to write")->required();
   ex->add_option("--max-shard-mb", exp.max_shard_mb, "hf: shards of at most this many MB")

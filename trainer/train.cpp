@@ -34,6 +34,7 @@
 #include "trainer/checkpoint_writer.h"
 #include "trainer/device.h"
 #include "trainer/hf_format.h"
+#include "trainer/llmc_format.h"
 #include "trainer/loss_scaler.h"
 #include "trainer/lr_schedule.h"
 #include "trainer/metrics.h"
@@ -902,7 +903,8 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
           init,
           init.ends_with(".safetensors") ? std::string("safetensors weights")
           : HfDirectory::is_one(init)    ? std::string("weights in transformers' layout")
-                                      : fmt::format("weights of step {}", checkpoint_step(init)));
+          : LlmcFile::is_one(init)       ? std::string("weights in llm.c's format")
+                                   : fmt::format("weights of step {}", checkpoint_step(init)));
       log->event({{"step", 0}, {"init_from", init}});
     }
   }
