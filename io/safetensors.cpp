@@ -39,6 +39,20 @@ int safetensors_dtype_size(const std::string& dtype) {
   return it == sizes.end() ? 0 : it->second;
 }
 
+bool SafetensorsFile::is_one(const std::string& path) {
+  if (path.ends_with(".safetensors")) return true;
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode) || st.st_size < 10) return false;
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) return false;
+  unsigned char head[9] = {};
+  const bool read = std::fread(head, 1, 9, f) == 9;
+  std::fclose(f);
+  uint64_t n = 0;
+  std::memcpy(&n, head, 8);
+  return read && head[8] == '{' && n >= 2 && n <= uint64_t(st.st_size) - 8;
+}
+
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) throw DataError(fmt::format("{}: cannot open: {}", path, strerror(errno)));

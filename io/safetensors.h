@@ -27,6 +27,9 @@ class SafetensorsFile {
 
   explicit SafetensorsFile(const std::string& path);
   ~SafetensorsFile();
+  // Named *.safetensors, or a regular file that starts like one: a header length within the
+  // file, then "{".
+  static bool is_one(const std::string& path);
   SafetensorsFile(const SafetensorsFile&) = delete;
   SafetensorsFile& operator=(const SafetensorsFile&) = delete;
 

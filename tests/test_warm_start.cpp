@@ -309,14 +309,60 @@ TEST_F(MpiCli, LlmcCheckpointsImportAndExportTheSameBytes) {
            {bin, "--set model.arch=" + quoted("llama") + " ",
             bin + ": llm.c's GPT-2 (tied embeddings, biases), [model] arch = llama, untied"},
            {path("v4.bin"), "", path("v4.bin") + ": version 4: llm.c writes 3 (fp32) or 5 (bf16)"},
-           {path("cut.bin"), "",
-            path("cut.bin") + ": 44796 bytes, the header's model needs 44800"},
+           {path("cut.bin"), "", path("cut.bin") + ": 44796 bytes, the header's model needs 44800"},
        }) {
     SCOPED_TRACE(c.message);
     const auto r = mpirun(2, c.settings + "--set init.from=" + quoted(c.file));
     expect_refused(r, c.message);
     EXPECT_EQ(count(r.output, "\n"), 1) << r.output;
   }
+}
+
+// trainer eval: on the run's validation set it prints the val loss the run logged at that step,
+// exactly in the run's layout and within reduction-order tolerance in another; another data set
+// and batch count; a checkpoint that is not there or does not fit the settings, exit 2.
+TEST_F(MpiCli, EvalGivesTheLoggedValidationLossInAnyLayout) {
+  auto r = mpirun(2, "--set parallel.dp=2 --set train.steps=4 --set train.val_every=4");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto logged = val_losses(path("out"));
+  ASSERT_EQ(logged.size(), 2u);
+  ASSERT_EQ(logged.back().first, 4);
+  auto eval = [&](int ranks, const std::string& args) {
+    return test::run_command("timeout 60 " + test::mpiexec() +
+                             " -q --allow-run-as-root --oversubscribe -np " +
+                             std::to_string(ranks) + " " + test::trainer_bin() +
+                             " eval --checkpoint " + path("out") + " " + args);
+  };
+  // The loss as printed: "eval: loss X, perplexity ...".
+  auto loss_of = [](const std::string& output) {
+    const size_t at = output.find("eval: loss ");
+    return at == std::string::npos ? -1.0 : std::stod(output.substr(at + 11));
+  };
+  r = eval(2, "");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(count(r.output, "\n"), 1) << r.output;  // one line, rank 0's
+  EXPECT_EQ(r.output.find(fmt::format("eval: loss {:.6f}, perplexity {:.3f} on 16 windows of 16 "
+                                      "tokens of {} (weights of step 4 from ",
+                                      logged.back().second, std::exp(logged.back().second),
+                                      path("data/val.bin"))),
+            0u)
+      << r.output;
+  r = eval(2, "--set parallel.dp=1 --set parallel.tp=2");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NEAR(loss_of(r.output), logged.back().second, 1e-5 * logged.back().second) << r.output;
+  r = eval(1, "--data " + path("data/train.bin") + " --batches 3");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("on 6 windows of 16 tokens of " + path("data/train.bin")),
+            std::string::npos)
+      << r.output;
+  EXPECT_GT(loss_of(r.output), 0);
+  EXPECT_NE(loss_of(r.output), logged.back().second);
+
+  r = eval(2, "--set model.d_model=32");
+  expect_refused(r, path("out/checkpoints/step_00000004/state.h5") +
+                        ": params/wte.weight has shape [256, 16], this model's is [256, 32]");
+  r = test::run_command(test::trainer_bin() + " eval --checkpoint " + path("nothing"));
+  expect_refused(r, path("nothing") + ": no such checkpoint");
 }
 
 // Weights that do not fit the model: exit 2, one line naming the tensor (and both shapes).

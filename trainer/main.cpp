@@ -167,6 +167,18 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
       ->capture_default_str();
 
+  trainer::EvalOptions eval;
+  auto* ev = app.add_subcommand("eval", "loss and perplexity of a checkpoint on a data set");
+  ev->add_option("--checkpoint", eval.checkpoint, "checkpoint or run directory")->required();
+  ev->add_option("--data", eval.data, "token shards (default: the run's validation set)");
+  ev->add_option("--batches", eval.batches,
+                 "micro-batches of windows spread over the data (default: the run's "
+                 "val_batches)")
+      ->check(CLI::Range(1, 1 << 24));
+  ev->add_option("--set", eval.overrides,
+                 "override the run's config: section.key=value (the layout, micro_batch, ...)")
+      ->take_all();
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -180,12 +192,13 @@ int main(int argc, char** argv) {
     return trainer::kExitBadInput;
   }
 
-  if (*train) {
-    trainer::catch_stop_signals();
+  if (*train || *ev) {
+    if (*train) trainer::catch_stop_signals();
     // Under mpirun every process is a rank of one world; a plain process is a world of one.
     std::unique_ptr<trainer::World> world = trainer::make_mpi_world(&argc, &argv);
     try {
-      return trainer::train(config_path, overrides, *world);
+      return *train ? trainer::train(config_path, overrides, *world)
+                    : trainer::evaluate(eval, *world);
     } catch (...) {
       // An error that not every rank shares (they agree on set-up errors inside train()):
       // the other ranks may be waiting for this one, so end them all.

@@ -24,6 +24,7 @@
 #include "io/data_loader.h"
 #include "io/dataset.h"
 #include "io/hdf5_file.h"
+#include "io/safetensors.h"
 #include "io/tokenizer.h"
 #include "model/init.h"
 #include "model/stage_executor.h"
@@ -795,6 +796,52 @@ void catch_stop_signals() {
   std::signal(SIGXFSZ, SIG_IGN);
 }
 
+int evaluate(const EvalOptions& opts, World& world) {
+  Config cfg;
+  std::string state;
+  if (auto failed = agree_on_setup(world, [&] {
+        state = resolve_checkpoint(opts.checkpoint);
+        // The checkpoint's run in the default layout (data parallel over the world), with the
+        // command line's settings on top.
+        Config run_cfg = checkpoint_config(state);
+        run_cfg.parallel = ParallelConfig{};
+        cfg = parse_config(config_to_toml(run_cfg), state, opts.overrides);
+        if (!opts.data.empty()) cfg.data.val = {opts.data};
+        cfg.data.train = cfg.data.val;  // nothing is trained: no training data is needed
+        cfg.data.sources.clear();
+        cfg.train.batch_ramp.clear();
+        if (opts.batches > 0) cfg.train.val_batches = opts.batches;
+        check_weights(state, cfg.model);
+        omp_set_num_threads(threads_per_rank(cfg, world));
+      }))
+    return *failed;
+  GpuPlacement placement;
+  std::unique_ptr<Kernels> kernels;
+  std::unique_ptr<Run> run_ptr;
+  const std::string origin = "trainer eval --checkpoint " + opts.checkpoint;
+  if (auto failed = agree_on_setup(world, [&] {
+        placement = place_on_gpus(cfg, world, origin);
+        kernels = make_kernels(cfg, placement);
+      }))
+    return *failed;
+  if (auto failed = agree_on_setup(world, [&] {
+        run_ptr = std::make_unique<Run>(cfg, world, origin, placement, std::move(kernels));
+        load_weights(state, run_ptr->model, &run_ptr->optimizer);
+      }))
+    return *failed;
+  Run& run = *run_ptr;
+  const auto t0 = Clock::now();
+  const double loss = validation_loss(run);
+  if (world.rank() == 0)
+    fmt::print(
+        "eval: loss {:.6f}, perplexity {:.3f} on {} windows of {} tokens of {} (weights of step "
+        "{} from {}; {} s)\n",
+        loss, std::exp(loss), int64_t(cfg.train.val_batches) * cfg.train.micro_batch,
+        cfg.model.seq_len, fmt::join(cfg.data.val, ", "), checkpoint_step(state), state,
+        fmt::format("{:.1f}", std::chrono::duration<double>(Clock::now() - t0).count()));
+  return 0;
+}
+
 int train(const std::string& config_path, const std::vector<std::string>& overrides, World& world) {
   catch_stop_signals();
   // A test stands in for a slow start-up (large shards to validate, a checkpoint to verify).
@@ -901,10 +948,10 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
           "initialized from {} ({}; optimizer state, step, schedule and data order start "
           "fresh)\n",
           init,
-          init.ends_with(".safetensors") ? std::string("safetensors weights")
-          : HfDirectory::is_one(init)    ? std::string("weights in transformers' layout")
-          : LlmcFile::is_one(init)       ? std::string("weights in llm.c's format")
-                                   : fmt::format("weights of step {}", checkpoint_step(init)));
+          SafetensorsFile::is_one(init) ? std::string("safetensors weights")
+          : HfDirectory::is_one(init)   ? std::string("weights in transformers' layout")
+          : LlmcFile::is_one(init)      ? std::string("weights in llm.c's format")
+                                        : fmt::format("weights of step {}", checkpoint_step(init)));
       log->event({{"step", 0}, {"init_from", init}});
     }
   }

@@ -19,4 +19,16 @@ void catch_stop_signals();
 // rank returns exit code 2 and the first failing rank prints the error. Returns the exit code.
 int train(const std::string& config_path, const std::vector<std::string>& overrides, World& world);
 
+struct EvalOptions {
+  std::string checkpoint;              // one of our checkpoints (its config gives the model)
+  std::string data;                    // token shards (globs too); "" = the run's validation set
+  int batches = 0;                     // micro-batches of windows spread over it; 0 = the run's
+  std::vector<std::string> overrides;  // --set: the layout, micro_batch, precision, ...
+};
+// The loss and perplexity of a checkpoint's weights on a data set, in any layout under mpirun:
+// the windows validation reads (spread over the whole set, the same in every layout), so that
+// on the run's validation set it gives the val loss the run logged at that step. Rank 0 prints
+// one line. Returns the exit code (2 for bad input, agreed by every rank).
+int evaluate(const EvalOptions& opts, World& world);
+
 }  // namespace trainer
