@@ -15,6 +15,7 @@
 
 #include "io/atomic_file.h"
 #include "io/errors.h"
+#include "io/mapped_file.h"
 #include "kernels/half.h"
 
 namespace trainer {
@@ -53,25 +54,11 @@ bool SafetensorsFile::is_one(const std::string& path) {
   return read && head[8] == '{' && n >= 2 && n <= uint64_t(st.st_size) - 8;
 }
 
-SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw DataError(fmt::format("{}: cannot open: {}", path, strerror(errno)));
-  struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    ::close(fd);
-    throw DataError(fmt::format("{}: not a regular file", path));
-  }
-  size_ = size_t(st.st_size);
-  if (size_ < 8) {
-    ::close(fd);
-    throw DataError(
-        fmt::format("{}: {} bytes, too short for a safetensors file (at least 8)", path, size_));
-  }
-  void* m = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
-  ::close(fd);
-  if (m == MAP_FAILED) throw DataError(fmt::format("{}: cannot map: {}", path, strerror(errno)));
-  map_ = static_cast<const std::byte*>(m);
-  try {
+SafetensorsFile::SafetensorsFile(const std::string& path)
+    : path_(path), file_(std::make_unique<MappedFile>(path, 8, "a safetensors file")) {
+  map_ = file_->data();
+  size_ = file_->size();
+  {
     uint64_t n = 0;
     std::memcpy(&n, map_, 8);  // little-endian, as every machine this runs on
     if (n > kMaxHeader || n > size_ - 8)
@@ -144,15 +131,10 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
                                     path, *order[i - 1].first, *order[i].first,
                                     order[i - 1].second->begin, order[i - 1].second->end,
                                     order[i].second->begin, order[i].second->end));
-  } catch (...) {
-    ::munmap(const_cast<std::byte*>(map_), size_);
-    throw;
   }
 }
 
-SafetensorsFile::~SafetensorsFile() {
-  if (map_) ::munmap(const_cast<std::byte*>(map_), size_);
-}
+SafetensorsFile::~SafetensorsFile() = default;
 
 const SafetensorsFile::Tensor& SafetensorsFile::at(const std::string& name) const {
   const auto it = tensors_.find(name);

@@ -10,10 +10,12 @@
 // or tensors that overlap are one DataError naming the file and the tensor (exit 2).
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "io/hdf5_file.h"  // Box
+#include "io/mapped_file.h"
 
 namespace trainer {
 
@@ -47,6 +49,7 @@ class SafetensorsFile {
 
  private:
   std::string path_;
+  std::unique_ptr<MappedFile> file_;
   const std::byte* map_ = nullptr;
   size_t size_ = 0;
   const std::byte* data_ = nullptr;  // after the header

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <sstream>
 #include <thread>
@@ -788,40 +789,26 @@ class SafetensorsSource : public TensorSource {
   const SafetensorsFile& f_;
 };
 
-// A transformers directory, under our names (trainer/hf_format.h), once checked.
-class HfSource : public TensorSource {
+// A file of another layout read under our names once checked (a transformers directory, an
+// llm.c checkpoint): `read` gives boxes of our parameter.
+class ConvertedSource : public TensorSource {
  public:
-  HfSource(const HfDirectory& d, const ModelConfig& m) : d_(d), m_(m) {}
+  using Read = std::function<void(const std::string& name, const std::vector<int64_t>& shape,
+                                  const std::vector<Box>& boxes, float* values)>;
+  ConvertedSource(const ModelConfig& m, Read read)
+      : table_(param_table(m)), read_(std::move(read)) {}
   bool exists(const std::string&) const override { return true; }
   std::vector<int64_t> shape(const std::string& name) const override {
-    return param_table(m_).at(name).shape;
+    return table_.at(name).shape;
   }
   void read_part(const std::string& name, const std::vector<int64_t>& shape,
                  const std::vector<Box>& boxes, float* values) const override {
-    d_.read_part(m_, name, shape, boxes, values);
+    read_(name, shape, boxes, values);
   }
 
  private:
-  const HfDirectory& d_;
-  ModelConfig m_;
-};
-
-// An llm.c checkpoint, once checked.
-class LlmcSource : public TensorSource {
- public:
-  LlmcSource(const LlmcFile& f, const ModelConfig& m) : f_(f), m_(m) {}
-  bool exists(const std::string&) const override { return true; }
-  std::vector<int64_t> shape(const std::string& name) const override {
-    return param_table(m_).at(name).shape;
-  }
-  void read_part(const std::string& name, const std::vector<int64_t>& shape,
-                 const std::vector<Box>& boxes, float* values) const override {
-    f_.read_part(name, shape, boxes, values);
-  }
-
- private:
-  const LlmcFile& f_;
-  ModelConfig m_;
+  ParamTable table_;
+  Read read_;
 };
 
 // This rank's elements of the model's tensors, in the flat layout of its parameters. Each rank
@@ -941,11 +928,21 @@ void load_weights(const std::string& state_file, StageExecutor& model, AdamW* op
   }
   if (HfDirectory::is_one(state_file)) {
     const HfDirectory d(state_file);
-    return load_params(HfSource(d, model.config()), model, optimizer);
+    const ModelConfig& m = model.config();
+    return load_params(
+        ConvertedSource(m, [&](const std::string& name, const std::vector<int64_t>& shape,
+                               const std::vector<Box>& boxes,
+                               float* values) { d.read_part(m, name, shape, boxes, values); }),
+        model, optimizer);
   }
   if (LlmcFile::is_one(state_file)) {
     const LlmcFile f(state_file);
-    return load_params(LlmcSource(f, model.config()), model, optimizer);
+    return load_params(
+        ConvertedSource(model.config(),
+                        [&](const std::string& name, const std::vector<int64_t>& shape,
+                            const std::vector<Box>& boxes,
+                            float* values) { f.read_part(name, shape, boxes, values); }),
+        model, optimizer);
   }
   H5File f = H5File::open_read(state_file);
   load_params(f, model, optimizer);

@@ -17,7 +17,14 @@ namespace trainer {
 
 namespace {
 using Op = HfTensor::Op;
+
+// transformers' row of q or k for our `row`: within each head of hd rows, row 2i (the first of a
+// rotated pair) goes to i and row 2i + 1 to hd/2 + i (w.view(heads, hd/2, 2, C).transpose(1, 2)).
+int64_t rope_row(int64_t row, int64_t hd) {
+  const int64_t head = row / hd, r = row % hd;
+  return head * hd + (r % 2) * (hd / 2) + r / 2;
 }
+}  // namespace
 
 std::vector<HfTensor> hf_tensors(const ModelConfig& m) {
   const int64_t C = m.d_model, V = m.vocab_size, T = m.seq_len, F = m.ffn();
@@ -96,15 +103,9 @@ std::vector<float> hf_tensor_values(const HfTensor& t, const std::vector<float>&
       break;
     }
     case Op::rope_rows: {
-      // Within each head of hd rows, row 2i (the pair's real part) goes to i and row 2i + 1 to
-      // hd/2 + i: w.view(heads, hd/2, 2, C).transpose(1, 2).
       const int64_t cols = t.shape[1], hd = t.shape[0] / t.heads;
-      for (int64_t h = 0; h < t.heads; h++)
-        for (int64_t i = 0; i < hd / 2; i++)
-          for (int64_t part = 0; part < 2; part++) {
-            const int64_t from = h * hd + 2 * i + part, to = h * hd + part * (hd / 2) + i;
-            std::copy_n(in.begin() + from * cols, cols, out.begin() + to * cols);
-          }
+      for (int64_t row = 0; row < t.shape[0]; row++)
+        std::copy_n(in.begin() + row * cols, cols, out.begin() + rope_row(row, hd) * cols);
       break;
     }
   }
@@ -124,14 +125,10 @@ std::vector<float> our_tensor_values(const HfTensor& t, const std::vector<float>
         for (int64_t c = 0; c < cols; c++) out[size_t(c * rows + r)] = hf[size_t(r * cols + c)];
       return out;
     }
-    case Op::rope_rows: {  // row hd/2 * part + i of a head back to 2i + part
+    case Op::rope_rows: {
       const int64_t cols = t.shape[1], hd = t.shape[0] / t.heads;
-      for (int64_t h = 0; h < t.heads; h++)
-        for (int64_t i = 0; i < hd / 2; i++)
-          for (int64_t part = 0; part < 2; part++) {
-            const int64_t ours = h * hd + 2 * i + part, theirs = h * hd + part * (hd / 2) + i;
-            std::copy_n(hf.begin() + theirs * cols, cols, out.begin() + ours * cols);
-          }
+      for (int64_t row = 0; row < t.shape[0]; row++)
+        std::copy_n(hf.begin() + rope_row(row, hd) * cols, cols, out.begin() + row * cols);
       return out;
     }
   }

@@ -14,6 +14,7 @@
 
 #include "io/atomic_file.h"
 #include "io/errors.h"
+#include "io/mapped_file.h"
 #include "kernels/half.h"
 
 namespace trainer {
@@ -111,27 +112,13 @@ bool LlmcFile::is_one(const std::string& path) {
   return in.read(reinterpret_cast<char*>(&magic), 4) && magic == kMagic;
 }
 
-LlmcFile::LlmcFile(const std::string& path) : path_(path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw DataError(fmt::format("{}: cannot open: {}", path, strerror(errno)));
-  struct stat st {};
-  ::fstat(fd, &st);
-  size_ = size_t(st.st_size);
-  if (size_ < sizeof header_) {
-    ::close(fd);
-    throw DataError(
-        fmt::format("{}: {} bytes, shorter than llm.c's 1024-byte header", path, size_));
-  }
-  void* m = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
-  ::close(fd);
-  if (m == MAP_FAILED) throw DataError(fmt::format("{}: cannot map: {}", path, strerror(errno)));
-  map_ = static_cast<const std::byte*>(m);
+LlmcFile::LlmcFile(const std::string& path)
+    : path_(path),
+      file_(std::make_unique<MappedFile>(path, sizeof header_, "llm.c's 1024-byte header")) {
+  map_ = file_->data();
+  size_ = file_->size();
   std::memcpy(header_, map_, sizeof header_);
-  auto bad = [&](const std::string& what) {
-    ::munmap(const_cast<std::byte*>(map_), size_);
-    map_ = nullptr;
-    return DataError(fmt::format("{}: {}", path, what));
-  };
+  auto bad = [&](const std::string& what) { return DataError(fmt::format("{}: {}", path, what)); };
   if (header_[0] != kMagic) throw bad(fmt::format("magic {}, not llm.c's {}", header_[0], kMagic));
   if (header_[1] != 3 && header_[1] != 5)
     throw bad(fmt::format("version {}: llm.c writes 3 (fp32) or 5 (bf16)", header_[1]));
@@ -154,9 +141,7 @@ LlmcFile::LlmcFile(const std::string& path) : path_(path) {
     throw bad(fmt::format("{} bytes, the header's model needs {}", size_, bytes));
 }
 
-LlmcFile::~LlmcFile() {
-  if (map_) ::munmap(const_cast<std::byte*>(map_), size_);
-}
+LlmcFile::~LlmcFile() = default;
 
 void LlmcFile::check(const ModelConfig& m) const {
   std::vector<std::string> wrong;

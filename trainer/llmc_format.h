@@ -7,10 +7,12 @@
 // (out, in), as ours: GPT-2 with tied embeddings and biases only.
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "io/hdf5_file.h"  // Box
+#include "io/mapped_file.h"
 #include "model/model_config.h"
 
 namespace trainer {
@@ -36,9 +38,10 @@ class LlmcFile {
 
  private:
   std::string path_;
+  int32_t header_[256];
+  std::unique_ptr<MappedFile> file_;
   const std::byte* map_ = nullptr;
   size_t size_ = 0;
-  int32_t header_[256];
   ModelConfig model_;  // what the header describes
 };
 
