@@ -29,24 +29,8 @@ done
 # shellcheck source=bench/lib.sh
 source "$ROOT/bench/lib.sh"
 ws_setup "$ROOT" "$BUILD" "$steps"
-cat >"$work/wm.toml" <<CONFIG
-[run]
-name = "bench"
-peak_tflops = 0.2
-[model]
-vocab_size = 50257
-seq_len = 1024
-n_layer = 12
-n_head = 12
-d_model = 768
-[data]
-train = "$(bench_data "$ROOT" "$BUILD" "$work")/train.bin"
-val = "$(bench_data "$ROOT" "$BUILD" "$work")/val.bin"
-[train]
-micro_batch = 1
-steps = $steps
-val_every = 0
-sample_every = 0
+wm_config "$work/wm.toml" "$(bench_data "$ROOT" "$BUILD" "$work")" "$steps"
+cat >>"$work/wm.toml" <<CONFIG
 [checkpoint]
 every_steps = 2
 CONFIG

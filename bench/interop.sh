@@ -24,32 +24,10 @@ done
 # shellcheck source=bench/lib.sh
 source "$ROOT/bench/lib.sh"
 ws_setup "$ROOT" "$BUILD" 1
-data="$(bench_data "$ROOT" "$BUILD" "$work")"
-cat >"$work/wm.toml" <<CONFIG
-[run]
-name = "bench"
-peak_tflops = 0.2
-[model]
-vocab_size = 50257
-seq_len = 1024
-n_layer = 12
-n_head = 12
-d_model = 768
-[data]
-train = "$data/train.bin"
-val = "$data/val.bin"
-[train]
-micro_batch = 1
-steps = 1
-val_every = 0
-sample_every = 0
-CONFIG
+wm_config "$work/wm.toml" "$(bench_data "$ROOT" "$BUILD" "$work")" 1
 "$BUILD/trainer" train "$work/wm.toml" --set run.out_dir="\"$work/source\"" >"$work/source.log" 2>&1 ||
   { cat "$work/source.log" >&2; exit 1; }
 state="$work/source/checkpoints/step_00000001/state.h5"
-
-# row JSON_FIELDS...: prints one line
-row() { "$PYTHON" -c 'import json, sys; print(json.dumps(dict(a.split("=", 1) for a in sys.argv[1:])))' "$@"; }
 
 for format in safetensors hf llmc; do
   for dtype in fp32 bf16; do

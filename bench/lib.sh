@@ -36,6 +36,30 @@ sample_every = 0
 CONFIG
 }
 
+# wm_config FILE DATA_DIR STEPS: the W-M workload (GPT-2 124M, T 1024, micro-batches of 1) for
+# STEPS steps, without validation or samples.
+wm_config() {
+  cat >"$1" <<CONFIG
+[run]
+name = "bench"
+peak_tflops = 0.2
+[model]
+vocab_size = 50257
+seq_len = 1024
+n_layer = 12
+n_head = 12
+d_model = 768
+[data]
+train = "$2/train.bin"
+val = "$2/val.bin"
+[train]
+micro_batch = 1
+steps = $3
+val_every = 0
+sample_every = 0
+CONFIG
+}
+
 # bench_data ROOT BUILD WORK: prints a directory with train.bin and val.bin (the prepared Austen
 # set if there is one, else the excerpt in tests/data).
 bench_data() {

@@ -27,6 +27,22 @@ struct Box {
   int64_t row, col, rows, cols;
 };
 
+// The elements of `boxes` of a row-major tensor of `shape` (1-D: the columns of its one row),
+// box after box, each in row-major order, into `out`: value(i) is the tensor's element i. What
+// H5File::read_part reads, for the readers of other formats.
+template <class Value>
+float* read_boxes(const std::vector<int64_t>& shape, const std::vector<Box>& boxes, Value value,
+                  float* out) {
+  const int64_t cols = shape.back();
+  for (const Box& b : boxes) {
+    if (b.rows <= 0 || b.cols <= 0) continue;
+    const int64_t row0 = shape.size() == 1 ? 0 : b.row;
+    for (int64_t r = 0; r < b.rows; r++)
+      for (int64_t c = 0; c < b.cols; c++) *out++ = value((row0 + r) * cols + b.col + c);
+  }
+  return out;
+}
+
 class H5File {
  public:
   static H5File create(const std::string& path);  // truncates

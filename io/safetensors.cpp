@@ -169,13 +169,7 @@ void SafetensorsFile::read_part(const std::string& name, const std::vector<int64
   if (t.dtype != "F32" && t.dtype != "BF16" && t.dtype != "F16" && t.dtype != "F64")
     throw DataError(
         fmt::format("{}: tensor {} is {}, not a floating-point weight", path_, name, t.dtype));
-  const int64_t cols = shape.back();
-  for (const Box& b : boxes) {
-    if (b.rows <= 0 || b.cols <= 0) continue;
-    const int64_t row0 = shape.size() == 1 ? 0 : b.row;
-    for (int64_t r = 0; r < b.rows; r++)
-      for (int64_t c = 0; c < b.cols; c++) *values++ = value((row0 + r) * cols + b.col + c);
-  }
+  read_boxes(shape, boxes, value, values);
 }
 
 SafetensorsWriter::SafetensorsWriter(std::string path, std::map<std::string, std::string> metadata)

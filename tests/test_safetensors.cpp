@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -51,7 +52,12 @@ TEST_F(Safetensors, OurFilesReadBackAndBoxesAreSlices) {
     EXPECT_FALSE(std::filesystem::exists(path("a.safetensors")));  // not before close()
     w.close();
   }
-  SafetensorsFile f(path("a.safetensors"));
+  // Recognised by name, or by content without one; other files are not.
+  std::filesystem::copy_file(path("a.safetensors"), path("weights"));
+  EXPECT_TRUE(SafetensorsFile::is_one(path("weights")));
+  std::ofstream(path("other")) << "\x89HDF\r\n\x1a\n and more";
+  EXPECT_FALSE(SafetensorsFile::is_one(path("other")));
+  SafetensorsFile f(path("weights"));
   EXPECT_EQ(f.metadata().at("arch"), "test");
   EXPECT_EQ(f.at("m").shape, (std::vector<int64_t>{3, 5}));
   std::vector<float> got(15);

@@ -889,7 +889,7 @@ void check_safetensors(const SafetensorsFile& f, const ModelConfig& model) {
 }
 
 bool is_safetensors(const std::string& path) {
-  return path.ends_with(".safetensors");
+  return SafetensorsFile::is_one(path);
 }
 
 }  // namespace

@@ -450,13 +450,7 @@ void HfDirectory::read_part(const ModelConfig& m, const std::string& name,
   for (const HfTensor& t : hf_tensors(m)) {
     if (t.ours != name) continue;
     const std::vector<float> full = our_tensor_values(t, read_full(t));
-    const int64_t cols = shape.back();
-    for (const Box& b : boxes) {
-      if (b.rows <= 0 || b.cols <= 0) continue;
-      const int64_t row0 = shape.size() == 1 ? 0 : b.row;
-      for (int64_t r = 0; r < b.rows; r++)
-        values = std::copy_n(full.begin() + (row0 + r) * cols + b.col, b.cols, values);
-    }
+    read_boxes(shape, boxes, [&](int64_t i) { return full[size_t(i)]; }, values);
     return;
   }
   throw std::logic_error("HfDirectory::read_part: no tensor of transformers' makes " + name);

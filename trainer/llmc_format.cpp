@@ -179,13 +179,7 @@ void LlmcFile::read_part(const std::string& name, const std::vector<int64_t>& sh
     std::memcpy(&x, base + (offset + i) * 4, 4);
     return x;
   };
-  const int64_t cols = shape.back();
-  for (const Box& b : boxes) {
-    if (b.rows <= 0 || b.cols <= 0) continue;
-    const int64_t row0 = shape.size() == 1 ? 0 : b.row;
-    for (int64_t r = 0; r < b.rows; r++)
-      for (int64_t c = 0; c < b.cols; c++) *values++ = value((row0 + r) * cols + b.col + c);
-  }
+  read_boxes(shape, boxes, value, values);
 }
 
 }  // namespace trainer
