@@ -82,7 +82,7 @@ TEST_F(Safetensors, OurFilesReadBackAndBoxesAreSlices) {
     FAIL();
   } catch (const DataError& e) {
     EXPECT_EQ(std::string(e.what()),
-              path("a.safetensors") + ": tensor m has shape [3, 5], the model expects [5, 3]");
+              path("weights") + ": tensor m has shape [3, 5], the model expects [5, 3]");
   }
 }
 
