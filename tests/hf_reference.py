@@ -313,6 +313,24 @@ def write_random_llmc(path, n_layer, n_head, n_embd, n_positions, vocab_size, se
                     safetensors_tool.bf16_bits(v).astype("<u2").tobytes())
 
 
+def greedy_bytes(path, prompt, n):
+    """The greedy continuation (n tokens) of the bytes `prompt` by the GPT-2 directory's model
+    over a byte vocabulary, the context cropped to the last n_positions tokens, as bytes."""
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config.setdefault("tie_word_embeddings", True)
+    model = GPT2LMHeadModel(config)
+    state = {("transformer." + k if not k.startswith(("transformer.", "lm_head")) else k): v
+             for k, v in load_hf_dir(path).items() if not k.endswith(".attn.bias")}
+    model.load_state_dict(state, strict=True)
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            context = torch.tensor([tokens[-config["n_positions"]:]])
+            tokens.append(int(model(context)[0, -1].argmax()))
+    return bytes(tokens[len(prompt):])
+
+
 def same_weights(a, b):
     """Whether two GPT-2 directories hold the same weights bit for bit (names with or without
     the "transformer." prefix; mask buffers ignored)."""

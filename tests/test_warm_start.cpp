@@ -220,6 +220,17 @@ TEST_F(MpiCli, HfDirectoriesImportAndThoseThatDoNotFitAreNamed) {
   ASSERT_EQ(r.code, 0) << r.output;
   r = python("print(hf_reference.same_weights(\"" + hub + "\", \"" + path("again") + "\"))\n");
   EXPECT_EQ(r.output, "28\n");
+  // Greedy generation from the imported model: the same 24 bytes as the independent model in
+  // transformers' conventions (past 16 tokens the window slides).
+  r = python("sys.stdout.buffer.write(hf_reference.greedy_bytes(\"" + hub +
+             "\", b\"It i\", 24))\n");
+  ASSERT_EQ(r.code, 0) << r.output;
+  ASSERT_EQ(r.output.size(), 24u);
+  const std::string expected = "It i" + r.output + "\n";
+  r = test::run_command(test::trainer_bin() + " generate --checkpoint " + path("imported") +
+                        " --prompt 'It i' --tokens 24 --top-k 1");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(r.output, expected);
   // Fine-tuning from it: 50 steps on the text bring the loss down from the imported model's.
   r = mpirun(1, "--set train.steps=50 --set optim.lr=3e-3 --set init.from=" + quoted(hub) +
                     " --set run.out_dir=" + quoted(path("tuned")));
