@@ -331,6 +331,37 @@ def greedy_bytes(path, prompt, n):
     return bytes(tokens[len(prompt):])
 
 
+def score_choices(path, choices_file):
+    """HellaSwag-style scoring of a GPT-2 directory's model over a byte vocabulary, as llm.c's
+    evaluation does it: each ending after a space, its tokens' losses given the context (the
+    context's first tokens dropped when the whole is longer than n_positions + 1); returns
+    (acc_norm: lowest mean loss, acc: lowest total, examples)."""
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config.setdefault("tie_word_embeddings", True)
+    model = GPT2LMHeadModel(config)
+    model.load_state_dict(load_hf_dir(path), strict=True)
+    T = config["n_positions"]
+    right_mean = right_sum = n = 0
+    with open(choices_file) as f:
+        examples = [json.loads(line) for line in f if line.strip()]
+    with torch.no_grad():
+        for ex in examples:
+            ctx = list(ex["ctx"].encode())
+            means, sums = [], []
+            for ending in ex["endings"]:
+                end = list((" " + ending).encode())
+                seq = (ctx + end)[-(T + 1):]
+                x, y = torch.tensor([seq[:-1]]), torch.tensor(seq[1:])
+                losses = F.cross_entropy(model(x)[0], y, reduction="none")[-len(end):]
+                means.append(float(losses.mean()))
+                sums.append(float(losses.sum()))
+            right_mean += int(np.argmin(means)) == ex["label"]
+            right_sum += int(np.argmin(sums)) == ex["label"]
+            n += 1
+    return right_mean / n, right_sum / n, n
+
+
 def same_weights(a, b):
     """Whether two GPT-2 directories hold the same weights bit for bit (names with or without
     the "transformer." prefix; mask buffers ignored)."""

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <iterator>
 #include <string>
 #include <tuple>
@@ -381,6 +382,62 @@ TEST_F(MpiCli, EvalGivesTheLoggedValidationLossInAnyLayout) {
                         ": params/wte.weight has shape [256, 16], this model's is [256, 32]");
   r = test::run_command(test::trainer_bin() + " eval --checkpoint " + path("nothing"));
   expect_refused(r, path("nothing") + ": no such checkpoint");
+}
+
+// trainer eval --choices: HellaSwag-style accuracy, the same in one process, dp2 and tp2 x pp2, and
+// the same as the independent PyTorch model in transformers' conventions scores the exported
+// weights (each ending after a space, by mean and by total loss).
+TEST_F(MpiCli, EvalScoresMultipleChoiceAsTheIndependentModel) {
+  auto r = mpirun(1, "--set train.steps=20 --set optim.lr=1e-2");
+  ASSERT_EQ(r.code, 0) << r.output;
+  // Eight examples from the text: a context, its true continuation and three other passages,
+  // the endings 4, 7, 10 and 13 characters long (so that mean and total loss disagree).
+  const std::string text =
+      text_of(test::source_dir() + "/tests/data/pride_and_prejudice_opening.txt");
+  {
+    std::ofstream out(path("choices.jsonl"));
+    for (int i = 0; i < 8; i++) {
+      const size_t at = 200 + size_t(i) * 331;
+      nlohmann::json endings = nlohmann::json::array();
+      const int label = i % 4;
+      for (int e = 0; e < 4; e++)
+        endings.push_back(
+            text.substr(e == label ? at + 40 : at + 2000 + 97 * e, size_t(4 + 3 * e)));
+      out << nlohmann::json{{"ctx", text.substr(at, 40)}, {"endings", endings}, {"label", label}}
+                 .dump()
+          << "\n";
+    }
+  }
+  r = test::run_command(test::trainer_bin() + " export --format hf --checkpoint " + path("out") +
+                        " --out " + path("hf"));
+  ASSERT_EQ(r.code, 0) << r.output;
+  std::ofstream(path("score.py")) << "import sys\nsys.path.insert(0, \"" << test::source_dir()
+                                  << "/tests\")\nimport hf_reference\n"
+                                  << "print(\"acc_norm {:.4f} (lowest mean loss), acc {:.4f} "
+                                     "(lowest total) on {} examples\".format("
+                                  << "*hf_reference.score_choices(\"" << path("hf") << "\", \""
+                                  << path("choices.jsonl") << "\")))\n";
+  r = test::run_command("/usr/bin/python3 " + path("score.py"));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::string expected = "eval: " + r.output.substr(0, r.output.size() - 1) + " of ";
+  std::cout << "the independent model's scores: " << r.output;
+  for (const auto& [ranks, layout] : {std::pair{1, std::string()},
+                                      {2, "--set parallel.dp=2"},
+                                      {4, "--set parallel.tp=2 --set parallel.pp=2"}}) {
+    SCOPED_TRACE(layout);
+    r = test::run_command("timeout 60 " + test::mpiexec() +
+                          " -q --allow-run-as-root --oversubscribe -np " + std::to_string(ranks) +
+                          " " + test::trainer_bin() + " eval --checkpoint " + path("out") +
+                          " --choices " + path("choices.jsonl") + " " + layout);
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_EQ(r.output.find(expected), 0u) << r.output << "expected: " << expected;
+  }
+  std::ofstream(path("bad.jsonl")) << "{\"ctx\": \"a\", \"endings\": [\"b\"], \"label\": 0}\n";
+  r = test::run_command(test::trainer_bin() + " eval --checkpoint " + path("out") + " --choices " +
+                        path("bad.jsonl"));
+  expect_refused(r, path("bad.jsonl") +
+                        ":1: expected {\"ctx\": string, \"endings\": [2 or more "
+                        "strings], \"label\": index}");
 }
 
 // Weights that do not fit the model: exit 2, one line naming the tensor (and both shapes).

@@ -175,6 +175,9 @@ int main(int argc, char** argv) {
                  "micro-batches of windows spread over the data (default: the run's "
                  "val_batches)")
       ->check(CLI::Range(1, 1 << 24));
+  ev->add_option("--choices", eval.choices,
+                 "multiple-choice accuracy on HellaSwag-style JSON Lines (ctx, endings, label) "
+                 "instead of the loss");
   ev->add_option("--set", eval.overrides,
                  "override the run's config: section.key=value (the layout, micro_batch, ...)")
       ->take_all();

@@ -94,6 +94,16 @@ double Pipeline::evaluate(const int32_t* tokens, const int32_t* targets, int B, 
   return loss;
 }
 
+std::vector<float> Pipeline::token_losses(const int32_t* tokens, const int32_t* targets, int B,
+                                          int T) {
+  evaluate(tokens, targets, B, T);
+  std::vector<float> losses(size_t(B) * T);
+  if (pp_.rank() == pp_.size() - 1)
+    model_.kernels().download_f32(losses.data(), model_.losses(0), int64_t(losses.size()));
+  pp_.broadcast(host_ptr(losses.data()), int64_t(losses.size()), pp_.size() - 1);
+  return losses;
+}
+
 void Pipeline::next_logits(const int32_t* tokens, int T, int pos0, std::vector<float>& out) {
   const int64_t activation = int64_t(T) * model_.config().d_model;
   const int stage = pp_.rank(), last = pp_.size() - 1;

@@ -39,6 +39,8 @@ class Pipeline {
 
   // Forward only: the mean loss of (tokens, targets), on every stage.
   double evaluate(const int32_t* tokens, const int32_t* targets, int B, int T);
+  // Forward only: each of the B x T tokens' loss, on every stage.
+  std::vector<float> token_losses(const int32_t* tokens, const int32_t* targets, int B, int T);
   // The padded-vocab logits of the token after the T tokens at positions [pos0, pos0 + T), with
   // the key/value cache of the earlier ones (StageExecutor::infer), on every rank of the
   // pipeline and tensor-parallel groups (a sampler's input).

@@ -24,6 +24,10 @@ struct EvalOptions {
   std::string data;                    // token shards (globs too); "" = the run's validation set
   int batches = 0;                     // micro-batches of windows spread over it; 0 = the run's
   std::vector<std::string> overrides;  // --set: the layout, micro_batch, precision, ...
+  // Multiple-choice scoring (HellaSwag's JSON Lines: {"ctx", "endings": [...], "label"}): each
+  // ending, after " ", scored by its tokens' loss given the context; the prediction is the
+  // ending of lowest mean loss (acc_norm, llm.c's) and of lowest total (acc).
+  std::string choices;
 };
 // The loss and perplexity of a checkpoint's weights on a data set, in any layout under mpirun:
 // the windows validation reads (spread over the whole set, the same in every layout), so that
