@@ -5,12 +5,16 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <iterator>
+#include <map>
+#include <nlohmann/json.hpp>
 #include <random>
 
 #include "io/bpe.h"
 #include "io/errors.h"
 #include "io/tokenizer.h"
 #include "test_util.h"
+#include "trainer/hf_format.h"
 
 namespace trainer {
 namespace {
@@ -117,6 +121,29 @@ std::string random_bytes(std::mt19937& rng, size_t n) {
   std::string s(n, '\0');
   for (char& c : s) c = static_cast<char>(rng() & 0xFF);
   return s;
+}
+
+// transformers' tokenizer files: GPT-2's BPE as vocab.json and merges.txt, byte for byte our
+// encoder.json and vocab.bpe, with a GPT2Tokenizer config; a kind without such files gets none.
+TEST_F(TokenizerTest, TransformersFilesOfAGpt2Tokenizer) {
+  const std::string dir = gpt2_dir();
+  const auto files = hf_tokenizer_files(*load_tokenizer("gpt2", dir), 1024);
+  std::map<std::string, std::string> by_name(files.begin(), files.end());
+  ASSERT_EQ(by_name.size(), 4u);
+  auto bytes_of = [](const std::string& file) {
+    std::ifstream in(file, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(in)), {});
+  };
+  EXPECT_EQ(by_name["vocab.json"], bytes_of(dir + "/encoder.json"));
+  EXPECT_EQ(by_name["merges.txt"], bytes_of(dir + "/vocab.bpe"));
+  const auto config = nlohmann::json::parse(by_name["tokenizer_config.json"]);
+  EXPECT_EQ(config["tokenizer_class"], "GPT2Tokenizer");
+  EXPECT_EQ(config["model_max_length"], 1024);
+  EXPECT_EQ(config["eos_token"], "<|endoftext|>");
+  EXPECT_EQ(nlohmann::json::parse(by_name["special_tokens_map.json"])["bos_token"],
+            "<|endoftext|>");
+  EXPECT_TRUE(hf_tokenizer_files(*handmade(), 1024).empty());  // tiktoken ranks: none
+  EXPECT_TRUE(hf_tokenizer_files(*load_tokenizer("bytes", ""), 1024).empty());
 }
 
 TEST_F(TokenizerTest, BytesRoundTripAndFreeFunctions) {

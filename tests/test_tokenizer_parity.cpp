@@ -7,10 +7,12 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <iterator>
 #include <sstream>
 
 #include "io/tokenizer.h"
 #include "test_util.h"
+#include "trainer/hf_format.h"
 
 namespace trainer {
 namespace {
@@ -164,6 +166,12 @@ TEST_F(TokenizerParity, SentencePieceAgainstPython) {
     ASSERT_EQ(py.code, 0) << "python3-sentencepiece:\n" << py.output.substr(0, 2000);
     expect_same("sentencepiece " + type, tok->encode(text_), parse_ids(py.output));
     EXPECT_EQ(tok->vocab_size(), 800);
+    // transformers' LlamaTokenizer files: the model itself, byte for byte.
+    const auto hf = hf_tokenizer_files(*tok, 256);
+    ASSERT_EQ(hf.size(), 3u);
+    EXPECT_EQ(hf[0].first, "tokenizer.model");
+    std::ifstream model_file(prefix + ".model", std::ios::binary);
+    EXPECT_EQ(hf[0].second, std::string((std::istreambuf_iterator<char>(model_file)), {}));
     EXPECT_EQ(tok->special_tokens().at("<unk>"), 0);
     EXPECT_EQ(tok->special_tokens().at("<s>"), 1);
     EXPECT_EQ(tok->special_tokens().at("</s>"), 2);

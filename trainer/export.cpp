@@ -53,7 +53,10 @@ int export_weights(const ExportOptions& opts) {
       throw ConfigError("--dtype fp16: llm.c's format holds fp32 (version 3) or bf16 (version 5)");
     write_llmc(m, read, opts.out, dtype);
   } else if (opts.format == "hf") {
-    written = write_hf(m, read, opts.out, dtype, metadata, opts.max_shard_mb << 20).size();
+    // The tokenizer the checkpoint stores (transformers' files for the kinds it has them).
+    const std::unique_ptr<Tokenizer> tokenizer = checkpoint_tokenizer(state);
+    written = write_hf(m, read, opts.out, dtype, metadata, opts.max_shard_mb << 20, tokenizer.get())
+                  .size();
   } else {
     SafetensorsWriter out(opts.out, metadata);
     for (const ParamInfo& p : table.params) out.add(p.name, dtype, p.shape);

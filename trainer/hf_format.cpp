@@ -12,6 +12,7 @@
 #include "io/atomic_file.h"
 #include "io/errors.h"
 #include "io/safetensors.h"
+#include "io/tokenizer_spec.h"
 
 namespace trainer {
 
@@ -195,11 +196,49 @@ std::string hf_generation_config_json(const ModelConfig&) {
   return nlohmann::ordered_json({{"do_sample", true}, {"temperature", 1.0}}).dump(2) + "\n";
 }
 
+std::vector<std::pair<std::string, std::string>> hf_tokenizer_files(const Tokenizer& tokenizer,
+                                                                    int max_length) {
+  const TokenizerSpec spec = parse_spec(tokenizer.serialize(), "the tokenizer");
+  auto file = [&](const std::string& role) -> const std::string& {
+    for (const SpecFile& f : spec.files)
+      if (f.role == role) return f.bytes;
+    throw std::logic_error("hf_tokenizer_files: a " + spec.kind + " tokenizer without " + role);
+  };
+  auto special = [&](std::initializer_list<const char*> names) {
+    for (const char* n : names)
+      if (spec.specials.count(n)) return nlohmann::json(n);
+    return nlohmann::json(nullptr);
+  };
+  std::vector<std::pair<std::string, std::string>> out;
+  nlohmann::ordered_json config, map;
+  if (spec.kind == "gpt2") {
+    out = {{"vocab.json", file("encoder.json")}, {"merges.txt", file("vocab.bpe")}};
+    const nlohmann::json eot = special({"<|endoftext|>"});
+    map = {{"bos_token", eot}, {"eos_token", eot}, {"unk_token", eot}};
+    config = {{"tokenizer_class", "GPT2Tokenizer"}, {"add_prefix_space", false}};
+  } else if (spec.kind == "sentencepiece") {
+    out = {{"tokenizer.model", file("model")}};
+    map = {{"bos_token", special({"<s>"})},
+           {"eos_token", special({"</s>"})},
+           {"unk_token", special({"<unk>"})}};
+    // The trainer's encode adds no BOS: neither does this configuration.
+    config = {
+        {"tokenizer_class", "LlamaTokenizer"}, {"add_bos_token", false}, {"add_eos_token", false}};
+  } else {
+    return {};
+  }
+  config["model_max_length"] = max_length;
+  for (const auto& [k, v] : map.items()) config[k] = v;
+  out.push_back({"tokenizer_config.json", config.dump(2) + "\n"});
+  out.push_back({"special_tokens_map.json", map.dump(2) + "\n"});
+  return out;
+}
+
 std::vector<std::string> write_hf(const ModelConfig& m,
                                   const std::function<std::vector<float>(const std::string&)>& read,
                                   const std::string& dir, const std::string& dtype,
                                   const std::map<std::string, std::string>& metadata,
-                                  int64_t max_shard_bytes) {
+                                  int64_t max_shard_bytes, const Tokenizer* tokenizer) {
   namespace fs = std::filesystem;
   fs::create_directories(dir);
   const std::vector<HfTensor> tensors = hf_tensors(m);
@@ -243,6 +282,11 @@ std::vector<std::string> write_hf(const ModelConfig& m,
                     hf_generation_config_json(m));
   files.push_back("config.json");
   files.push_back("generation_config.json");
+  if (tokenizer)
+    for (const auto& [name, bytes] : hf_tokenizer_files(*tokenizer, m.seq_len)) {
+      write_file_atomic((fs::path(dir) / name).string(), bytes);
+      files.push_back(name);
+    }
   return files;
 }
 
@@ -450,7 +494,8 @@ void HfDirectory::read_part(const ModelConfig& m, const std::string& name,
   for (const HfTensor& t : hf_tensors(m)) {
     if (t.ours != name) continue;
     const std::vector<float> full = our_tensor_values(t, read_full(t));
-    read_boxes(shape, boxes, [&](int64_t i) { return full[size_t(i)]; }, values);
+    read_boxes(
+        shape, boxes, [&](int64_t i) { return full[size_t(i)]; }, values);
     return;
   }
   throw std::logic_error("HfDirectory::read_part: no tensor of transformers' makes " + name);

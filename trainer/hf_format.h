@@ -12,6 +12,7 @@
 
 #include "io/hdf5_file.h"  // Box
 #include "io/safetensors.h"
+#include "io/tokenizer.h"
 #include "model/model_config.h"
 
 namespace trainer {
@@ -35,14 +36,22 @@ std::vector<float> our_tensor_values(const HfTensor& t, const std::vector<float>
 std::string hf_config_json(const ModelConfig& m, const std::string& dtype = "F32");
 std::string hf_generation_config_json(const ModelConfig& m);
 
+// transformers' files for a tokenizer, by name: GPT-2's BPE as GPT2Tokenizer's vocab.json and
+// merges.txt (our encoder.json and vocab.bpe, byte for byte), a SentencePiece model as
+// LlamaTokenizer's tokenizer.model, each with tokenizer_config.json and special_tokens_map.json.
+// Empty for the kinds transformers has no such files for here (bytes, tiktoken rank files).
+std::vector<std::pair<std::string, std::string>> hf_tokenizer_files(const Tokenizer& tokenizer,
+                                                                    int max_length);
+
 // Writes `dir`: model.safetensors (or, above max_shard_bytes, model-0000i-of-0000n.safetensors
-// and model.safetensors.index.json), config.json and generation_config.json. `read(name)` gives
-// our parameter's full values. dtype: "F32", "BF16" or "F16". Returns the files written.
+// and model.safetensors.index.json), config.json, generation_config.json and, given a tokenizer,
+// its files (hf_tokenizer_files). `read(name)` gives our parameter's full values. dtype: "F32",
+// "BF16" or "F16". Returns the files written.
 std::vector<std::string> write_hf(const ModelConfig& m,
                                   const std::function<std::vector<float>(const std::string&)>& read,
                                   const std::string& dir, const std::string& dtype,
                                   const std::map<std::string, std::string>& metadata,
-                                  int64_t max_shard_bytes);
+                                  int64_t max_shard_bytes, const Tokenizer* tokenizer = nullptr);
 
 // A transformers model directory (our export, or a model saved by transformers: GPT-2's names
 // with or without the "transformer." prefix, its attention-mask buffers ignored), read under our
