@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <array>
 #include <charconv>
 #include <nlohmann/json.hpp>
@@ -289,6 +290,57 @@ SpecialTokens pattern_specials(std::string_view pattern_name, size_t n_ranks) {
     return s;
   }
   return {};
+}
+
+std::string byte_level_spelling(std::string_view bytes) {
+  static const std::array<int, 256> code_point = [] {
+    std::array<int, 256> cp{};
+    const std::array<int, 324> inv = unicode_to_bytes();
+    for (int c = 0; c < 324; c++)
+      if (inv[c] >= 0) cp[inv[c]] = c;
+    return cp;
+  }();
+  std::string out;
+  for (unsigned char b : bytes) {
+    const int c = code_point[b];
+    if (c < 0x80) {
+      out += char(c);
+    } else {  // below 0x800: two bytes of UTF-8
+      out += char(0xC0 | (c >> 6));
+      out += char(0x80 | (c & 0x3F));
+    }
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, std::string>> bpe_merges(std::vector<RankedToken> tokens) {
+  std::unordered_map<std::string, int32_t> rank;
+  for (const RankedToken& t : tokens) rank.emplace(t.bytes, t.rank);
+  std::sort(tokens.begin(), tokens.end(),
+            [](const RankedToken& a, const RankedToken& b) { return a.rank < b.rank; });
+  std::vector<std::pair<std::string, std::string>> merges;
+  for (const RankedToken& t : tokens) {
+    if (t.bytes.size() < 2) continue;
+    std::vector<std::string> parts;
+    for (char c : t.bytes) parts.emplace_back(1, c);
+    for (;;) {  // merge the lowest-ranked pair below the token's own rank
+      size_t best = SIZE_MAX;
+      int32_t best_rank = t.rank;
+      for (size_t i = 0; i + 1 < parts.size(); i++) {
+        const auto it = rank.find(parts[i] + parts[i + 1]);
+        if (it != rank.end() && it->second < best_rank) best = i, best_rank = it->second;
+      }
+      if (best == SIZE_MAX) break;
+      parts[best] += parts[best + 1];
+      parts.erase(parts.begin() + long(best) + 1);
+    }
+    if (parts.size() != 2)
+      throw ConfigError(fmt::format(
+          "token {} (rank {}): byte-level BPE leaves it in {} parts, not the 2 of one merge",
+          byte_level_spelling(t.bytes), t.rank, parts.size()));
+    merges.emplace_back(parts[0], parts[1]);
+  }
+  return merges;
 }
 
 }  // namespace trainer

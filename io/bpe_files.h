@@ -24,6 +24,15 @@ struct Gpt2Vocab {
 Gpt2Vocab parse_gpt2_files(std::string_view encoder_json, const std::string& encoder_origin,
                            std::string_view vocab_bpe, const std::string& vocab_origin);
 
+// GPT-2's printable spelling of bytes (encoder.py's bytes_to_unicode), in UTF-8: how byte-level
+// BPE vocabularies (encoder.json, transformers' tokenizer.json) write their tokens.
+std::string byte_level_spelling(std::string_view bytes);
+
+// The merge that makes each token of more than one byte, in rank order: the two parts byte-level
+// BPE leaves of the token's bytes when only lower ranks may merge (what transformers' conversion
+// of tiktoken files computes). A token BPE cannot build from two parts is a ConfigError.
+std::vector<std::pair<std::string, std::string>> bpe_merges(std::vector<RankedToken> tokens);
+
 // The special tokens that go with a named pattern over `n_ranks` ranks: gpt2 <|endoftext|> 50256;
 // cl100k OpenAI's five; llama3 Meta's 256 (Llama 3's list), numbered from n_ranks.
 SpecialTokens pattern_specials(std::string_view pattern_name, size_t n_ranks);

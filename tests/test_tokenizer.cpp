@@ -9,10 +9,12 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <sstream>
 
 #include "io/bpe.h"
 #include "io/errors.h"
 #include "io/tokenizer.h"
+#include "io/tokenizer_spec.h"
 #include "test_util.h"
 #include "trainer/hf_format.h"
 
@@ -142,8 +144,51 @@ TEST_F(TokenizerTest, TransformersFilesOfAGpt2Tokenizer) {
   EXPECT_EQ(config["eos_token"], "<|endoftext|>");
   EXPECT_EQ(nlohmann::json::parse(by_name["special_tokens_map.json"])["bos_token"],
             "<|endoftext|>");
-  EXPECT_TRUE(hf_tokenizer_files(*handmade(), 1024).empty());  // tiktoken ranks: none
   EXPECT_TRUE(hf_tokenizer_files(*load_tokenizer("bytes", ""), 1024).empty());
+
+  // The same vocabulary as a tiktoken rank file: transformers' tokenizer.json holds exactly
+  // GPT-2's vocabulary and merges (vocab.bpe, written independently above), tiktoken's pattern,
+  // and the special token; an independent Python conversion of the rank file (transformers'
+  // algorithm: each token split by BPE over lower ranks) finds the same merges.
+  const auto tik = hf_tokenizer_files(*handmade(), 512);
+  ASSERT_EQ(tik.size(), 3u);
+  ASSERT_EQ(tik[0].first, "tokenizer.json");
+  const auto tj = nlohmann::json::parse(tik[0].second);
+  std::vector<std::string> merges;
+  std::istringstream bpe(by_name["merges.txt"]);
+  for (std::string line; std::getline(bpe, line);)
+    if (!line.starts_with("#")) merges.push_back(line);
+  EXPECT_EQ(tj["model"]["merges"].get<std::vector<std::string>>(), merges);
+  auto encoder = nlohmann::json::parse(by_name["vocab.json"]);
+  encoder.erase("<|endoftext|>");  // a special token: added_tokens, not the BPE vocabulary
+  EXPECT_EQ(tj["model"]["vocab"], encoder);
+  EXPECT_EQ(tj["model"]["ignore_merges"], true);
+  EXPECT_EQ(tj["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"],
+            parse_spec(handmade()->serialize(), "test").pattern);
+  EXPECT_EQ(tj["added_tokens"][0]["content"], "<|endoftext|>");
+  std::ofstream(path("convert.py"))
+      << "import base64, json, sys\n"
+         "ranks = {base64.b64decode(t): int(r) for t, r in (l.split() for l in "
+         "open(sys.argv[1]) if l.strip())}\n"
+         "def bpe(token, max_rank):\n"
+         "    parts = [bytes([b]) for b in token]\n"
+         "    while True:\n"
+         "        pairs = [(ranks.get(a + b), i) for i, (a, b) in enumerate(zip(parts, "
+         "parts[1:]))]\n"
+         "        pairs = [(r, i) for r, i in pairs if r is not None and r < max_rank]\n"
+         "        if not pairs: return parts\n"
+         "        r, i = min(pairs)\n"
+         "        parts = parts[:i] + [parts[i] + parts[i + 1]] + parts[i + 2:]\n"
+         "bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))\n"
+         "cs = bs[:] + [256 + n for n in range(256 - len(bs))]\n"
+         "spell = dict(zip(bs + [b for b in range(256) if b not in bs], cs))\n"
+         "s = lambda t: ''.join(chr(spell[b]) for b in t)\n"
+         "print(json.dumps([' '.join(s(p) for p in bpe(t, r)) for t, r in sorted(ranks.items(), "
+         "key=lambda x: x[1]) if len(t) > 1]))\n";
+  const auto py =
+      test::run_command("/usr/bin/python3 " + path("convert.py") + " " + path("hand.tiktoken"));
+  ASSERT_EQ(py.code, 0) << py.output;
+  EXPECT_EQ(nlohmann::json::parse(py.output).get<std::vector<std::string>>(), merges);
 }
 
 TEST_F(TokenizerTest, BytesRoundTripAndFreeFunctions) {

@@ -8,6 +8,7 @@
 
 #include <fstream>
 #include <iterator>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "io/tokenizer.h"
@@ -117,6 +118,17 @@ TEST_F(TokenizerParity, Gpt2BothFileFormatsAgainstTiktoken) {
   EXPECT_EQ(files->vocab_size(), 50257);
   EXPECT_EQ(ranks->vocab_size(), 50257);
   EXPECT_NE(files->identity_hash(), ranks->identity_hash());  // different files, same tokens
+  // The rank file converted for transformers (tokenizer.json: each token's merge found by BPE
+  // over the lower ranks) gives OpenAI's own 50,000 merges of vocab.bpe, in order.
+  const auto hf = hf_tokenizer_files(*ranks, 1024);
+  ASSERT_EQ(hf[0].first, "tokenizer.json");
+  const auto merges = nlohmann::json::parse(hf[0].second)["model"]["merges"];
+  std::ifstream bpe(cache_ + "/gpt2/vocab.bpe");
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(bpe, line);)
+    if (!line.empty() && !line.starts_with("#version")) lines.push_back(line);
+  ASSERT_EQ(lines.size(), 50000u);
+  EXPECT_EQ(merges.get<std::vector<std::string>>(), lines);
 }
 
 TEST_F(TokenizerParity, Cl100kAgainstTiktoken) {

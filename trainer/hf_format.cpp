@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -10,6 +11,7 @@
 #include <set>
 
 #include "io/atomic_file.h"
+#include "io/bpe_files.h"
 #include "io/errors.h"
 #include "io/safetensors.h"
 #include "io/tokenizer_spec.h"
@@ -224,6 +226,67 @@ std::vector<std::pair<std::string, std::string>> hf_tokenizer_files(const Tokeni
     // The trainer's encode adds no BOS: neither does this configuration.
     config = {
         {"tokenizer_class", "LlamaTokenizer"}, {"add_bos_token", false}, {"add_eos_token", false}};
+  } else if (spec.kind == "tiktoken") {
+    // transformers' fast tokenizer: the ranks as a byte-level BPE vocabulary and its merges,
+    // tiktoken's pattern as the pre-tokenizer, a piece that is a whole token taken as it is
+    // (ignore_merges, as tiktoken does), the special tokens added.
+    const std::vector<RankedToken> ranks = parse_tiktoken_ranks(file("ranks"), "the tokenizer");
+    nlohmann::ordered_json vocab = nlohmann::ordered_json::object(),
+                           merges = nlohmann::ordered_json::array(),
+                           added = nlohmann::ordered_json::array();
+    std::vector<const RankedToken*> by_rank;
+    for (const RankedToken& t : ranks) by_rank.push_back(&t);
+    std::sort(by_rank.begin(), by_rank.end(),
+              [](const RankedToken* a, const RankedToken* b) { return a->rank < b->rank; });
+    for (const RankedToken* t : by_rank) vocab[byte_level_spelling(t->bytes)] = t->rank;
+    for (const auto& [a, b] : bpe_merges(ranks))
+      merges.push_back(byte_level_spelling(a) + " " + byte_level_spelling(b));
+    std::vector<std::pair<int32_t, std::string>> specials;
+    for (const auto& [name, id] : spec.specials) specials.emplace_back(id, name);
+    std::sort(specials.begin(), specials.end());
+    for (const auto& [id, name] : specials)
+      added.push_back({{"id", id},
+                       {"content", name},
+                       {"single_word", false},
+                       {"lstrip", false},
+                       {"rstrip", false},
+                       {"normalized", false},
+                       {"special", true}});
+    const nlohmann::ordered_json byte_level = {{"type", "ByteLevel"},
+                                               {"add_prefix_space", false},
+                                               {"trim_offsets", true},
+                                               {"use_regex", false}};
+    const nlohmann::ordered_json tokenizer = {{"version", "1.0"},
+                                              {"truncation", nullptr},
+                                              {"padding", nullptr},
+                                              {"added_tokens", added},
+                                              {"normalizer", nullptr},
+                                              {"pre_tokenizer",
+                                               {{"type", "Sequence"},
+                                                {"pretokenizers",
+                                                 {{{"type", "Split"},
+                                                   {"pattern", {{"Regex", spec.pattern}}},
+                                                   {"behavior", "Isolated"},
+                                                   {"invert", false}},
+                                                  byte_level}}}},
+                                              {"post_processor", byte_level},
+                                              {"decoder", byte_level},
+                                              {"model",
+                                               {{"type", "BPE"},
+                                                {"dropout", nullptr},
+                                                {"unk_token", nullptr},
+                                                {"continuing_subword_prefix", nullptr},
+                                                {"end_of_word_suffix", nullptr},
+                                                {"fuse_unk", false},
+                                                {"byte_fallback", false},
+                                                {"ignore_merges", true},
+                                                {"vocab", vocab},
+                                                {"merges", merges}}}};
+    out = {{"tokenizer.json", tokenizer.dump() + "\n"}};
+    map = {{"bos_token", special({"<|begin_of_text|>", "<|endoftext|>"})},
+           {"eos_token", special({"<|end_of_text|>", "<|endoftext|>"})}};
+    config = {{"tokenizer_class", "PreTrainedTokenizerFast"},
+              {"clean_up_tokenization_spaces", false}};
   } else {
     return {};
   }

@@ -38,8 +38,9 @@ std::string hf_generation_config_json(const ModelConfig& m);
 
 // transformers' files for a tokenizer, by name: GPT-2's BPE as GPT2Tokenizer's vocab.json and
 // merges.txt (our encoder.json and vocab.bpe, byte for byte), a SentencePiece model as
-// LlamaTokenizer's tokenizer.model, each with tokenizer_config.json and special_tokens_map.json.
-// Empty for the kinds transformers has no such files for here (bytes, tiktoken rank files).
+// LlamaTokenizer's tokenizer.model, tiktoken rank files (Llama 3's, cl100k) as a fast tokenizer's
+// tokenizer.json (the ranks as a byte-level BPE vocabulary with the merges that build them), each
+// with tokenizer_config.json and special_tokens_map.json. Empty for bytes.
 std::vector<std::pair<std::string, std::string>> hf_tokenizer_files(const Tokenizer& tokenizer,
                                                                     int max_length);
 
