@@ -115,29 +115,6 @@ std::vector<float> hf_tensor_values(const HfTensor& t, const std::vector<float>&
   return out;
 }
 
-std::vector<float> our_tensor_values(const HfTensor& t, const std::vector<float>& hf) {
-  std::vector<float> out(hf.size());
-  switch (t.op) {
-    case Op::zeros:
-      return {};
-    case Op::copy:
-      return hf;
-    case Op::transpose: {  // transformers' (rows, cols) -> ours (cols, rows)
-      const int64_t rows = t.shape[0], cols = t.shape[1];
-      for (int64_t r = 0; r < rows; r++)
-        for (int64_t c = 0; c < cols; c++) out[size_t(c * rows + r)] = hf[size_t(r * cols + c)];
-      return out;
-    }
-    case Op::rope_rows: {
-      const int64_t cols = t.shape[1], hd = t.shape[0] / t.heads;
-      for (int64_t row = 0; row < t.shape[0]; row++)
-        std::copy_n(hf.begin() + rope_row(row, hd) * cols, cols, out.begin() + row * cols);
-      return out;
-    }
-  }
-  return out;
-}
-
 std::string hf_config_json(const ModelConfig& m, const std::string& dtype) {
   const char* torch_dtype = dtype == "BF16" ? "bfloat16" : dtype == "F16" ? "float16" : "float32";
   nlohmann::ordered_json j;
@@ -554,11 +531,28 @@ void HfDirectory::check(const ModelConfig& m) const {
 void HfDirectory::read_part(const ModelConfig& m, const std::string& name,
                             const std::vector<int64_t>& shape, const std::vector<Box>& boxes,
                             float* values) const {
+  // Only this rank's boxes are read, each from where transformers' layout keeps it.
   for (const HfTensor& t : hf_tensors(m)) {
     if (t.ours != name) continue;
-    const std::vector<float> full = our_tensor_values(t, read_full(t));
-    read_boxes(
-        shape, boxes, [&](int64_t i) { return full[size_t(i)]; }, values);
+    const std::vector<int64_t> ours =
+        t.op == Op::transpose ? std::vector<int64_t>{t.shape[1], t.shape[0]} : t.shape;
+    if (ours != shape) throw std::logic_error("HfDirectory::read_part: another shape of " + name);
+    std::string stored;
+    const SafetensorsFile* f = file_of(t.name, stored);
+    if (t.op == Op::copy) return f->read_part(stored, t.shape, boxes, values);
+    for (const Box& b : boxes) {
+      if (b.rows <= 0 || b.cols <= 0) continue;
+      if (t.op == Op::transpose) {  // our rows are its columns
+        std::vector<float> theirs(size_t(b.rows * b.cols));
+        f->read_part(stored, t.shape, {{b.col, b.row, b.cols, b.rows}}, theirs.data());
+        for (int64_t r = 0; r < b.rows; r++)
+          for (int64_t c = 0; c < b.cols; c++) *values++ = theirs[size_t(c * b.rows + r)];
+      } else {  // rope_rows: row by row, each from its permuted place
+        const int64_t hd = t.shape[0] / t.heads;
+        for (int64_t r = 0; r < b.rows; r++, values += b.cols)
+          f->read_part(stored, t.shape, {{rope_row(b.row + r, hd), b.col, 1, b.cols}}, values);
+      }
+    }
     return;
   }
   throw std::logic_error("HfDirectory::read_part: no tensor of transformers' makes " + name);

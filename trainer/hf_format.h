@@ -28,10 +28,8 @@ struct HfTensor {
 
 // Every tensor of the transformers model, in its order.
 std::vector<HfTensor> hf_tensors(const ModelConfig& m);
-// transformers' tensor from ours (`in`: our parameter's values, row-major in our shape), and
-// back (our_tensor_values(t, hf_tensor_values(t, x)) == x).
+// transformers' tensor from ours (`in`: our parameter's values, row-major in our shape).
 std::vector<float> hf_tensor_values(const HfTensor& t, const std::vector<float>& in);
-std::vector<float> our_tensor_values(const HfTensor& t, const std::vector<float>& hf);
 // config.json (torch_dtype from dtype: "F32", "BF16", "F16") and generation_config.json.
 std::string hf_config_json(const ModelConfig& m, const std::string& dtype = "F32");
 std::string hf_generation_config_json(const ModelConfig& m);
