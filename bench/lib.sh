@@ -12,53 +12,37 @@ ws_setup() {
   ws_config "$work/ws.toml" "$(bench_data "$1" "$2" "$work")" "$3"
 }
 
-# ws_config FILE DATA_DIR STEPS: the W-S workload (6 layers, 6 heads, 384 wide, T 256, GPT-2
-# vocab, micro-batches of 4) for STEPS steps, without validation or samples.
-ws_config() {
+# gpt2_config FILE DATA_DIR STEPS SEQ_LEN LAYERS WIDTH MICRO_BATCH: a GPT-2-vocabulary model
+# (one head per 64 channels) for STEPS steps, without validation or samples.
+gpt2_config() {
   cat >"$1" <<CONFIG
 [run]
 name = "bench"
 peak_tflops = 0.2
 [model]
 vocab_size = 50257
-seq_len = 256
-n_layer = 6
-n_head = 6
-d_model = 384
+seq_len = $4
+n_layer = $5
+n_head = $(($6 / 64))
+d_model = $6
 [data]
 train = "$2/train.bin"
 val = "$2/val.bin"
 [train]
-micro_batch = 4
+micro_batch = $7
 steps = $3
 val_every = 0
 sample_every = 0
 CONFIG
 }
 
-# wm_config FILE DATA_DIR STEPS: the W-M workload (GPT-2 124M, T 1024, micro-batches of 1) for
-# STEPS steps, without validation or samples.
-wm_config() {
-  cat >"$1" <<CONFIG
-[run]
-name = "bench"
-peak_tflops = 0.2
-[model]
-vocab_size = 50257
-seq_len = 1024
-n_layer = 12
-n_head = 12
-d_model = 768
-[data]
-train = "$2/train.bin"
-val = "$2/val.bin"
-[train]
-micro_batch = 1
-steps = $3
-val_every = 0
-sample_every = 0
-CONFIG
-}
+# ws_config FILE DATA_DIR STEPS: the W-S workload (6 layers, 6 heads, 384 wide, T 256,
+# micro-batches of 4).
+ws_config() { gpt2_config "$1" "$2" "$3" 256 6 384 4; }
+
+# wm_config FILE DATA_DIR STEPS: the W-M workload (GPT-2 124M: 12 layers, 12 heads, 768 wide,
+# T 1024, micro-batches of 1).
+wm_config() { gpt2_config "$1" "$2" "$3" 1024 12 768 1; }
 
 # bench_data ROOT BUILD WORK: prints a directory with train.bin and val.bin (the prepared Austen
 # set if there is one, else the excerpt in tests/data).
