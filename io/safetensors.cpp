@@ -103,8 +103,10 @@ SafetensorsFile::SafetensorsFile(const std::string& path)
         if (!d.is_number_unsigned() || d.get<uint64_t>() > (uint64_t(1) << 40))
           throw bad(fmt::format("shape {} is not a list of sizes", entry["shape"].dump()));
         t.shape.push_back(d.get<int64_t>());
+        constexpr int64_t kMaxElements = int64_t(1) << 48;
+        if (t.shape.back() != 0 && numel > kMaxElements / t.shape.back())
+          throw bad("more elements than any model has");
         numel *= t.shape.back();
-        if (numel > (int64_t(1) << 48)) throw bad("more elements than any model has");
       }
       for (const auto& o : entry["data_offsets"])
         if (!o.is_number_unsigned() || o.get<uint64_t>() > uint64_t(data_bytes))
@@ -123,8 +125,9 @@ SafetensorsFile::SafetensorsFile(const std::string& path)
     // No two tensors share bytes.
     std::vector<std::pair<const std::string*, const Tensor*>> order;
     for (const auto& [name, t] : tensors_) order.push_back({&name, &t});
-    std::sort(order.begin(), order.end(),
-              [](const auto& a, const auto& b) { return a.second->begin < b.second->begin; });
+    std::sort(order.begin(), order.end(), [](const auto& a, const auto& b) {  // empty ones first
+      return std::pair(a.second->begin, a.second->end) < std::pair(b.second->begin, b.second->end);
+    });
     for (size_t i = 1; i < order.size(); i++)
       if (order[i].second->begin < order[i - 1].second->end)
         throw DataError(fmt::format("{}: tensors {} and {} overlap (bytes [{}, {}) and [{}, {}))",

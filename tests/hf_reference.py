@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -378,6 +379,7 @@ def same_weights(a, b):
 def check(dump_tool, work_dir, variant):
     h5_path = os.path.join(work_dir, f"hf-{variant}.h5")
     hf_dir = os.path.join(work_dir, f"hf-{variant}")
+    shutil.rmtree(hf_dir, ignore_errors=True)  # an export goes into a new directory
     subprocess.run([dump_tool, h5_path, variant, hf_dir], check=True)
     with open(os.path.join(hf_dir, "config.json")) as f:
         config = json.load(f)

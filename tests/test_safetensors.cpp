@@ -115,6 +115,13 @@ TEST_F(Safetensors, AnIndependentWritersFileIsReadAsItSays) {
 TEST_F(Safetensors, DamagedHeadersAreNamed) {
   const std::string ok = R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})";
   EXPECT_EQ(error_of(raw_file("ok", ok, 8)), "no error");
+  // An empty tensor where another starts is no overlap.
+  EXPECT_EQ(error_of(raw_file("empty",
+                              R"({"b": {"dtype": "F32", "shape": [2], "data_offsets": )"
+                              R"([0, 8]}, "a": {"dtype": "F32", "shape": [0], )"
+                              R"("data_offsets": [0, 0]}})",
+                              8)),
+            "no error");
   struct Case {
     std::string header;
     size_t data;

@@ -241,7 +241,7 @@ TEST_F(MpiCli, HfDirectoriesImportAndThoseThatDoNotFitAreNamed) {
   EXPECT_LT(tuned.back().loss, 0.8 * tuned.front().loss);
 
   const std::string tool = "/usr/bin/python3 " + test::source_dir() + "/tests/safetensors_tool.py ";
-  for (const std::string dir : {"dropped", "extra", "llama"}) {
+  for (const std::string dir : {"dropped", "extra", "llama", "typed"}) {
     fs::create_directories(path(dir));
     fs::copy_file(hub + "/config.json", path(dir + "/config.json"));
   }
@@ -254,8 +254,13 @@ TEST_F(MpiCli, HfDirectoriesImportAndThoseThatDoNotFitAreNamed) {
                 .code,
             0);
   fs::copy_file(hub + "/model.safetensors", path("llama/model.safetensors"));
+  fs::copy_file(hub + "/model.safetensors", path("typed/model.safetensors"));
   r = python("p = \"" + path("llama/config.json") +
              "\"\nc = json.load(open(p))\nc[\"architectures\"] = [\"LlamaForCausalLM\"]\n"
+             "json.dump(c, open(p, \"w\"))\n");
+  ASSERT_EQ(r.code, 0) << r.output;
+  r = python("p = \"" + path("typed/config.json") +
+             "\"\nc = json.load(open(p))\nc[\"activation_function\"] = None\n"
              "json.dump(c, open(p, \"w\"))\n");
   ASSERT_EQ(r.code, 0) << r.output;
   struct Case {
@@ -273,6 +278,7 @@ TEST_F(MpiCli, HfDirectoriesImportAndThoseThatDoNotFitAreNamed) {
                               "model needs for h.1.mlp.fc.bias"},
            {path("extra"), "",
             path("extra") + ": tensor lm_head.weight has no place in this model (gpt2)"},
+           {path("typed"), "", path("typed") + "/config.json: a field of an unexpected type ("},
            {hub, "--set model.bias=false ",
             hub + ": h.0.ln_1.bias is not zero, and this model has no biases (model.bias = "
                   "false)"},
@@ -318,6 +324,10 @@ TEST_F(MpiCli, LlmcCheckpointsImportAndExportTheSameBytes) {
     std::ofstream(path("cut.bin"), std::ios::binary) << bytes.substr(0, bytes.size() - 4);
     bytes[4] = 4;
     std::ofstream(path("v4.bin"), std::ios::binary) << bytes;
+    bytes[4] = 3;
+    const int32_t layers = 1 << 24;  // a forged header: checked against the size first
+    bytes.replace(16, 4, reinterpret_cast<const char*>(&layers), 4);
+    std::ofstream(path("forged.bin"), std::ios::binary) << bytes.substr(0, 2048);
   }
   struct Case {
     std::string file, settings, message;
@@ -328,6 +338,7 @@ TEST_F(MpiCli, LlmcCheckpointsImportAndExportTheSameBytes) {
            {bin, "--set model.arch=" + quoted("llama") + " ",
             bin + ": llm.c's GPT-2 (tied embeddings, biases), [model] arch = llama, untied"},
            {path("v4.bin"), "", path("v4.bin") + ": version 4: llm.c writes 3 (fp32) or 5 (bf16)"},
+           {path("forged.bin"), "", path("forged.bin") + ": 2048 bytes, the header's model needs "},
            {path("cut.bin"), "", path("cut.bin") + ": 44796 bytes, the header's model needs 44800"},
        }) {
     SCOPED_TRACE(c.message);
@@ -382,6 +393,14 @@ TEST_F(MpiCli, EvalGivesTheLoggedValidationLossInAnyLayout) {
                         ": params/wte.weight has shape [256, 16], this model's is [256, 32]");
   r = test::run_command(test::trainer_bin() + " eval --checkpoint " + path("nothing"));
   expect_refused(r, path("nothing") + ": no such checkpoint");
+  r = test::run_command(test::trainer_bin() + " export --checkpoint " + path("out") + " --out " +
+                        path("w.safetensors"));
+  ASSERT_EQ(r.code, 0) << r.output;
+  r = test::run_command(test::trainer_bin() + " eval --checkpoint " + path("w.safetensors"));
+  expect_refused(r, path("w.safetensors") +
+                        ": weights without a run (safetensors, a "
+                        "transformers directory or llm.c's format): usable "
+                        "as [init] from, not as a checkpoint of ours");
 }
 
 // trainer eval --choices: HellaSwag-style accuracy, the same in one process, dp2 and tp2 x pp2, and
@@ -438,6 +457,11 @@ TEST_F(MpiCli, EvalScoresMultipleChoiceAsTheIndependentModel) {
   expect_refused(r, path("bad.jsonl") +
                         ":1: expected {\"ctx\": string, \"endings\": [2 or more "
                         "strings], \"label\": index}");
+  std::ofstream(path("label.jsonl"))
+      << "{\"ctx\": \"a\", \"endings\": [\"b\", \"c\"], \"label\": 4294967296}\n";
+  r = test::run_command(test::trainer_bin() + " eval --checkpoint " + path("out") + " --choices " +
+                        path("label.jsonl"));
+  expect_refused(r, path("label.jsonl") + ":1: label 4294967296 of 2 endings");
 }
 
 // Weights that do not fit the model: exit 2, one line naming the tensor (and both shapes).
@@ -501,6 +525,16 @@ TEST_F(MpiCli, HfExportIsTransformersLayoutShardedAboveTheLimit) {
   }
   EXPECT_NE(r.output.find(": 5 files in "), std::string::npos)
       << r.output;  // 2 shards, the index, the configs
+  // Again into the same directory: refused, the export there untouched (no shards of two
+  // exports in one directory).
+  const auto before = fs::last_write_time(path("hf1/config.json"));
+  r = test::run_command(test::trainer_bin() + " export --format hf --checkpoint " + path("source") +
+                        " --out " + path("hf1"));
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find(path("hf1") + ": exists and is not an empty directory"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(fs::last_write_time(path("hf1/config.json")), before);
   const std::string check =
       "import json, os, sys\n"
       "sys.path.insert(0, \"" +

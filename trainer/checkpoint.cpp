@@ -648,6 +648,12 @@ std::string resolve_checkpoint(const std::string& path) {
 }
 
 Config checkpoint_config(const std::string& state_file) {
+  if (SafetensorsFile::is_one(state_file) || HfDirectory::is_one(state_file) ||
+      LlmcFile::is_one(state_file))
+    throw CheckpointError(fmt::format(
+        "{}: weights without a run (safetensors, a transformers directory or llm.c's format): "
+        "usable as [init] from, not as a checkpoint of ours",
+        state_file));
   H5File f = H5File::open_read(state_file);
   check_version(f, state_file);
   try {

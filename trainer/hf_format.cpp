@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -274,13 +275,14 @@ std::vector<std::pair<std::string, std::string>> hf_tokenizer_files(const Tokeni
   return out;
 }
 
-std::vector<std::string> write_hf(const ModelConfig& m,
-                                  const std::function<std::vector<float>(const std::string&)>& read,
-                                  const std::string& dir, const std::string& dtype,
-                                  const std::map<std::string, std::string>& metadata,
-                                  int64_t max_shard_bytes, const Tokenizer* tokenizer) {
+namespace {
+
+std::vector<std::string> write_hf_files(
+    const ModelConfig& m, const std::function<std::vector<float>(const std::string&)>& read,
+    const std::string& dir, const std::string& dtype,
+    const std::map<std::string, std::string>& metadata, int64_t max_shard_bytes,
+    const Tokenizer* tokenizer) {
   namespace fs = std::filesystem;
-  fs::create_directories(dir);
   const std::vector<HfTensor> tensors = hf_tensors(m);
   // Shards: tensors in order, a new shard when the next would pass the limit.
   const int size = safetensors_dtype_size(dtype);
@@ -328,6 +330,38 @@ std::vector<std::string> write_hf(const ModelConfig& m,
       files.push_back(name);
     }
   return files;
+}
+
+}  // namespace
+
+std::vector<std::string> write_hf(const ModelConfig& m,
+                                  const std::function<std::vector<float>(const std::string&)>& read,
+                                  const std::string& dir, const std::string& dtype,
+                                  const std::map<std::string, std::string>& metadata,
+                                  int64_t max_shard_bytes, const Tokenizer* tokenizer) {
+  namespace fs = std::filesystem;
+  // Into a directory of its own, renamed into place when whole: an interrupted export leaves
+  // nothing that looks like a model, and none mixes with an earlier export's shards.
+  std::error_code ec;
+  if (fs::exists(dir) && !(fs::is_directory(dir) && fs::is_empty(dir, ec)))
+    throw ConfigError(fmt::format(
+        "{}: exists and is not an empty directory: an export goes into a new one (remove it, or "
+        "choose another --out)",
+        dir));
+  const std::string partial = fmt::format("{}.partial-{}", dir, ::getpid());
+  fs::remove_all(partial, ec);
+  fs::create_directories(partial);
+  try {
+    std::vector<std::string> files =
+        write_hf_files(m, read, partial, dtype, metadata, max_shard_bytes, tokenizer);
+    fs::remove(dir, ec);  // empty, if it is there
+    fs::rename(partial, dir);
+    fsync_path(fs::path(dir).parent_path().empty() ? "." : fs::path(dir).parent_path().string());
+    return files;
+  } catch (...) {
+    fs::remove_all(partial, ec);
+    throw;
+  }
 }
 
 // --- reading a directory back ------------------------------------------------------------------
@@ -419,112 +453,117 @@ std::string shape_text(const std::vector<int64_t>& shape) {
 }  // namespace
 
 void HfDirectory::check(const ModelConfig& m) const {
-  const nlohmann::json& c = files_->config;
-  std::vector<std::string> wrong;
-  // A field of config.json against the model's value (absent: transformers' default).
-  auto field = [&](const char* key, const nlohmann::json& fallback, const nlohmann::json& ours,
-                   const std::string& our_key) {
-    const nlohmann::json& theirs = c.contains(key) && !c[key].is_null() ? c[key] : fallback;
-    const bool same = theirs.is_number() && ours.is_number()
-                          ? std::abs(theirs.get<double>() - ours.get<double>()) <=
-                                1e-9 * std::abs(ours.get<double>())
-                          : theirs == ours;
-    if (!same)
-      wrong.push_back(
-          fmt::format("{} = {}, [model] {} = {}", key, theirs.dump(), our_key, ours.dump()));
-  };
-  const std::string arch =
-      c.contains("architectures") && c["architectures"].is_array() && !c["architectures"].empty()
-          ? c["architectures"][0].dump()
-          : "none";
-  const char* want = m.arch == Arch::gpt2 ? "GPT2LMHeadModel" : "LlamaForCausalLM";
-  if (arch != nlohmann::json(want).dump())
-    wrong.push_back(fmt::format("architectures = [{}], [model] arch = \"{}\" ({})", arch,
-                                arch_name(m.arch), want));
-  field("vocab_size", nullptr, m.vocab_size, "vocab_size");
-  if (m.arch == Arch::gpt2) {
-    field("n_positions", 1024, m.seq_len, "seq_len");
-    field("n_embd", 768, m.d_model, "d_model");
-    field("n_layer", 12, m.n_layer, "n_layer");
-    field("n_head", 12, m.n_head, "n_head");
-    field("n_inner", 4 * m.d_model, 4 * m.d_model, "d_model x 4");
-    field("layer_norm_epsilon", 1e-5, 1e-5, "(LayerNorm's eps, fixed)");
-    const nlohmann::json act = c.value("activation_function", "gelu_new");
-    if (act != "gelu_new" && act != "gelu_pytorch_tanh")
-      wrong.push_back(
-          fmt::format("activation_function = {}, this GPT-2 has tanh GELU (gelu_new)", act.dump()));
-    field("tie_word_embeddings", true, m.tie_embeddings, "tie_embeddings");
-  } else {
-    field("hidden_size", nullptr, m.d_model, "d_model");
-    field("intermediate_size", nullptr, m.ffn(), "ffn_hidden (as derived)");
-    field("num_hidden_layers", nullptr, m.n_layer, "n_layer");
-    field("num_attention_heads", nullptr, m.n_head, "n_head");
-    field("num_key_value_heads", c.value("num_attention_heads", 0), m.kv_heads(), "n_kv_head");
-    field("head_dim", m.head_size(), m.head_size(), "d_model / n_head");
-    field("rms_norm_eps", 1e-6, m.norm_eps, "norm_eps");
-    field("rope_theta", 10000.0, m.rope_theta, "rope_theta");
-    field("hidden_act", "silu", "silu", "(SwiGLU's SiLU)");
-    field("tie_word_embeddings", false, m.tie_embeddings, "tie_embeddings");
-    field("attention_bias", false, false, "(no biases)");
-    field("mlp_bias", false, false, "(no biases)");
-    const nlohmann::json s = c.value("rope_scaling", nlohmann::json());
-    nlohmann::json ours = nullptr;
-    if (m.rope_scaling.factor > 0)
-      ours = {{"factor", m.rope_scaling.factor},
-              {"low_freq_factor", m.rope_scaling.low_freq_factor},
-              {"high_freq_factor", m.rope_scaling.high_freq_factor},
-              {"original_max_position_embeddings", m.rope_scaling.original_max_pos}};
-    nlohmann::json theirs = nullptr;
-    if (s.is_object()) {
-      theirs = nlohmann::json::object();
-      for (const char* k :
-           {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
-        if (s.contains(k)) theirs[k] = s[k];
-      const std::string type = s.value("rope_type", s.value("type", ""));
-      if (type != "llama3")
+  try {
+    const nlohmann::json& c = files_->config;
+    std::vector<std::string> wrong;
+    // A field of config.json against the model's value (absent: transformers' default).
+    auto field = [&](const char* key, const nlohmann::json& fallback, const nlohmann::json& ours,
+                     const std::string& our_key) {
+      const nlohmann::json& theirs = c.contains(key) && !c[key].is_null() ? c[key] : fallback;
+      const bool same = theirs.is_number() && ours.is_number()
+                            ? std::abs(theirs.get<double>() - ours.get<double>()) <=
+                                  1e-9 * std::abs(ours.get<double>())
+                            : theirs == ours;
+      if (!same)
         wrong.push_back(
-            fmt::format("rope_scaling.rope_type = \"{}\", this Llama has llama3's", type));
+            fmt::format("{} = {}, [model] {} = {}", key, theirs.dump(), our_key, ours.dump()));
+    };
+    const std::string arch =
+        c.contains("architectures") && c["architectures"].is_array() && !c["architectures"].empty()
+            ? c["architectures"][0].dump()
+            : "none";
+    const char* want = m.arch == Arch::gpt2 ? "GPT2LMHeadModel" : "LlamaForCausalLM";
+    if (arch != nlohmann::json(want).dump())
+      wrong.push_back(fmt::format("architectures = [{}], [model] arch = \"{}\" ({})", arch,
+                                  arch_name(m.arch), want));
+    field("vocab_size", nullptr, m.vocab_size, "vocab_size");
+    if (m.arch == Arch::gpt2) {
+      field("n_positions", 1024, m.seq_len, "seq_len");
+      field("n_embd", 768, m.d_model, "d_model");
+      field("n_layer", 12, m.n_layer, "n_layer");
+      field("n_head", 12, m.n_head, "n_head");
+      field("n_inner", 4 * m.d_model, 4 * m.d_model, "d_model x 4");
+      field("layer_norm_epsilon", 1e-5, 1e-5, "(LayerNorm's eps, fixed)");
+      const nlohmann::json act = c.value("activation_function", "gelu_new");
+      if (act != "gelu_new" && act != "gelu_pytorch_tanh")
+        wrong.push_back(fmt::format("activation_function = {}, this GPT-2 has tanh GELU (gelu_new)",
+                                    act.dump()));
+      field("tie_word_embeddings", true, m.tie_embeddings, "tie_embeddings");
+    } else {
+      field("hidden_size", nullptr, m.d_model, "d_model");
+      field("intermediate_size", nullptr, m.ffn(), "ffn_hidden (as derived)");
+      field("num_hidden_layers", nullptr, m.n_layer, "n_layer");
+      field("num_attention_heads", nullptr, m.n_head, "n_head");
+      field("num_key_value_heads", c.value("num_attention_heads", 0), m.kv_heads(), "n_kv_head");
+      field("head_dim", m.head_size(), m.head_size(), "d_model / n_head");
+      field("rms_norm_eps", 1e-6, m.norm_eps, "norm_eps");
+      field("rope_theta", 10000.0, m.rope_theta, "rope_theta");
+      field("hidden_act", "silu", "silu", "(SwiGLU's SiLU)");
+      field("tie_word_embeddings", false, m.tie_embeddings, "tie_embeddings");
+      field("attention_bias", false, false, "(no biases)");
+      field("mlp_bias", false, false, "(no biases)");
+      const nlohmann::json s = c.value("rope_scaling", nlohmann::json());
+      nlohmann::json ours = nullptr;
+      if (m.rope_scaling.factor > 0)
+        ours = {{"factor", m.rope_scaling.factor},
+                {"low_freq_factor", m.rope_scaling.low_freq_factor},
+                {"high_freq_factor", m.rope_scaling.high_freq_factor},
+                {"original_max_position_embeddings", m.rope_scaling.original_max_pos}};
+      nlohmann::json theirs = nullptr;
+      if (s.is_object()) {
+        theirs = nlohmann::json::object();
+        for (const char* k :
+             {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
+          if (s.contains(k)) theirs[k] = s[k];
+        const std::string type = s.value("rope_type", s.value("type", ""));
+        if (type != "llama3")
+          wrong.push_back(
+              fmt::format("rope_scaling.rope_type = \"{}\", this Llama has llama3's", type));
+      }
+      bool same = theirs.is_null() == ours.is_null();
+      if (same && !ours.is_null())
+        for (const auto& [k, v] : ours.items())
+          same = same && theirs.contains(k) &&
+                 std::abs(theirs[k].get<double>() - v.get<double>()) <=
+                     1e-9 * std::abs(v.get<double>());
+      if (!same)
+        wrong.push_back(
+            fmt::format("rope_scaling = {}, [model] rope_scaling = {}", s.dump(), ours.dump()));
     }
-    bool same = theirs.is_null() == ours.is_null();
-    if (same && !ours.is_null())
-      for (const auto& [k, v] : ours.items())
-        same =
-            same && theirs.contains(k) &&
-            std::abs(theirs[k].get<double>() - v.get<double>()) <= 1e-9 * std::abs(v.get<double>());
-    if (!same)
-      wrong.push_back(
-          fmt::format("rope_scaling = {}, [model] rope_scaling = {}", s.dump(), ours.dump()));
-  }
-  if (!wrong.empty())
-    throw CheckpointError(fmt::format("{}/config.json: {}", dir_, fmt::join(wrong, "; ")));
+    if (!wrong.empty())
+      throw CheckpointError(fmt::format("{}/config.json: {}", dir_, fmt::join(wrong, "; ")));
 
-  // The tensors: each the model needs, of its shape; zero biases where the model has none.
-  std::set<std::string> used;
-  for (const HfTensor& t : hf_tensors(m)) {
-    std::string stored;
-    const SafetensorsFile* f = file_of(t.name, stored);
-    if (!f) {
-      if (t.op == Op::zeros) continue;  // a model without biases: none is fine too
-      throw CheckpointError(fmt::format("{}: no tensor {} ({}), which this model needs for {}",
-                                        dir_, t.name, shape_text(t.shape), t.ours));
+    // The tensors: each the model needs, of its shape; zero biases where the model has none.
+    std::set<std::string> used;
+    for (const HfTensor& t : hf_tensors(m)) {
+      std::string stored;
+      const SafetensorsFile* f = file_of(t.name, stored);
+      if (!f) {
+        if (t.op == Op::zeros) continue;  // a model without biases: none is fine too
+        throw CheckpointError(fmt::format("{}: no tensor {} ({}), which this model needs for {}",
+                                          dir_, t.name, shape_text(t.shape), t.ours));
+      }
+      used.insert(stored);
+      if (f->at(stored).shape != t.shape)
+        throw CheckpointError(fmt::format("{}: {} has shape {}, this model's is {}", dir_, stored,
+                                          shape_text(f->at(stored).shape), shape_text(t.shape)));
+      if (t.op == Op::zeros)
+        for (float v : read_full(t))
+          if (v != 0)
+            throw CheckpointError(
+                fmt::format("{}: {} is not zero, and this model has no biases (model.bias = false)",
+                            dir_, stored));
     }
-    used.insert(stored);
-    if (f->at(stored).shape != t.shape)
-      throw CheckpointError(fmt::format("{}: {} has shape {}, this model's is {}", dir_, stored,
-                                        shape_text(f->at(stored).shape), shape_text(t.shape)));
-    if (t.op == Op::zeros)
-      for (float v : read_full(t))
-        if (v != 0)
-          throw CheckpointError(
-              fmt::format("{}: {} is not zero, and this model has no biases (model.bias = false)",
-                          dir_, stored));
-  }
-  for (const auto& [name, file] : files_->where) {
-    // GPT-2's causal-mask buffers, which older transformers saved with the weights.
-    if (name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias")) continue;
-    if (!used.count(name))
-      throw CheckpointError(fmt::format("{}: tensor {} has no place in this model ({})", dir_, name,
-                                        arch_name(m.arch)));
+    for (const auto& [name, file] : files_->where) {
+      // GPT-2's causal-mask buffers, which older transformers saved with the weights.
+      if (name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias")) continue;
+      if (!used.count(name))
+        throw CheckpointError(fmt::format("{}: tensor {} has no place in this model ({})", dir_,
+                                          name, arch_name(m.arch)));
+    }
+  } catch (const nlohmann::json::exception& e) {  // a field of config.json of another type
+    throw CheckpointError(
+        fmt::format("{}/config.json: a field of an unexpected type ({})", dir_, e.what()));
   }
 }
 

@@ -7,7 +7,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -79,10 +81,18 @@ void write_llmc(const ModelConfig& m,
   header[6] = m.d_model;
   header[7] = int32_t(padded(m.vocab_size));
   std::string tmp;
-  FILE* f = open_temporary_beside(path, tmp);
+  // Closed and removed on any way out but the rename (a failed read included).
+  struct Temporary {
+    FILE* f;
+    const std::string& name;
+    bool kept = false;
+    ~Temporary() {
+      if (f) std::fclose(f);
+      if (!kept) ::unlink(name.c_str());
+    }
+  } guard{open_temporary_beside(path, tmp), tmp};
+  FILE* f = guard.f;
   auto fail = [&](const std::string& why) {
-    std::fclose(f);
-    ::unlink(tmp.c_str());
     throw DataError(fmt::format("{}: write failed: {}", path, why));
   };
   if (std::fwrite(header, sizeof header, 1, f) != 1) fail(strerror(errno));
@@ -100,10 +110,10 @@ void write_llmc(const ModelConfig& m,
   }
   if (std::fflush(f) != 0 || ::fsync(::fileno(f)) != 0) fail(strerror(errno));
   std::fclose(f);
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    ::unlink(tmp.c_str());
+  guard.f = nullptr;
+  if (std::rename(tmp.c_str(), path.c_str()) != 0)
     throw DataError(fmt::format("{}: cannot rename into place: {}", path, strerror(errno)));
-  }
+  guard.kept = true;
 }
 
 bool LlmcFile::is_one(const std::string& path) {
@@ -129,16 +139,21 @@ LlmcFile::LlmcFile(const std::string& path)
   if (header_[7] != padded(header_[3]))
     throw bad(fmt::format("padded_vocab_size {}, expected {} (vocab_size {} rounded up to 128)",
                           header_[7], padded(header_[3]), header_[3]));
+  // The size the header implies, before anything is laid out (a forged header must not make
+  // the reader build billions of names): exact in 128 bits, each field at most 2^24.
+  {
+    const __int128 C = header_[6], L = header_[4], T = header_[2], Vp = header_[7];
+    const __int128 elements = Vp * C + T * C + L * (12 * C * C + 13 * C) + 2 * C;
+    const __int128 bytes = __int128(sizeof header_) + elements * (header_[1] == 5 ? 2 : 4);
+    if (bytes != __int128(size_))
+      throw bad(fmt::format("{} bytes, the header's model needs {}", size_,
+                            int64_t(std::min<__int128>(bytes, INT64_MAX))));
+  }
   model_.seq_len = header_[2];
   model_.vocab_size = header_[3];
   model_.n_layer = header_[4];
   model_.n_head = header_[5];
   model_.d_model = header_[6];
-  int64_t total = 0;
-  layout(model_, total);
-  const int64_t bytes = int64_t(sizeof header_) + total * (header_[1] == 5 ? 2 : 4);
-  if (int64_t(size_) != bytes)
-    throw bad(fmt::format("{} bytes, the header's model needs {}", size_, bytes));
 }
 
 LlmcFile::~LlmcFile() = default;

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -807,9 +808,9 @@ struct Choice {
 
 // HellaSwag's JSON Lines, tokenized (each ending after a space, as llm.c's evaluation does);
 // a context too long for an ending to fit in seq_len + 1 tokens loses its first tokens.
-std::vector<Choice> read_choices(const std::string& file, const Tokenizer& tokenizer, int T) {
-  std::ifstream in(file);
-  if (!in) throw DataError(fmt::format("{}: cannot read", file));
+std::vector<Choice> read_choices(const std::string& file, const std::string& text,
+                                 const Tokenizer& tokenizer, int T) {
+  std::istringstream in(text);
   std::vector<Choice> out;
   int line_no = 0;
   for (std::string line; std::getline(in, line);) {
@@ -839,9 +840,10 @@ std::vector<Choice> read_choices(const std::string& file, const Tokenizer& token
         throw bad(
             fmt::format("an ending of {} tokens (1 to seq_len = {})", c.endings.back().size(), T));
     }
-    c.label = j["label"].get<int>();
-    if (c.label < 0 || c.label >= int(c.endings.size()))
-      throw bad(fmt::format("label {} of {} endings", c.label, c.endings.size()));
+    const int64_t label = j["label"].get<int64_t>();
+    if (label < 0 || label >= int64_t(c.endings.size()))
+      throw bad(fmt::format("label {} of {} endings", label, c.endings.size()));
+    c.label = int(label);
     if (c.context.empty()) throw bad("an empty context");
     out.push_back(std::move(c));
   }
@@ -853,7 +855,16 @@ std::vector<Choice> read_choices(const std::string& file, const Tokenizer& token
 // the forwards); the counts are summed over the world from one rank of each replica.
 int score_choices(Run& run, const std::string& file, const std::string& state) {
   const int T = run.cfg.model.seq_len;
-  const std::vector<Choice> choices = read_choices(file, *run.tokenizer, T);
+  // Rank 0's copy for every rank: ranks that disagreed on the examples would not join the same
+  // forwards.
+  std::string text;
+  if (run.world.rank() == 0) {
+    std::ifstream in(file, std::ios::binary);
+    text = in ? std::string((std::istreambuf_iterator<char>(in)), {}) : std::string("\x01");
+  }
+  broadcast_string(run.world.comm(), text, 0);
+  if (text == "\x01") throw DataError(fmt::format("{}: cannot read", file));
+  const std::vector<Choice> choices = read_choices(file, text, *run.tokenizer, T);
   const auto t0 = Clock::now();
   double counts[3] = {0, 0, 0};  // right by mean loss, right by total loss, examples
   for (size_t i = size_t(run.me.dp); i < choices.size(); i += size_t(run.dims.dp())) {
