@@ -55,9 +55,9 @@ bool SafetensorsFile::is_one(const std::string& path) {
 }
 
 SafetensorsFile::SafetensorsFile(const std::string& path)
-    : path_(path), file_(std::make_unique<MappedFile>(path, 8, "a safetensors file")) {
-  map_ = file_->data();
-  size_ = file_->size();
+    : path_(path), file_(path, 8, "a safetensors file") {
+  const std::byte* map_ = file_.data();
+  const size_t size_ = file_.size();
   {
     uint64_t n = 0;
     std::memcpy(&n, map_, 8);  // little-endian, as every machine this runs on

@@ -49,9 +49,7 @@ class SafetensorsFile {
 
  private:
   std::string path_;
-  std::unique_ptr<MappedFile> file_;
-  const std::byte* map_ = nullptr;
-  size_t size_ = 0;
+  MappedFile file_;
   const std::byte* data_ = nullptr;  // after the header
   std::map<std::string, Tensor> tensors_;
   std::map<std::string, std::string> metadata_;

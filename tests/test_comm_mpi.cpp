@@ -3,8 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
-#include <cstdlib>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -320,7 +320,7 @@ TEST(Mpi, NodeRanksShareOneDecompression) {
   {
     TokenShard mapped(d.path, 256);
     shared.mapped(d);
-    node->barrier();  // local rank 0 has removed it by now
+    node->barrier();                                // local rank 0 has removed it by now
     EXPECT_FALSE(std::filesystem::exists(d.path));  // removed, and still mapped:
     std::vector<int32_t> got(3);
     mapped.read(4000 - 2, 3, got.data());

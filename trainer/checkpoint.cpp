@@ -12,6 +12,7 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <map>
 #include <sstream>
 #include <thread>
 
@@ -894,14 +895,11 @@ void check_safetensors(const SafetensorsFile& f, const ModelConfig& model) {
                     f.path(), it->second, model.n_head));
 }
 
-bool is_safetensors(const std::string& path) {
-  return SafetensorsFile::is_one(path);
-}
-
 }  // namespace
 
 void check_weights(const std::string& state_file, const ModelConfig& model) {
-  if (is_safetensors(state_file)) return check_safetensors(SafetensorsFile(state_file), model);
+  if (SafetensorsFile::is_one(state_file))
+    return check_safetensors(SafetensorsFile(state_file), model);
   if (HfDirectory::is_one(state_file)) return HfDirectory(state_file).check(model);
   if (LlmcFile::is_one(state_file)) return LlmcFile(state_file).check(model);
   H5File f = H5File::open_read(state_file);
@@ -928,17 +926,21 @@ void check_weights(const std::string& state_file, const ModelConfig& model) {
 
 void load_weights(const std::string& state_file, StageExecutor& model, AdamW* optimizer) {
   check_weights(state_file, model.config());
-  if (is_safetensors(state_file)) {
+  if (SafetensorsFile::is_one(state_file)) {
     const SafetensorsFile f(state_file);
     return load_params(SafetensorsSource(f), model, optimizer);
   }
   if (HfDirectory::is_one(state_file)) {
     const HfDirectory d(state_file);
-    const ModelConfig& m = model.config();
+    std::map<std::string, HfTensor> by_ours;  // our parameter -> the tensor it comes from
+    for (const HfTensor& t : hf_tensors(model.config()))
+      if (!t.ours.empty()) by_ours.emplace(t.ours, t);
     return load_params(
-        ConvertedSource(m, [&](const std::string& name, const std::vector<int64_t>& shape,
-                               const std::vector<Box>& boxes,
-                               float* values) { d.read_part(m, name, shape, boxes, values); }),
+        ConvertedSource(model.config(),
+                        [&](const std::string& name, const std::vector<int64_t>& shape,
+                            const std::vector<Box>& boxes, float* values) {
+                          d.read_part(by_ours.at(name), shape, boxes, values);
+                        }),
         model, optimizer);
   }
   if (LlmcFile::is_one(state_file)) {

@@ -567,34 +567,28 @@ void HfDirectory::check(const ModelConfig& m) const {
   }
 }
 
-void HfDirectory::read_part(const ModelConfig& m, const std::string& name,
-                            const std::vector<int64_t>& shape, const std::vector<Box>& boxes,
-                            float* values) const {
+void HfDirectory::read_part(const HfTensor& t, const std::vector<int64_t>& shape,
+                            const std::vector<Box>& boxes, float* values) const {
   // Only this rank's boxes are read, each from where transformers' layout keeps it.
-  for (const HfTensor& t : hf_tensors(m)) {
-    if (t.ours != name) continue;
-    const std::vector<int64_t> ours =
-        t.op == Op::transpose ? std::vector<int64_t>{t.shape[1], t.shape[0]} : t.shape;
-    if (ours != shape) throw std::logic_error("HfDirectory::read_part: another shape of " + name);
-    std::string stored;
-    const SafetensorsFile* f = file_of(t.name, stored);
-    if (t.op == Op::copy) return f->read_part(stored, t.shape, boxes, values);
-    for (const Box& b : boxes) {
-      if (b.rows <= 0 || b.cols <= 0) continue;
-      if (t.op == Op::transpose) {  // our rows are its columns
-        std::vector<float> theirs(size_t(b.rows * b.cols));
-        f->read_part(stored, t.shape, {{b.col, b.row, b.cols, b.rows}}, theirs.data());
-        for (int64_t r = 0; r < b.rows; r++)
-          for (int64_t c = 0; c < b.cols; c++) *values++ = theirs[size_t(c * b.rows + r)];
-      } else {  // rope_rows: row by row, each from its permuted place
-        const int64_t hd = t.shape[0] / t.heads;
-        for (int64_t r = 0; r < b.rows; r++, values += b.cols)
-          f->read_part(stored, t.shape, {{rope_row(b.row + r, hd), b.col, 1, b.cols}}, values);
-      }
+  const std::vector<int64_t> ours =
+      t.op == Op::transpose ? std::vector<int64_t>{t.shape[1], t.shape[0]} : t.shape;
+  if (ours != shape) throw std::logic_error("HfDirectory::read_part: another shape of " + t.ours);
+  std::string stored;
+  const SafetensorsFile* f = file_of(t.name, stored);
+  if (t.op == Op::copy) return f->read_part(stored, t.shape, boxes, values);
+  for (const Box& b : boxes) {
+    if (b.rows <= 0 || b.cols <= 0) continue;
+    if (t.op == Op::transpose) {  // our rows are its columns
+      std::vector<float> theirs(size_t(b.rows * b.cols));
+      f->read_part(stored, t.shape, {{b.col, b.row, b.cols, b.rows}}, theirs.data());
+      for (int64_t r = 0; r < b.rows; r++)
+        for (int64_t c = 0; c < b.cols; c++) *values++ = theirs[size_t(c * b.rows + r)];
+    } else {  // rope_rows: row by row, each from its permuted place
+      const int64_t hd = t.shape[0] / t.heads;
+      for (int64_t r = 0; r < b.rows; r++, values += b.cols)
+        f->read_part(stored, t.shape, {{rope_row(b.row + r, hd), b.col, 1, b.cols}}, values);
     }
-    return;
   }
-  throw std::logic_error("HfDirectory::read_part: no tensor of transformers' makes " + name);
 }
 
 }  // namespace trainer

@@ -65,9 +65,9 @@ class HfDirectory {
   // config.json against [model], and every tensor of the directory against the model's: one
   // line naming every disagreeing field, or the first tensor missing, left over or mis-shaped.
   void check(const ModelConfig& m) const;
-  // Our parameter `name` (of model m), converted from transformers' layout: the boxes of it,
-  // as H5File::read_part.
-  void read_part(const ModelConfig& m, const std::string& name, const std::vector<int64_t>& shape,
+  // The boxes of our parameter that transformers' tensor `t` (one of hf_tensors(m)) holds, as
+  // H5File::read_part reads them.
+  void read_part(const HfTensor& t, const std::vector<int64_t>& shape,
                  const std::vector<Box>& boxes, float* values) const;
   static bool is_one(const std::string& dir);  // holds config.json and safetensors weights
 

@@ -123,11 +123,9 @@ bool LlmcFile::is_one(const std::string& path) {
 }
 
 LlmcFile::LlmcFile(const std::string& path)
-    : path_(path),
-      file_(std::make_unique<MappedFile>(path, sizeof header_, "llm.c's 1024-byte header")) {
-  map_ = file_->data();
-  size_ = file_->size();
-  std::memcpy(header_, map_, sizeof header_);
+    : path_(path), file_(path, sizeof header_, "llm.c's 1024-byte header") {
+  const size_t size_ = file_.size();
+  std::memcpy(header_, file_.data(), sizeof header_);
   auto bad = [&](const std::string& what) { return DataError(fmt::format("{}: {}", path, what)); };
   if (header_[0] != kMagic) throw bad(fmt::format("magic {}, not llm.c's {}", header_[0], kMagic));
   if (header_[1] != 3 && header_[1] != 5)
@@ -154,6 +152,8 @@ LlmcFile::LlmcFile(const std::string& path)
   model_.n_layer = header_[4];
   model_.n_head = header_[5];
   model_.d_model = header_[6];
+  int64_t total = 0;  // the size matched above
+  for (const auto& [name, at] : layout(model_, total)) offsets_.emplace(name, at);
 }
 
 LlmcFile::~LlmcFile() = default;
@@ -178,12 +178,11 @@ void LlmcFile::check(const ModelConfig& m) const {
 
 void LlmcFile::read_part(const std::string& name, const std::vector<int64_t>& shape,
                          const std::vector<Box>& boxes, float* values) const {
-  int64_t total = 0, offset = -1;
-  for (const auto& [n, at] : layout(model_, total))
-    if (n == name) offset = at;
-  if (offset < 0) throw std::logic_error("LlmcFile::read_part: no tensor " + name);
+  const auto it = offsets_.find(name);
+  if (it == offsets_.end()) throw std::logic_error("LlmcFile::read_part: no tensor " + name);
+  const int64_t offset = it->second;
   const bool bf16_file = header_[1] == 5;
-  const std::byte* base = map_ + sizeof header_;
+  const std::byte* base = file_.data() + sizeof header_;
   auto value = [&](int64_t i) -> float {
     if (bf16_file) {
       uint16_t bits;

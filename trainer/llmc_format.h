@@ -7,7 +7,7 @@
 // (out, in), as ours: GPT-2 with tied embeddings and biases only.
 #include <cstdint>
 #include <functional>
-#include <memory>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -39,10 +39,9 @@ class LlmcFile {
  private:
   std::string path_;
   int32_t header_[256];
-  std::unique_ptr<MappedFile> file_;
-  const std::byte* map_ = nullptr;
-  size_t size_ = 0;
-  ModelConfig model_;  // what the header describes
+  MappedFile file_;
+  ModelConfig model_;                       // what the header describes
+  std::map<std::string, int64_t> offsets_;  // each parameter's first element, after the header
 };
 
 }  // namespace trainer
