@@ -8,6 +8,32 @@
 
 namespace trainer {
 
+namespace {
+
+int64_t held_end(const std::vector<GradUnit>& units) {
+  int64_t end = 0;
+  for (const GradUnit& u : units)
+    if (u.held) end = u.end;
+  return end;
+}
+
+}  // namespace
+
+int64_t GradReducer::largest_lent_unit(const std::vector<GradUnit>& units) {
+  int64_t n = 0;
+  for (const GradUnit& u : units)
+    if (!u.held) n = std::max(n, u.elems());
+  return n;
+}
+
+int64_t GradReducer::window_buffer_elems(const std::vector<GradUnit>& units, int dp, int node_ranks,
+                                         int windows) {
+  const int64_t n = largest_lent_unit(units);
+  if (node_ranks <= 0) return windows * (n + n / dp);
+  // Hierarchically, the held units' parts summed inside the node too.
+  return windows * (n + n / dp + n / node_ranks) + held_end(units) / node_ranks;
+}
+
 GradReducer::GradReducer(Kernels& k, DPtr grads, DPtr params, int64_t total, Communicator& dp,
                          Communicator* intra, Communicator* inter, const ReducerOptions& options)
     : k_(k), opts_(options), dp_(dp), grads_(grads) {
@@ -16,6 +42,9 @@ GradReducer::GradReducer(Kernels& k, DPtr grads, DPtr params, int64_t total, Com
   const bool hier = intra && inter;
   if (hier && intra->size() * inter->size() != P)
     throw std::invalid_argument("GradReducer: intra x inter must be the data-parallel group");
+  const bool windowed = windowed_ = !options.units.empty();
+  if (windowed && (!options.shard || options.compression.method != "none"))
+    throw std::invalid_argument("GradReducer: gradient units are ZeRO-2's, without compression");
   const int64_t L = hier ? intra->size() : 1, N = hier ? inter->size() : P;
   // This rank's piece of every bucket: its dp rank, or hierarchically, the part its node's
   // reduce-scatter gives it, sub-divided across nodes.
@@ -23,31 +52,50 @@ GradReducer::GradReducer(Kernels& k, DPtr grads, DPtr params, int64_t total, Com
   const int64_t bucket = std::max<int64_t>(unit, (options.bucket_elems + unit - 1) / unit * unit);
   bucket_bytes_ = bucket * int64_t(dtype_size(grads.dtype));
 
-  if (options.shard) {  // ZeRO-1's gradient shard; plain data parallelism reduces in place
+  if (options.shard) {  // ZeRO's gradient shard; plain data parallelism reduces in place
     shard_elems_ = total / P;
     shard_ = k.alloc(shard_elems_, grads.dtype);
   }
-  if (hier) scratch_ = k.alloc(total / L, grads.dtype);
+  node_ranks_ = L;
+  // Hierarchically, each bucket's part summed inside the node (ZeRO-2: the held units'; the
+  // windows have their own).
+  const int64_t node_scratch = windowed ? held_end(options.units) / L : total / L;
+  if (hier && node_scratch > 0) scratch_ = k.alloc(node_scratch, grads.dtype);
   if (hier && !options.shard) intra_gather_ = intra->dup();
   Communicator* gather = intra_gather_.get();
-  // PowerSGD compresses whole matrices: its buckets grow downwards to the start of any weight
-  // matrix they would cut (the GPT-2 vocabulary's embedding alone is ~80 MB).
-  const bool whole_matrices = options.compression.method == "powersgd";
-  for (int64_t end = total, begin; end > 0; end = begin) {
-    begin = std::max<int64_t>(0, end - bucket);
-    for (bool moved = whole_matrices; moved;) {
-      moved = false;
-      for (const MatrixView& m : options.matrices)
-        if (m.offset < begin && begin < m.offset + m.rows * m.cols) {
-          begin = m.offset / unit * unit;
-          moved = true;
-        }
+  // The buckets, from the end of the buffer: cut to the bucket size, or ZeRO-2's units.
+  std::vector<std::pair<int64_t, int64_t>> ranges;  // [begin, end)
+  if (windowed) {
+    for (auto u = options.units.rbegin(); u != options.units.rend(); ++u) {
+      if (u->begin % unit || u->end % unit)
+        throw std::invalid_argument("GradReducer: gradient units must be aligned to 16 dp");
+      ranges.push_back({u->begin, u->end});
     }
+  } else {
+    // PowerSGD compresses whole matrices: its buckets grow downwards to the start of any weight
+    // matrix they would cut (the GPT-2 vocabulary's embedding alone is ~80 MB).
+    const bool whole_matrices = options.compression.method == "powersgd";
+    for (int64_t end = total, begin; end > 0; end = begin) {
+      begin = std::max<int64_t>(0, end - bucket);
+      for (bool moved = whole_matrices; moved;) {
+        moved = false;
+        for (const MatrixView& m : options.matrices)
+          if (m.offset < begin && begin < m.offset + m.rows * m.cols) {
+            begin = m.offset / unit * unit;
+            moved = true;
+          }
+      }
+      ranges.push_back({begin, end});
+    }
+  }
+  for (size_t i = 0; i < ranges.size(); i++) {
+    const auto [begin, end] = ranges[i];
     const int64_t n = end - begin;
     Bucket b;
     b.begin = begin;
     b.count = n;
-    DPtr g = grads + begin, p = params + begin, part = shard_ + begin / P;
+    b.held = windowed && options.units[ranges.size() - 1 - i].held;
+    DPtr p = params + begin;
     const int64_t piece = n / P;
     pieces_.push_back({begin + piece_index * piece, piece, begin / P});
     b.piece_offset = begin + piece_index * piece;
@@ -63,56 +111,139 @@ GradReducer::GradReducer(Kernels& k, DPtr grads, DPtr params, int64_t total, Com
     }
     if (!hier) {
       if (options.shard) {
-        b.reduce = {[=, &dp] { return dp.ireduce_scatter(g, part, piece); }};
+        b.reduce = {
+            [=, &dp](const Buffers& x) { return dp.ireduce_scatter(x.grads, x.piece, piece); }};
         DPtr mine = p + piece_index * piece;
         b.gather = {[=, &dp] { return dp.iall_gather(mine, p, piece); }};
       } else {
-        b.reduce = {[=, &dp] { return dp.iall_reduce(g, n, ReduceOp::sum); }};
+        b.reduce = {
+            [=, &dp](const Buffers& x) { return dp.iall_reduce(x.grads, n, ReduceOp::sum); }};
       }
     } else {
-      DPtr node_part = scratch_ + begin / L;  // this rank's 1/L of the bucket, summed on the node
-      b.reduce = {[=] { return intra->ireduce_scatter(g, node_part, n / L); }};
+      // x.node: this rank's 1/L of the bucket, summed on the node.
+      b.reduce = {[=](const Buffers& x) { return intra->ireduce_scatter(x.grads, x.node, n / L); }};
       if (options.shard) {
-        b.reduce.push_back([=] { return inter->ireduce_scatter(node_part, part, piece); });
+        b.reduce.push_back(
+            [=](const Buffers& x) { return inter->ireduce_scatter(x.node, x.piece, piece); });
         DPtr block = p + intra->rank() * (n / L), mine = block + inter->rank() * piece;
         b.gather = {[=] { return inter->iall_gather(mine, block, piece); },
                     [=] { return intra->iall_gather(block, p, n / L); }};
       } else {
-        b.reduce.push_back([=] { return inter->iall_reduce(node_part, n / L, ReduceOp::sum); });
-        b.reduce.push_back([=] { return gather->iall_gather(node_part, g, n / L); });
+        b.reduce.push_back(
+            [=](const Buffers& x) { return inter->iall_reduce(x.node, n / L, ReduceOp::sum); });
+        b.reduce.push_back(
+            [=](const Buffers& x) { return gather->iall_gather(x.node, x.grads, n / L); });
       }
     }
     buckets_.push_back(std::move(b));
+  }
+  if (windowed) {
+    for (size_t u = 0; u < options.units.size(); u++)
+      unit_bucket_.push_back(int(options.units.size() - 1 - u));
+    unit_window_.assign(options.units.size(), -1);
+    window_elems_ = largest_lent_unit(options.units);
+    for (int w = 0; w < (window_elems_ > 0 ? options.windows : 0); w++) {
+      Window win;
+      win.at.grads = k.alloc(window_elems_, grads.dtype);
+      win.at.piece = k.alloc(window_elems_ / P, grads.dtype);
+      if (hier) win.at.node = k.alloc(window_elems_ / L, grads.dtype);
+      windows_.push_back(win);
+    }
   }
   // Pieces in buffer order, for the optimizer.
   std::reverse(pieces_.begin(), pieces_.end());
 }
 
 GradReducer::~GradReducer() {
-  for (Bucket& b : buckets_) b.pending.wait();
+  flights_.clear();  // each waited for
+  for (Window& w : windows_)
+    for (DPtr d : {w.at.grads, w.at.piece, w.at.node})
+      if (d) k_.free(d);
   if (shard_) k_.free(shard_);
   if (scratch_) k_.free(scratch_);
 }
 
-void GradReducer::launch(Bucket& b) {
+GradReducer::Buffers GradReducer::flat_buffers(const Bucket& b) const {
+  return {grads_ + b.begin, scratch_ ? scratch_ + b.begin / node_ranks_ : DPtr{},
+          shard_ ? shard_ + b.begin / dp_.size() : DPtr{}};
+}
+
+void GradReducer::launch(Bucket& b, Buffers at, int window) {
   b.launched = true;
-  b.next = 1;
-  b.pending = b.reduce[0]();
+  Flight& f = flights_.emplace_back();
+  f.bucket = &b;
+  f.at = at;
+  f.window = window;
+  f.next = 1;
+  f.pending = b.reduce[0](at);
 }
 
-// Starts the next step of each launched chain whose current step has completed.
+// Starts the next step of each flight whose current step has completed, and retires the
+// finished ones at the front.
 void GradReducer::progress() {
-  size_t issued_before = SIZE_MAX;  // steps the previous bucket has started
-  for (Bucket& b : buckets_) {
-    if (!b.launched) break;
-    while (b.next < b.reduce.size() && b.next < issued_before && b.pending.test())
-      b.pending = b.reduce[b.next++]();
-    issued_before = b.next;
+  size_t issued_before = SIZE_MAX;  // steps the previous flight has started
+  for (Flight& f : flights_) {
+    const std::vector<Step>& chain = f.bucket->reduce;
+    while (f.next < chain.size() && f.next < issued_before && f.pending.test())
+      f.pending = chain[f.next++](f.at);
+    issued_before = f.next;
   }
+  while (!flights_.empty() && flights_.front().next == flights_.front().bucket->reduce.size() &&
+         flights_.front().pending.test())
+    retire_front();
 }
 
-void GradReducer::set_step(int64_t step) {
+void GradReducer::retire_front() {
+  Flight& f = flights_.front();
+  const std::vector<Step>& chain = f.bucket->reduce;
+  f.pending.wait();
+  for (; f.next < chain.size(); f.next++) {
+    f.pending = chain[f.next](f.at);
+    f.pending.wait();
+  }
+  if (f.window >= 0) {  // ZeRO-2: this backward's piece joins the earlier ones
+    const int64_t piece = f.bucket->count / dp_.size();
+    const DPtr into = shard_ + f.bucket->begin / dp_.size();
+    k_.residual_forward(into, into, f.at.piece, piece);
+    windows_[f.window].lent = false;
+  }
+  flights_.pop_front();
+}
+
+void GradReducer::start_step(int64_t step) {
   compressing_ = opts_.compression.method != "none" && step >= opts_.compression.warmup_steps;
+  if (windowed_) k_.zero(shard_, shard_elems_);
+}
+
+DPtr GradReducer::open(int unit) {
+  Bucket& b = buckets_.at(unit_bucket_.at(unit));
+  if (b.held || windows_.empty()) throw std::logic_error("GradReducer: no window for this unit");
+  auto free_window = [&] {
+    for (size_t w = 0; w < windows_.size(); w++)
+      if (!windows_[w].lent) return int(w);
+    return -1;
+  };
+  int w;
+  while ((w = free_window()) < 0) {
+    if (flights_.empty()) throw std::logic_error("GradReducer: every window is open");
+    retire_front();
+  }
+  windows_[w].lent = true;
+  unit_window_[unit] = w;
+  k_.zero(windows_[w].at.grads, b.count);
+  return windows_[w].at.grads;
+}
+
+void GradReducer::close(int unit, int layers_left) {
+  Bucket& b = buckets_.at(unit_bucket_.at(unit));
+  const int w = std::exchange(unit_window_.at(unit), -1);
+  if (w < 0) throw std::logic_error("GradReducer: close() without open()");
+  b.layers_left = layers_left;
+  launch(b, windows_[w].at, w);
+  if (opts_.overlap)
+    progress();
+  else
+    while (!flights_.empty()) retire_front();
 }
 
 GradReducer::CompressionStats GradReducer::take_compression_stats() {
@@ -165,23 +296,17 @@ void GradReducer::reduce_compressed(Bucket& b) {
 }
 
 void GradReducer::ready(int64_t frontier, int layers_left) {
+  // ZeRO-2's buckets start as their windows close; here the flights are driven on.
+  if (windowed_) return progress();
   // Compressed steps reduce at finish(), bucket by bucket, so that blocking compressed
   // exchanges and chains keep one order of collectives on every rank.
   if (!armed_ || !opts_.overlap || compressing_) return;
   for (Bucket& b : buckets_)
     if (!b.launched && b.begin >= frontier) {
-      launch(b);
+      launch(b, flat_buffers(b));
       b.layers_left = layers_left;
     }
   progress();
-}
-
-void GradReducer::run_chain(Bucket& b, const std::vector<Step>& chain) {
-  b.pending.wait();
-  for (; b.next < chain.size(); b.next++) {
-    b.pending = chain[b.next]();
-    b.pending.wait();
-  }
 }
 
 void GradReducer::finish() {
@@ -192,18 +317,17 @@ void GradReducer::finish() {
       if (b.compressor) {
         reduce_compressed(b);
       } else {
-        launch(b);
-        run_chain(b, b.reduce);
-        b.launched = false;
+        launch(b, flat_buffers(b));
+        while (!flights_.empty()) retire_front();
       }
     }
-    armed_ = false;
-    return;
+  } else {
+    // In bucket order, so that every step kind stays in bucket order (ZeRO-2: the held units;
+    // the others were started as their windows closed).
+    for (Bucket& b : buckets_)
+      if (!b.launched && (!windowed_ || b.held)) launch(b, flat_buffers(b));
+    while (!flights_.empty()) retire_front();
   }
-  for (Bucket& b : buckets_)
-    if (!b.launched) launch(b);
-  // In bucket order, so that every step kind stays in bucket order.
-  for (Bucket& b : buckets_) run_chain(b, b.reduce);
   for (Bucket& b : buckets_) b.launched = false;
   armed_ = false;
 }
@@ -211,10 +335,16 @@ void GradReducer::finish() {
 void GradReducer::gather_params() {
   if (!opts_.shard) return;
   for (Bucket& b : buckets_) {
-    b.next = 1;
-    b.pending = b.gather[0]();
+    b.gathered = 1;
+    b.gathering = b.gather[0]();
   }
-  for (Bucket& b : buckets_) run_chain(b, b.gather);
+  for (Bucket& b : buckets_) {
+    b.gathering.wait();
+    for (; b.gathered < b.gather.size(); b.gathered++) {
+      b.gathering = b.gather[b.gathered]();
+      b.gathering.wait();
+    }
+  }
 }
 
 }  // namespace trainer

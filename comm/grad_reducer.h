@@ -13,27 +13,46 @@
 // a bucket is first reduce-scattered among the ranks of one node, the parts are reduced across
 // nodes between the ranks that hold the same part, and gathered back inside the node: the
 // traffic between nodes shrinks by the ranks-per-node factor.
+//
+// ZeRO-2 (units given) keeps ZeRO-1's shards but not the flat gradient buffer: the buckets are
+// the executor's gradient units (model/grad_units.h), whose gradients arrive in windows this
+// reducer lends for one backward of one unit. Each window is reduce-scattered as soon as its
+// unit's backward ends, in every backward (every micro-batch), and this rank's piece is added
+// into its shard; the window is lent again once its reduction is done. A unit held for the
+// whole step (a tied embedding's) is reduced from the flat buffer at finish(), as ZeRO-1.
+//
+// Every reduction in flight, of any bucket and backward, is one entry of a queue in the order
+// they were started: each kind of chain step is issued in that order on its communicator (the
+// same on every rank), and finished reductions are retired from its front, so that the sums
+// into a shard are added in one order on every run.
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <vector>
 
 #include "comm/communicator.h"
 #include "comm/compression.h"
 #include "kernels/kernels.h"
+#include "model/grad_units.h"
 
 namespace trainer {
 
 struct ReducerOptions {
   int64_t bucket_elems = 1 << 20;
   bool overlap = true;  // start buckets during backward; else all at finish()
-  bool shard = false;   // ZeRO-1
+  bool shard = false;   // ZeRO-1 (and ZeRO-2)
   CompressionOptions compression;
   std::vector<MatrixView> matrices;  // weight matrices in the flat buffer, for PowerSGD
+  // ZeRO-2 (with shard): the gradient units, each a bucket, their boundaries multiples of
+  // 16 x dp.size(); `windows` of the largest non-held unit's size are lent in turn.
+  std::vector<GradUnit> units;
+  int windows = 2;
 };
 
-class GradReducer {
+class GradReducer : public GradientWindows {
  public:
-  // grads and params: the flat buffers, `total` elements, a multiple of 16 x dp.size().
+  // grads and params: the flat buffers, `total` elements, a multiple of 16 x dp.size() (with
+  // units, grads holds only the held units' gradients, from offset 0; null when none is held).
   // intra and inter: the data-parallel group split by node (both or neither).
   GradReducer(Kernels& k, DPtr grads, DPtr params, int64_t total, Communicator& dp,
               Communicator* intra, Communicator* inter, const ReducerOptions& options);
@@ -41,6 +60,9 @@ class GradReducer {
   GradReducer(const GradReducer&) = delete;
   GradReducer& operator=(const GradReducer&) = delete;
 
+  // Before each step's backward: compression is used from step warmup_steps on, and ZeRO-2's
+  // shard starts from zero (it accumulates every backward's pieces).
+  void start_step(int64_t step);
   // The next backward produces the gradients to reduce (the last micro-batch of a step).
   void arm() { armed_ = true; }
   // Every gradient at or above `frontier` is final: start the buckets that completes (with
@@ -49,6 +71,20 @@ class GradReducer {
   // Starts what is left and waits for all of it. Afterwards the gradients are summed over the
   // data-parallel group: in place, or (shard) in shard_grads().
   void finish();
+
+  // ZeRO-2: the windows (GradientWindows). open() waits for the oldest reductions in flight
+  // while no window is free.
+  DPtr open(int unit) override;
+  void close(int unit, int layers_left) override;
+  int64_t window_elems() const { return window_elems_; }  // 0 without ZeRO-2
+  // What ZeRO-2's windows and their reduction buffers hold, in gradient elements: `windows`
+  // windows of the largest unit not held, each with its piece (1/dp) and, hierarchically
+  // (node_ranks > 0), its part summed inside the node (1/node_ranks). The gradient memory of
+  // a ZeRO-2 rank is this, its shard and the held units.
+  // The largest unit not held: the size of a window.
+  static int64_t largest_lent_unit(const std::vector<GradUnit>& units);
+  static int64_t window_buffer_elems(const std::vector<GradUnit>& units, int dp, int node_ranks,
+                                     int windows);
 
   // ZeRO-1: this rank's part of each bucket, where it lives in the flat buffers and in the
   // shard buffers (shard_grads(), and the optimizer's state).
@@ -70,8 +106,6 @@ class GradReducer {
   // buffer first): the layers_left that ready() reported, or -1 when it started in finish().
   const std::vector<int>& started_with_layers_left() const { return started_; }
 
-  // Compression is used from step warmup_steps on (set before each step's backward).
-  void set_step(int64_t step);
   bool compressing() const { return compressing_; }
   // Per step: what the compressed buckets would have sent uncompressed, and the seconds spent
   // compressing them (encode, exchange, decode).
@@ -87,21 +121,45 @@ class GradReducer {
   bool set_compression_state(const std::vector<float>& all);
 
  private:
-  using Step = std::function<Request()>;
+  // Where one reduction of a bucket reads its gradients, keeps its 1/L part summed inside the
+  // node (hierarchical) and leaves this rank's piece (ZeRO).
+  struct Buffers {
+    DPtr grads, node, piece;
+  };
+  using Step = std::function<Request(const Buffers&)>;
+  using GatherStep = std::function<Request()>;
   struct Bucket {
     int64_t begin, count;
-    std::vector<Step> reduce, gather;
-    size_t next = 0;  // steps of the running chain started so far
-    Request pending;
-    bool launched = false;
+    std::vector<Step> reduce;
+    std::vector<GatherStep> gather;
+    size_t gathered = 0;  // gather steps started
+    Request gathering;
+    bool launched = false;                   // in this step (windowed buckets: in this backward)
+    bool held = false;                       // ZeRO-2: reduced from the flat buffer at finish()
     int layers_left = -1;                    // when it was launched: see started_with_layers_left()
     std::unique_ptr<Compressor> compressor;  // null: reduced uncompressed
     int64_t piece_offset = 0;                // this rank's piece (ZeRO-1), in the buffer
   };
+  // One reduction in flight: a bucket's chain on some buffers (a window's, or -1).
+  struct Flight {
+    Bucket* bucket;
+    Buffers at;
+    int window = -1;
+    size_t next = 0;  // steps of the chain started so far
+    Request pending;
+  };
+  // A window, with the buffers of its reduction.
+  struct Window {
+    Buffers at;
+    bool lent = false;
+  };
   void reduce_compressed(Bucket& b);
-  void launch(Bucket& b);
-  void progress();  // starts each chain's next step, keeping every step kind in bucket order
-  static void run_chain(Bucket& b, const std::vector<Step>& chain);
+  Buffers flat_buffers(const Bucket& b) const;
+  void launch(Bucket& b, Buffers at, int window = -1);
+  void progress();  // starts each flight's next step, keeping every step kind in flight order
+  // Waits for the oldest flight, then retires it: a window's piece is added into the shard and
+  // the window freed.
+  void retire_front();
 
   Kernels& k_;
   ReducerOptions opts_;
@@ -109,9 +167,15 @@ class GradReducer {
   // on one communicator must be issued in the same order on every rank, and each chain step
   // kind is issued in bucket order on its own communicator.
   std::unique_ptr<Communicator> intra_gather_;
-  std::vector<Bucket> buckets_;  // from the end of the buffer to its start
+  std::vector<Bucket> buckets_;   // from the end of the buffer to its start
+  std::deque<Flight> flights_;    // oldest first
+  std::vector<Window> windows_;   // ZeRO-2
+  std::vector<int> unit_bucket_;  // ZeRO-2: the bucket of each unit
+  std::vector<int> unit_window_;  // ZeRO-2: the window each unit has open, or -1
+  int64_t window_elems_ = 0, node_ranks_ = 1;
   std::vector<Piece> pieces_;
   Communicator& dp_;
+  bool windowed_ = false;  // ZeRO-2
   DPtr grads_, scratch_, shard_;
   bool compressing_ = false;
   CompressionStats compression_stats_;

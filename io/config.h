@@ -106,7 +106,9 @@ struct ParallelConfig {
   int pp = 1;
   std::string order = "tp-pp-dp";  // fastest- to slowest-varying rank
   int micro_batches = 0;           // per step and pipeline; 0 = train.grad_accum
-  int zero = 0;                    // 1: shard optimizer state across data-parallel ranks
+  // 1: shard the optimizer state across the data-parallel ranks (ZeRO-1); 2: and the gradients,
+  // reduce-scattered unit by unit in every backward, with no flat gradient buffer (ZeRO-2)
+  int zero = 0;
   double bucket_mb = 25;           // gradient all-reduce bucket size
   bool overlap = true;             // reduce buckets while backward goes on
   std::string allreduce = "flat";  // flat | hierarchical (inside nodes first)

@@ -213,7 +213,7 @@ ParamTable gpt2_param_table(const ModelConfig& cfg, const ModelShard& shard,
   const float std_matrix = float(cfg.init_std);
   // GPT-2 scales the projections that write into the residual stream by 1/sqrt(2 L).
   const float std_residual = std_matrix / std::sqrt(2.0f * cfg.n_layer);
-  ParamTableBuilder b(shard);
+  ParamTableBuilder b(shard, total_multiple);
   const TpSplit vocab_rows{0, 1, Vp};
   add_token_embedding(b, cfg, shard, "wte.weight", std_matrix);
   if (shard.first_stage()) b.add("wpe.weight", {T, C}, ParamKind::embedding, -1, 0.01f);

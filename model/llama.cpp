@@ -231,7 +231,7 @@ ParamTable llama_param_table(const ModelConfig& cfg, const ModelShard& shard,
   // are not truncated.)
   const float std_embed = cfg.tie_embeddings ? std_in : 1.0f;
   const float std_head = float(1.0 / std::sqrt(double(C)));
-  ParamTableBuilder b(shard);
+  ParamTableBuilder b(shard, total_multiple);
   const TpSplit vocab_rows{0, 1, Vp};
   add_token_embedding(b, cfg, shard, "tok_embeddings.weight", std_embed);
   for (int l = shard.first_layer; l < shard.end_layer; l++) {

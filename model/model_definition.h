@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -35,11 +36,26 @@ struct ActSpec {
   bool kv_cache = false;
 };
 
+// Where gradients of a range of flat offsets live: `at` holds those of [begin, end).
+struct GradSpan {
+  DPtr at;
+  int64_t begin = 0, end = 0;
+  bool holds(int64_t offset) const { return offset >= begin && offset < end; }
+};
+
 // What one call of a definition sees.
 struct LayerCall {
   Kernels& k;
   const TensorParallel& tp;
-  DPtr params, grads;  // the shard's flat buffers (parameter table offsets)
+  DPtr params;  // the shard's flat buffer (parameter table offsets)
+  // Where parameter gradients accumulate: the flat gradient buffer, or under ZeRO-2 the window
+  // of the unit being run (model/grad_units.h) and the gradients held for the whole step.
+  GradSpan grads, held;
+  DPtr grad(int64_t offset) const {
+    const GradSpan& s = held.holds(offset) ? held : grads;
+    if (!s.holds(offset)) throw std::logic_error("a gradient written outside its unit's window");
+    return s.at + (offset - s.begin);
+  }
   int B = 0, T = 0;
   // Inference with a key/value cache (one sequence): the T tokens are at positions
   // [pos0, pos0 + T), and every earlier position's keys and values are in the layers' attention
@@ -108,7 +124,7 @@ class ModelDefinition {
 
  protected:
   DPtr P(const LayerCall& c, const ParamInfo* p) const { return p ? c.params + p->offset : DPtr{}; }
-  DPtr G(const LayerCall& c, const ParamInfo* p) const { return p ? c.grads + p->offset : DPtr{}; }
+  DPtr G(const LayerCall& c, const ParamInfo* p) const { return p ? c.grad(p->offset) : DPtr{}; }
   // Causal self-attention of a block, for training or (c.inference) over the key/value cache
   // that `qkv`, the layer's full-length activation, holds: the new tokens' q, k and v are
   // expected at rows [pos0, pos0 + T) then.

@@ -4,6 +4,8 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "model/grad_units.h"
+
 namespace trainer {
 
 std::vector<int> pipeline_partition(const ModelConfig& cfg, int stages) {
@@ -122,6 +124,8 @@ int64_t ParamTable::layer_offset(int layer) const {
 
 ParamInfo& ParamTableBuilder::add(std::string name, std::vector<int64_t> shape, ParamKind kind,
                                   int layer, float init_std, Split split, bool pack) {
+  if (!pack && !table_.params.empty() && table_.params.back().layer != layer)
+    table_.total = (table_.total + unit_multiple_ - 1) / unit_multiple_ * unit_multiple_;
   const int64_t offset = pack && !table_.params.empty() ? end_ : table_.total;
   ParamInfo p{std::move(name), std::move(shape), offset, 0, kind, layer, init_std};
   if (split.dim >= 0) {
@@ -145,6 +149,22 @@ ParamInfo& ParamTableBuilder::add(std::string name, std::vector<int64_t> shape, 
 ParamTable ParamTableBuilder::finish(int64_t total_multiple) {
   table_.total = (table_.total + total_multiple - 1) / total_multiple * total_multiple;
   return std::move(table_);
+}
+
+std::vector<GradUnit> grad_units(const ParamTable& table) {
+  std::vector<GradUnit> units;
+  for (size_t i = 0; i < table.params.size(); i++) {
+    const ParamInfo& p = table.params[i];
+    // A new unit at each change of block (the embeddings are "block" -1 ahead of the blocks,
+    // the final norm and head -1 after them).
+    if (i == 0 || table.params[i - 1].layer != p.layer) {
+      if (i > 0) units.back().end = p.offset;
+      units.push_back({p.offset, table.total, false});
+    }
+    units.back().held |= p.tied;
+  }
+  if (!units.empty()) units.front().begin = 0;
+  return units;
 }
 
 }  // namespace trainer

@@ -108,13 +108,18 @@ inline constexpr TpSplit kSplitRows{0}, kSplitCols{1};
 class ParamTableBuilder {
  public:
   using Split = TpSplit;
-  explicit ParamTableBuilder(const ModelShard& shard) : shard_(shard) {}
+  // Each block's first view, and the first after the blocks, start on a multiple of
+  // unit_multiple elements (16 x dp in training): ZeRO shards gradient units (model/grad_units.h)
+  // with no piece straddling two of them.
+  explicit ParamTableBuilder(const ModelShard& shard, int64_t unit_multiple = 16)
+      : shard_(shard), unit_multiple_(unit_multiple) {}
   ParamInfo& add(std::string name, std::vector<int64_t> shape, ParamKind kind, int layer,
                  float init_std, Split split = {}, bool pack = false);
   ParamTable finish(int64_t total_multiple);
 
  private:
   ModelShard shard_;
+  int64_t unit_multiple_;
   ParamTable table_;
   int64_t end_ = 0;  // where the last view ends (before alignment)
 };

@@ -18,6 +18,14 @@ struct Loc {
   int64_t offset = 0;
 };
 
+// The flat gradients a windowed shard keeps: from 0 to the end of its last held unit.
+int64_t held_elems(const std::vector<GradUnit>& units) {
+  int64_t end = 0;
+  for (const GradUnit& u : units)
+    if (u.held) end = u.end;
+  return end;
+}
+
 // How many of a stage's `layers` blocks are recomputed.
 int recomputed_layers(const StageOptions& o, int layers) {
   if (o.recompute == Recompute::none) return 0;
@@ -130,8 +138,9 @@ StageExecutor::Memory StageExecutor::memory_needed(const ModelConfig& cfg, DType
   const int64_t total = def->table().total;
   const Plan p = plan(*def, max_B, max_T, o, keeps_probs);
   const int64_t stats_bytes = dtype_size(is_half(dtype) ? DType::f32 : dtype);
+  const int64_t grads = o.windowed_grads ? held_elems(trainer::grad_units(def->table())) : total;
   return {total * int64_t(dtype_size(dtype)),
-          total * int64_t(dtype_size(o.grad_dtype ? *o.grad_dtype : dtype)),
+          grads * int64_t(dtype_size(o.grad_dtype ? *o.grad_dtype : dtype)),
           p.acts * int64_t(dtype_size(dtype)), p.stats * stats_bytes};
 }
 
@@ -155,7 +164,11 @@ StageExecutor::StageExecutor(const ModelConfig& cfg, Kernels& kernels, DType dty
   tp_ = o.tp;
   recompute_layers_ = recomputed_layers(o, layers_);
   params_ = k_.alloc(table().total, dtype);
-  grads_ = k_.alloc(table().total, grad_dtype_);
+  units_ = trainer::grad_units(table());
+  windowed_ = o.windowed_grads;
+  grads_elems_ = windowed_ ? held_elems(units_) : table().total;
+  grads_ = grads_elems_ > 0 ? k_.alloc(grads_elems_, grad_dtype_)
+                            : DPtr{nullptr, grad_dtype_, params_.device};  // typed, holding none
   const Plan p = plan(*def_, max_B, max_T, o, keeps_probs_);
   acts_ = k_.alloc(p.acts, dtype);
   stats_ = k_.alloc(p.stats, stats_dtype_);
@@ -202,7 +215,7 @@ StageExecutor::StageExecutor(const ModelConfig& cfg, Kernels& kernels, DType dty
 StageExecutor::~StageExecutor() {
   def_->release(k_);
   k_.free(params_);
-  k_.free(grads_);
+  if (grads_) k_.free(grads_);
   k_.free(acts_);
   k_.free(stats_);
 }
@@ -275,7 +288,7 @@ DPtr StageExecutor::losses(int slot) const {
 }
 
 void StageExecutor::zero_grad() {
-  k_.zero(grads_, table().total);
+  if (grads_) k_.zero(grads_, grads_elems_);
 }
 
 void StageExecutor::train_mode(uint64_t step_key, int first, int stride) {
@@ -286,7 +299,8 @@ void StageExecutor::train_mode(uint64_t step_key, int first, int stride) {
 }
 
 LayerCall StageExecutor::call(int slot, int B, int T, const DPtr* acts) const {
-  LayerCall c{k_, tp_, params_, grads_, B, T};
+  const GradSpan all{grads_, 0, grads_elems_};
+  LayerCall c{k_, tp_, params_, windowed_ ? GradSpan{} : all, windowed_ ? all : GradSpan{}, B, T};
   c.inference = inference_;
   c.pos0 = pos0_;
   c.dropout_key = dropout_keys_[slot];
@@ -363,6 +377,17 @@ void StageExecutor::infer(const int32_t* tokens, int T, int pos0) {
   run_layers_forward(0, 1, T, true, pos0);
 }
 
+LayerCall StageExecutor::open_unit(LayerCall c, int u) const {
+  if (!windowed_ || units_[u].held) return c;
+  if (!windows_) throw std::logic_error("windowed gradients without windows");
+  c.grads = {windows_->open(u), units_[u].begin, units_[u].end};
+  return c;
+}
+
+void StageExecutor::close_unit(int u, int layers_left) const {
+  if (windowed_ && !units_[u].held) windows_->close(u, layers_left);
+}
+
 void StageExecutor::backward(int slot, float loss_scale) {
   const int B = B_, T = T_;
   const int64_t BT = int64_t(B) * T;
@@ -388,10 +413,15 @@ void StageExecutor::backward(int slot, float loss_scale) {
     // The mean over B*T tokens: each token's loss has weight loss_scale / (B*T).
     k_.crossentropy_backward(v.logits, targets_[slot].data(), loss_scale / float(BT), BT,
                              def_->vocab());
-    def_->head_backward(with_progress(call(slot, B, T, v.head.data())), x_last, v.logits, d_res_);
+    const int tail = int(units_.size()) - 1;  // the final norm and head
+    def_->head_backward(open_unit(with_progress(call(slot, B, T, v.head.data())), tail), x_last,
+                        v.logits, d_res_);
+    close_unit(tail, end - first);
     frontier = head_frontier_;
     progress();
   }  // else d_res holds the output's gradient, received from the next stage
+  // Block l's gradient unit: after the embeddings' on the first stage, or the tied copy's.
+  const int first_block_unit = units_.front().begin < layer_frontier_.front() ? 1 : 0;
   for (int l = end - 1; l >= first; l--) {
     const int local = l - first;
     layers_left = local;  // this one has started
@@ -400,14 +430,19 @@ void StageExecutor::backward(int slot, float loss_scale) {
     const DPtr x = l == first ? v.input : v.outputs[local - 1];
     if (recomputed(local))  // driving collectives in flight, as the backward does
       recompute(with_progress(call(slot, B, T, v.layers[local].data())), local, x);
-    def_->layer_backward(with_progress(call(slot, B, T, v.layers[local].data())), l, x, d_res_);
+    const int unit = first_block_unit + local;
+    def_->layer_backward(open_unit(with_progress(call(slot, B, T, v.layers[local].data())), unit),
+                         l, x, d_res_);
+    close_unit(unit, local);
     frontier = layer_frontier_[local];
     progress();
     for (auto& h : layer_hooks_)
       if (h.after_backward) h.after_backward(slot, l);
   }
-  if (sh.first_stage())
-    def_->embed_backward(call(slot, B, T, nullptr), d_res_, tokens_[slot].data());
+  if (sh.first_stage()) {
+    def_->embed_backward(open_unit(call(slot, B, T, nullptr), 0), d_res_, tokens_[slot].data());
+    close_unit(0, 0);
+  }
 }
 
 void StageExecutor::recompute(const LayerCall& c, int local, DPtr x) {

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "kernels/kernels.h"
+#include "model/grad_units.h"
 #include "model/model_config.h"
 #include "model/model_definition.h"
 #include "model/param_table.h"
@@ -57,6 +58,10 @@ struct StageOptions {
   std::optional<DType> grad_dtype;
   Recompute recompute = Recompute::none;
   int recompute_layers = 0;  // recomputation applies to the stage's first N blocks; 0 = all
+  // ZeRO-2: no flat gradient buffer; each backward writes its gradient units into windows
+  // (model/grad_units.h) lent by set_gradient_windows(), and grads() holds only the units held
+  // for the whole step. The table's units should be aligned (total_multiple) to the shards.
+  bool windowed_grads = false;
 };
 
 class StageExecutor {
@@ -87,7 +92,15 @@ class StageExecutor {
   VocabSlice vocab() const { return def_->vocab(); }  // the vocabulary rows this rank holds
 
   DPtr params() const { return params_; }  // flat (table().total)
-  DPtr grads() const { return grads_; }    // flat, same offsets
+  // Flat, same offsets; with windowed gradients only the held units' (from offset 0 to the
+  // end of the last held unit; null when none is held).
+  DPtr grads() const { return grads_; }
+  int64_t grads_elems() const { return grads_elems_; }
+  DType grad_dtype() const { return grad_dtype_; }
+  // The gradient units of the shard's table (model/grad_units.h), and who lends their windows
+  // (windowed gradients only; before the first backward).
+  const std::vector<GradUnit>& grad_units() const { return units_; }
+  void set_gradient_windows(GradientWindows* windows) { windows_ = windows; }
   DPtr param(const ParamInfo& p) const { return params_ + p.offset; }
   DPtr grad(const ParamInfo& p) const { return grads_ + p.offset; }
 
@@ -164,6 +177,10 @@ class StageExecutor {
   static Plan plan(const ModelDefinition& def, int max_B, int max_T, const StageOptions& o,
                    bool keeps_probs);
   LayerCall call(int slot, int B, int T, const DPtr* acts) const;
+  // Unit u's gradients of this backward go to a window (windowed gradients, unit not held):
+  // `c` with them, and close_unit() hands the window back.
+  LayerCall open_unit(LayerCall c, int u) const;
+  void close_unit(int u, int layers_left) const;
   bool recomputed(int local_layer) const { return local_layer < recompute_layers_; }
   // Remakes what block `local` did not keep of the forward of the micro-batch `c` is for.
   void recompute(const LayerCall& c, int local, DPtr x);
@@ -198,6 +215,10 @@ class StageExecutor {
   std::vector<LayerHooks> layer_hooks_;
 
   DPtr params_, grads_;
+  int64_t grads_elems_ = 0;
+  bool windowed_ = false;
+  std::vector<GradUnit> units_;
+  GradientWindows* windows_ = nullptr;
   DPtr acts_;   // one slab for all activations and backward scratch
   DPtr stats_;  // one slab for the per-row statistics
   // Views into the slabs, by slot: the stage's input, each layer's output and activations, the

@@ -169,8 +169,11 @@ TEST(Mpi, GradReducerMatchesTheSumInEveryMode) {
         for (int q = 0; q < P; q++) want[i] += float((i * 7 + q * 13) % 17);
       }
       k->copy_from_host(grads, g.data(), total);
+      ReducerOptions o;
+      o.bucket_elems = 16 * P * 3;
+      o.shard = shard;
       GradReducer reducer(*k, grads, params, total, c, hierarchical ? intra.get() : nullptr,
-                          hierarchical ? inter.get() : nullptr, {16 * P * 3, true, shard, {}, {}});
+                          hierarchical ? inter.get() : nullptr, o);
       EXPECT_EQ(reducer.buckets(), 13);
       std::mt19937 rng(r);
       reducer.arm();
@@ -214,6 +217,84 @@ TEST(Mpi, GradReducerMatchesTheSumInEveryMode) {
       k->free(grads);
       k->free(params);
     }
+}
+
+// ZeRO-2: gradient units arrive in lent windows, one backward (micro-batch) after another, each
+// reduce-scattered as it closes and its piece added into the shard; a held unit (a tied
+// embedding's) accumulates in the flat buffer and is reduced at finish(). Against the plain sum
+// over ranks and micro-batches, flat and hierarchical, with random delays between units (so
+// that reductions finish in a different order on every rank) and two windows for five lent
+// units (so that open() waits for reductions to retire).
+TEST(Mpi, ZeroTwoReducesEachWindowIntoTheShard) {
+  World& w = *g_world;
+  Communicator& c = w.comm();
+  const int r = c.rank(), P = c.size();
+  const int64_t U = 16 * P;
+  auto k = make_cpu_kernels();
+  auto intra = w.group(r < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3});
+  auto inter = w.group(r % 2 == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3});
+  // A held embedding, four blocks of different sizes, a head.
+  const std::vector<GradUnit> units = {{0, 4 * U, true},        {4 * U, 7 * U, false},
+                                       {7 * U, 9 * U, false},   {9 * U, 14 * U, false},
+                                       {14 * U, 15 * U, false}, {15 * U, 18 * U, false}};
+  const int64_t total = 18 * U;
+  const int micro_batches = 3;
+  auto value = [](int m, int q, int64_t i) { return float((i * 7 + q * 13 + m * 5) % 17); };
+  for (bool hierarchical : {false, true}) {
+    SCOPED_TRACE(testing::Message() << "hierarchical " << hierarchical);
+    DPtr held = k->alloc(4 * U, DType::f32), params = k->alloc(total, DType::f32);
+    ReducerOptions o;
+    o.shard = true;
+    o.units = units;
+    GradReducer reducer(*k, held, params, total, c, hierarchical ? intra.get() : nullptr,
+                        hierarchical ? inter.get() : nullptr, o);
+    EXPECT_EQ(reducer.buckets(), 6);
+    EXPECT_EQ(reducer.window_elems(), 5 * U);
+    std::mt19937 rng(r);
+    std::vector<float> held_host(4 * U, 0.0f), want(total, 0.0f);
+    for (int step = 0; step < 2; step++) {
+      reducer.start_step(step);
+      k->zero(held, 4 * U);
+      std::fill(held_host.begin(), held_host.end(), 0.0f);
+      std::fill(want.begin(), want.end(), 0.0f);
+      for (int m = 0; m < micro_batches; m++)
+        for (int u = int(units.size()) - 1; u >= 0; u--) {
+          const GradUnit& unit = units[u];
+          for (int64_t i = unit.begin; i < unit.end; i++)
+            for (int q = 0; q < P; q++) want[i] += value(m + step, q, i);
+          if (unit.held) {
+            for (int64_t i = unit.begin; i < unit.end; i++) held_host[i] += value(m + step, r, i);
+            continue;
+          }
+          const DPtr window = reducer.open(u);
+          std::vector<float> g(unit.elems(), -1.0f);
+          k->copy_to_host(g.data(), window, unit.elems());
+          ASSERT_EQ(g, std::vector<float>(unit.elems(), 0.0f)) << "a window is lent zeroed";
+          for (int64_t i = unit.begin; i < unit.end; i++) g[i - unit.begin] = value(m + step, r, i);
+          k->copy_from_host(window, g.data(), unit.elems());
+          std::this_thread::sleep_for(std::chrono::microseconds(rng() % 300));
+          reducer.close(u, u);
+          reducer.ready(unit.begin, u);  // backward drives what is in flight
+        }
+      k->copy_from_host(held, held_host.data(), 4 * U);
+      reducer.ready(0);
+      reducer.finish();
+      // Started as each unit closed (layers left = its index here); the held one at finish().
+      EXPECT_EQ(reducer.started_with_layers_left(), (std::vector<int>{5, 4, 3, 2, 1, -1}));
+      std::vector<float> shard(reducer.shard_elems());
+      k->copy_to_host(shard.data(), reducer.shard_grads(), reducer.shard_elems());
+      int64_t covered = 0;
+      for (const auto& piece : reducer.pieces()) {
+        covered += piece.count;
+        for (int64_t i = 0; i < piece.count; i++)
+          ASSERT_EQ(shard[piece.shard_offset + i], want[piece.offset + i])
+              << "step " << step << " element " << piece.offset + i;
+      }
+      EXPECT_EQ(covered * P, total);
+    }
+    k->free(held);
+    k->free(params);
+  }
 }
 
 // Buffers flagged as device memory travel through the staged communicator's pinned host
@@ -268,8 +349,10 @@ TEST(Mpi, StagedCommunicatorMovesDeviceBuffersThroughHostMemory) {
       g[i] = float((i + r) % 5);
       for (int q = 0; q < P; q++) want[i] += float((i + q) % 5);
     }
-    GradReducer reducer(*k, device(g), device(params), total, *c, nullptr, nullptr,
-                        {16 * P * 2, true, shard, {}, {}});
+    ReducerOptions o;
+    o.bucket_elems = 16 * P * 2;
+    o.shard = shard;
+    GradReducer reducer(*k, device(g), device(params), total, *c, nullptr, nullptr, o);
     reducer.arm();
     reducer.ready(0);
     reducer.finish();

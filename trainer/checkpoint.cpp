@@ -311,7 +311,7 @@ Meta read_meta(const H5File& f, const std::string& file) {
   if (int64_t(l.dp) * l.tp * l.pp != l.world)
     bad("layout_world", std::to_string(l.world),
         fmt::format("layout_dp x layout_tp x layout_pp = {}", int64_t(l.dp) * l.tp * l.pp));
-  l.zero = int(integer("layout_zero", 0, 1));
+  l.zero = int(integer("layout_zero", 0, 2));
   l.order = f.attr_string("layout_order");
   {
     std::string parts = l.order;

@@ -237,15 +237,17 @@ struct Run {
     o.grad_dtype = c.precision.grads == "fp32" ? DType::f32 : compute_dtype(c.precision);
     o.recompute = parse_recompute(c.memory.recompute);
     o.recompute_layers = c.memory.recompute_layers;
+    o.windowed_grads = c.parallel.zero == 2;
     return o;
   }
 
   static ReducerOptions reducer_options(const Config& c, const StageExecutor& model) {
     ReducerOptions o;
     // bucket_mb of the gradient buffer's real elements (2 bytes each for 16-bit gradients).
-    o.bucket_elems = int64_t(c.parallel.bucket_mb * (1 << 20) / dtype_size(model.grads().dtype));
+    o.bucket_elems = int64_t(c.parallel.bucket_mb * (1 << 20) / dtype_size(model.grad_dtype()));
     o.overlap = c.parallel.overlap;
-    o.shard = c.parallel.zero == 1;
+    o.shard = c.parallel.zero >= 1;
+    if (c.parallel.zero == 2) o.units = model.grad_units();
     const CompressionConfig& z = c.comm.compression;
     o.compression = {z.method,         z.topk_ratio,   z.powersgd_rank,
                      z.error_feedback, z.warmup_steps, int64_t(z.min_bucket_kb * 1024 / 4),
@@ -379,15 +381,17 @@ struct Run {
     const std::string named = tokenizer_name(c.tokenizer);
     for (const Dataset& d : train_data) d.check_tokenizer(tokenizer->identity_hash(), named);
     val_data.check_tokenizer(tokenizer->identity_hash(), named);
-    // Backward reports the gradients it has finished; the reducer starts their buckets.
+    // Backward reports the gradients it has finished; the reducer starts their buckets (ZeRO-2:
+    // backward writes into the reducer's windows, and each closing one starts its unit's).
+    if (c.parallel.zero == 2) model.set_gradient_windows(&reducer);
     model.set_grads_ready_hook(
         [this](int64_t frontier, int layers_left) { reducer.ready(frontier, layers_left); });
   }
 
   bool replica_leader() const { return me.dp == 0; }
   // Whether this rank writes its part of a checkpoint: a data-parallel replica only once, but
-  // every ZeRO-1 shard.
-  bool writes_checkpoint() const { return cfg.parallel.zero == 1 || replica_leader(); }
+  // every ZeRO shard.
+  bool writes_checkpoint() const { return cfg.parallel.zero >= 1 || replica_leader(); }
   Layout layout() const {
     return {world.size(), dims.dp(), dims.tp(), dims.pp(), cfg.parallel.zero, cfg.parallel.order};
   }
@@ -433,9 +437,14 @@ std::optional<int> agree_on_setup(World& world, F&& setup) {
   return int(code);
 }
 
-void poison_gradient(Run& run) {
+// An overflow injected for tests (TRAINER_INJECT_INF): one infinite gradient on one rank, in
+// the flat buffer before the reduction spreads it, or under ZeRO-2 (which keeps none) in the
+// rank's reduced shard.
+void inject_overflow(Run& run, int64_t step, bool reduced) {
+  if (run.inject_inf.first != step || run.inject_inf.second != run.world.rank()) return;
+  if (reduced != (run.cfg.parallel.zero == 2)) return;
   const float inf = INFINITY;
-  run.kernels->upload_f32(run.model.grads(), &inf, 1);
+  run.kernels->upload_f32(reduced ? run.optimizer.grads() : run.model.grads(), &inf, 1);
 }
 
 // One optimizer step: the micro-batches through the pipeline, gradient reduction, the global
@@ -454,7 +463,7 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   for (const auto& g : all) before.push_back(g.comm->traffic());
 
   run.model.zero_grad();
-  run.reducer.set_step(step);
+  run.reducer.start_step(step);
   PipeTimes times;
   // Gradients of loss x scale (fp16), averaged over the micro-batches and data-parallel ranks.
   const double scale = run.scaler.scale();
@@ -467,8 +476,7 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
       M, [&]() -> const Batch& { return run.loader->next(); }, float(scale / (M * dp)),
       [&] { run.reducer.arm(); }, times);
   run.model.eval_mode();
-  if (run.inject_inf.first == step && run.inject_inf.second == run.world.rank())
-    poison_gradient(run);
+  inject_overflow(run, step, false);
   s.forward_s = times.forward_s;
   s.backward_s = times.backward_s;
   s.phases_timed = times.timed;
@@ -481,6 +489,7 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
                                ReduceOp::sum);
   run.reducer.ready(0);
   run.reducer.finish();
+  inject_overflow(run, step, true);
   const std::vector<int>& started = run.reducer.started_with_layers_left();
   s.buckets = int(started.size());
   for (int layers_left : started) s.buckets_overlapped += layers_left > 0;
@@ -489,7 +498,7 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   const auto t_opt = Clock::now();
   // The step's mean loss and squared gradient norm, summed over the world: each loss once per
   // data-parallel replica, each gradient element once.
-  const bool zero = cfg.parallel.zero == 1;
+  const bool zero = cfg.parallel.zero >= 1;
   const DPtr grads = run.optimizer.grads();
   // The fifth sum is the world's peak FLOP/s: each rank's, this step's matmuls included.
   double sums[5] = {0, 0, double(stop_requested), double(checkpoint_due),
@@ -576,23 +585,43 @@ double peak_rss_mb() {
 // the host copy of them a checkpoint takes.
 struct MemoryBudget {
   StageExecutor::Memory model;
-  double optimizer = 0;   // AdamW's moments and (16-bit models) fp32 master weights
-  double grad_shard = 0;  // ZeRO-1: the reduced gradients of this rank's piece
+  double optimizer = 0;     // AdamW's moments and (16-bit models) fp32 master weights
+  double grad_shard = 0;    // ZeRO-1 and -2: the reduced gradients of this rank's piece
+  double grad_windows = 0;  // ZeRO-2: the windows backward writes gradients into
+  // The temporaries of the data-parallel reductions in flight, at most: Open MPI's
+  // non-blocking reduce-scatter and all-reduce allocate one as large as the buffer they reduce,
+  // and the buckets of a flat buffer may all be in flight at once (finish() starts every one
+  // backward has not); under ZeRO-2 one per window. NCCL's buffers are its own, not counted.
+  double collectives = 0;
   double snapshot = 0;
-  double total() const { return double(model.total()) + optimizer + grad_shard + snapshot; }
+  double total() const {
+    return double(model.total()) + optimizer + grad_shard + grad_windows + collectives + snapshot;
+  }
 };
 
+// node_ranks: the data-parallel ranks on this rank's node under the hierarchical all-reduce
+// (0 otherwise), for ZeRO-2's windows.
 MemoryBudget memory_budget(const Config& cfg, const ParallelDims& dims, const RankCoords& me,
-                           bool keeps_probs) {
+                           bool keeps_probs, int node_ranks) {
   const DType dtype = compute_dtype(cfg.precision);
   const StageOptions o = Run::model_options(cfg, me, dims, nullptr);
   MemoryBudget b;
   b.model = StageExecutor::memory_needed(cfg.model, dtype, cfg.train.micro_batch, cfg.model.seq_len,
                                          o, keeps_probs);
-  const double elems = double(param_table(cfg.model, *o.shard, o.total_multiple).total);
+  const ParamTable table = param_table(cfg.model, *o.shard, o.total_multiple);
+  const double elems = double(table.total);
   const double owned = cfg.parallel.zero ? elems / dims.dp() : elems;
   b.optimizer = owned * 4 * (is_half(dtype) ? 3 : 2);
   b.grad_shard = cfg.parallel.zero ? owned * dtype_size(*o.grad_dtype) : 0;
+  if (o.windowed_grads)
+    b.grad_windows = double(GradReducer::window_buffer_elems(
+                         grad_units(table), dims.dp(), node_ranks, ReducerOptions().windows)) *
+                     dtype_size(*o.grad_dtype);
+  if (dims.dp() > 1 && cfg.run.device == "cpu")
+    b.collectives = double(o.windowed_grads ? ReducerOptions().windows *
+                                                  GradReducer::largest_lent_unit(grad_units(table))
+                                            : table.total) *
+                    dtype_size(*o.grad_dtype);
   b.snapshot = owned * 4 * 3;
   return b;
 }
@@ -653,24 +682,30 @@ void print_start(const Run& run) {
     fmt::print("pipeline stages (blocks; embedding on the first, head on the last):{}\n", stages);
   }
   const MemoryBudget b =
-      memory_budget(cfg, dims, dims.coords(0), run.kernels->attention_keeps_probabilities());
+      memory_budget(cfg, dims, dims.coords(0), run.kernels->attention_keeps_probabilities(),
+                    run.groups.intra ? run.groups.intra->size() : 0);
   const double MB = 1 << 20;
   // One line from the plan the buffers are allocated by (and that check_memory refuses by).
   fmt::print(
       "memory: recompute {}{}, rank 0 expects {:.1f} MB (weights {:.2f}, gradients {:.2f}, "
-      "activations {:.2f}, AdamW {:.2f}{}, checkpoint copy {:.2f})\n",
+      "activations {:.2f}, AdamW {:.2f}{}, {}checkpoint copy {:.2f})\n",
       cfg.memory.recompute,
       cfg.memory.recompute != "none" && cfg.memory.recompute_layers > 0
           ? fmt::format(" (first {} blocks of each stage)", cfg.memory.recompute_layers)
           : "",
       b.total() / MB, double(b.model.params) / MB, double(b.model.grads) / MB,
       double(b.model.activations + b.model.stats) / MB, b.optimizer / MB,
-      cfg.parallel.zero ? fmt::format(" (ZeRO-1: 1/{} of the whole) + its gradient shard {:.2f}",
-                                      dims.dp(), b.grad_shard / MB)
-                        : "",
+      cfg.parallel.zero
+          ? fmt::format(" (ZeRO-{}: 1/{} of the whole) + its gradient shard {:.2f}{}",
+                        cfg.parallel.zero, dims.dp(), b.grad_shard / MB,
+                        cfg.parallel.zero == 2
+                            ? fmt::format(" + gradient windows {:.2f}", b.grad_windows / MB)
+                            : "")
+          : "",
+      b.collectives > 0 ? fmt::format("reduction temporaries <= {:.2f}, ", b.collectives / MB) : "",
       b.snapshot / MB);
   fmt::print("precision: compute {}, gradients {}, master weights and AdamW state fp32{}\n",
-             precision_name(run.model.params().dtype), precision_name(run.model.grads().dtype),
+             precision_name(run.model.params().dtype), precision_name(run.model.grad_dtype()),
              cfg.precision.compute != "fp16" ? ""
              : run.scaler.dynamic()
                  ? fmt::format(", dynamic loss scale from {}", run.scaler.scale())
@@ -749,9 +784,11 @@ double available_bytes(Kernels& kernels, const World& world) {
 void check_memory(const Config& cfg, World& world, Kernels& kernels, const std::string& origin) {
   const ParallelDims dims = Run::layout(cfg, world.size(), origin);
   const MemoryBudget b =
-      memory_budget(cfg, dims, dims.coords(world.rank()), kernels.attention_keeps_probabilities());
+      memory_budget(cfg, dims, dims.coords(world.rank()), kernels.attention_keeps_probabilities(),
+                    0);  // hierarchical ZeRO-2's node parts aside: 1/ranks-per-node of a window
   const StageExecutor::Memory& model = b.model;
   const double need = b.total(), optimizer = b.optimizer + b.grad_shard, snapshot = b.snapshot;
+  const double grads = double(model.grads) + b.grad_windows;
   const double have = available_bytes(kernels, world);
   if (have <= 0 || need <= have) return;
   const double GB = 1 << 30;
@@ -759,7 +796,7 @@ void check_memory(const Config& cfg, World& world, Kernels& kernels, const std::
       "{}: the run needs {:.2f} GB on rank {} (weights {:.2f}, gradients {:.2f}, activations "
       "{:.2f}, optimizer state {:.2f}, checkpoint copy {:.2f}) but {:.2f} GB is available to it "
       "({}): lower train.micro_batch, or spread the model over more ranks (tp, pp, zero)",
-      origin, need / GB, world.rank(), double(model.params) / GB, double(model.grads) / GB,
+      origin, need / GB, world.rank(), double(model.params) / GB, grads / GB,
       double(model.activations + model.stats) / GB, optimizer / GB, snapshot / GB, have / GB,
       kernels.memory().reserved > 0
           ? "the GPU memory reserved by run.gpu_memory_fraction"

@@ -1,0 +1,46 @@
+#pragma once
+// Gradient units and windows: ZeRO-2's protocol between the stage executor, which writes
+// gradients, and the data-parallel reducer, which reduce-scatters them.
+//
+// A backward finishes the gradients of one unit at a time: the final norm and head after the
+// blocks first, then each block from the last to the first, then the embeddings ahead of them.
+// The units partition the flat gradient offsets of a shard's parameter table. Under ZeRO-2 the
+// executor keeps no flat gradient buffer: it asks for a window (a zeroed buffer for one unit)
+// just before the unit's backward and hands it back when it ends; the reducer reduce-scatters
+// the window, adds this rank's piece into its gradient shard and lends the window out again. So
+// a rank holds a few units' worth of gradients instead of all of them, for every micro-batch's
+// backward (DeepSpeed's ZeRO-2 reduces each micro-batch too). The one exception is a unit
+// `held` for the whole step: the embeddings when the head is tied to the token embedding, whose
+// gradient the head writes first and the embedding last, and which pipeline stages sum across
+// them before the data-parallel reduction; it is reduced once, at the end of the step.
+#include <cstdint>
+#include <vector>
+
+#include "kernels/dtype.h"
+#include "model/param_table.h"
+
+namespace trainer {
+
+struct GradUnit {
+  int64_t begin = 0, end = 0;  // flat offsets [begin, end)
+  bool held = false;
+  int64_t elems() const { return end - begin; }
+};
+
+// The units of a table, in offset order: the parameters ahead of the first block (held when
+// one of them is a tied embedding), each block, and the parameters after the blocks; empty ones
+// left out. Their boundaries are those the table's unit_multiple aligns.
+std::vector<GradUnit> grad_units(const ParamTable& table);
+
+// What the executor asks of whoever lends windows (the reducer).
+class GradientWindows {
+ public:
+  virtual ~GradientWindows() = default;
+  // A zeroed buffer of units[u].elems() gradient elements for this backward of unit u.
+  virtual DPtr open(int u) = 0;
+  // Unit u's gradients of this backward are final in the buffer open(u) gave; `layers_left`:
+  // how many of the stage's blocks have not started their backward yet.
+  virtual void close(int u, int layers_left) = 0;
+};
+
+}  // namespace trainer
