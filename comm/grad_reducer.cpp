@@ -238,7 +238,7 @@ void GradReducer::close(int unit, int layers_left) {
   Bucket& b = buckets_.at(unit_bucket_.at(unit));
   const int w = std::exchange(unit_window_.at(unit), -1);
   if (w < 0) throw std::logic_error("GradReducer: close() without open()");
-  b.layers_left = layers_left;
+  b.layers_left = opts_.overlap ? layers_left : -1;  // else backward waits for it: not overlapped
   launch(b, windows_[w].at, w);
   if (opts_.overlap)
     progress();

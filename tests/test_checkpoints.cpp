@@ -39,16 +39,17 @@ namespace {
 // reduction-order tolerance, with the data order continuing at the next unseen batch.
 class Resume : public MpiCli {
  protected:
-  // model: the --set overrides that make run.toml's model cfg.
-  void expect_bitwise_and_reshards(const std::string& model, const ModelConfig& cfg);
+  // model: the --set overrides that make run.toml's model cfg; zero: the 4-rank run's stage.
+  void expect_bitwise_and_reshards(const std::string& model, const ModelConfig& cfg, int zero = 1);
 };
 
-void Resume::expect_bitwise_and_reshards(const std::string& model, const ModelConfig& cfg) {
+void Resume::expect_bitwise_and_reshards(const std::string& model, const ModelConfig& cfg,
+                                         int zero) {
   // The step guard's windows travel with the checkpoint (no step here comes near the z-score).
   const std::string common = model +
                              "--set train.steps=12 --set checkpoint.every_steps=6 "
                              "--set faults.spike_zscore=50 --set faults.spike_window=4 ";
-  const std::string dp4 = "--set parallel.dp=4 --set parallel.zero=1 ";
+  const std::string dp4 = "--set parallel.dp=4 --set parallel.zero=" + std::to_string(zero) + " ";
   auto r = mpirun(4, common + dp4 + "--set run.out_dir=" + quoted(path("full")));
   ASSERT_EQ(r.code, 0) << r.output;
   const std::string from =
@@ -92,6 +93,11 @@ void Resume::expect_bitwise_and_reshards(const std::string& model, const ModelCo
 
 TEST_F(Resume, IsBitwiseAndReshards) {
   expect_bitwise_and_reshards("", cli_model());
+}
+
+// ZeRO-2's shards (gradient units, a tied embedding's held) checkpoint and reshard the same way.
+TEST_F(Resume, ZeroTwoIsBitwiseAndReshards) {
+  expect_bitwise_and_reshards("", cli_model(), 2);
 }
 
 // GPT-2 with dropout: its masks are a function of (seed, step, sample), so they resume and
@@ -314,12 +320,15 @@ TEST_F(MpiCli, ResumeRestoresCompressionState) {
 }
 
 // A 16-bit run checkpoints its fp32 master weights (with the moments) and resumes from them bit
-// for bit, here bf16 with stochastic rounding under dp 2 with ZeRO-1.
-TEST_F(MpiCli, Bf16ResumesBitForBitFromItsMasterWeights) {
+// for bit, here bf16 with stochastic rounding under dp 2 with ZeRO-1 and with ZeRO-2.
+class Bf16Resume : public MpiCli, public ::testing::WithParamInterface<int> {};
+
+TEST_P(Bf16Resume, BitForBitFromItsMasterWeights) {
   const std::string common =
       "--set train.steps=12 --set checkpoint.every_steps=6 --set parallel.dp=2 "
-      "--set parallel.zero=1 --set precision.compute=" +
-      quoted("bf16") + " --set precision.stochastic_rounding=true ";
+      "--set parallel.zero=" +
+      std::to_string(GetParam()) + " --set precision.compute=" + quoted("bf16") +
+      " --set precision.stochastic_rounding=true ";
   auto r = mpirun(2, common + "--set run.out_dir=" + quoted(path("full")));
   ASSERT_EQ(r.code, 0) << r.output;
   r = mpirun(2, common + "--set run.out_dir=" + quoted(path("resumed")) +
@@ -332,6 +341,9 @@ TEST_F(MpiCli, Bf16ResumesBitForBitFromItsMasterWeights) {
   expect_same_tensors(path("full/checkpoints/step_00000012/state.h5"),
                       path("resumed/checkpoints/step_00000012/state.h5"));
 }
+
+INSTANTIATE_TEST_SUITE_P(Zero, Bf16Resume, ::testing::Values(1, 2),
+                         [](const auto& info) { return "zero" + std::to_string(info.param); });
 
 }  // namespace
 }  // namespace trainer

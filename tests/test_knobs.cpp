@@ -32,7 +32,8 @@ std::vector<nlohmann::json> step_records(const std::string& out) {
 // Gradient overlap, seen in what the run reports: with overlap on, rank 0's first bucket starts
 // while layers' backward is still to run (as soon as the last layer's gradients are final) and
 // most buckets start during backward, on every layout that reduces gradients (accumulation,
-// ZeRO-1, pipeline stages); with overlap off, every bucket starts after backward.
+// ZeRO-1 and -2, pipeline stages); with overlap off, every bucket starts after backward (ZeRO-2
+// reduces each unit as its backward ends, and backward waits for it).
 TEST_F(MpiCli, OverlapStartsBucketsWhileBackwardRuns) {
   const std::string common =
       "--set model.n_layer=4 --set parallel.bucket_mb=0.002 --set train.steps=2 ";
@@ -44,6 +45,8 @@ TEST_F(MpiCli, OverlapStartsBucketsWhileBackwardRuns) {
   const std::vector<Case> cases = {
       {"dp2", 2, 4, ""},
       {"dp2_zero1_accum2", 2, 4, "--set parallel.zero=1 --set train.grad_accum=2"},
+      // ZeRO-2: a unit's reduction starts as its backward ends, in every micro-batch.
+      {"dp2_zero2_accum2", 2, 4, "--set parallel.zero=2 --set train.grad_accum=2"},
       {"dp2_pp2", 4, 2, "--set parallel.pp=2 --set parallel.micro_batches=2"},
   };
   for (const Case& c : cases)
