@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# Memory against speed: W-M and W-L (one process, fp32, 2 threads) under each activation
-# recomputation mode, in one run.
+# Memory against speed, in one run: W-M and W-L (one process, fp32, 2 threads) under each
+# activation recomputation mode; and W-M at dp = 4 (four ranks under mpirun, one thread each)
+# under ZeRO 0, 1 and 2.
 #
-#   bench/memory.sh [W-M] [W-L] [--steps N]
+#   bench/memory.sh [W-M] [W-L] [zero] [--steps N]
 #
-# Prints trainer_bench's JSON line per (workload, mode), then a table: tokens/s, the planned
-# memory (the model's weights, gradients and activations from the executor's plan, plus AdamW's
-# state) against the measured peak RSS, and their ratio. The RSS also holds what no plan counts:
-# the process's libraries (the CUDA-enabled binary maps ~150 MB of them), OpenBLAS's buffers and
-# the benchmark's own host copies.
+# Prints a JSON line per run, then a table each: tokens/s, the planned memory against the
+# measured peak RSS, and their ratio. Recomputation: trainer_bench's plan (the model's weights,
+# gradients and activations from the executor's plan, plus AdamW's state). ZeRO: the trainer's
+# start-up plan for rank 0 (also its gradient shard and windows, MPI's reduction temporaries and
+# the checkpoint's host copy) against rank 0's peak. The RSS also holds what no plan counts: the
+# process's libraries (the CUDA-enabled binary maps ~150 MB of them), OpenBLAS's and MPI's
+# buffers and the benchmark's own host copies.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -19,20 +22,48 @@ workloads=()
 steps=2
 while (($#)); do
   case "$1" in
-    W-M | W-L) workloads+=("$1") ;;
+    W-M | W-L | zero) workloads+=("$1") ;;
     --steps) steps="$2"; shift ;;
-    -h | --help) sed -n '2,7s/^# \{0,1\}//p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,13s/^# \{0,1\}//p' "$0"; exit 0 ;;
     *) echo "memory.sh: unknown argument '$1'" >&2; exit 2 ;;
   esac
   shift
 done
-((${#workloads[@]})) || workloads=(W-M W-L)
+((${#workloads[@]})) || workloads=(W-M W-L zero)
 
 cmake --build "$BUILD" --target trainer_bench -j2 >&2
 export OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2
 
 lines=()
+zero_lines=()
 for w in "${workloads[@]}"; do
+  if [[ "$w" == zero ]]; then
+    # shellcheck source=bench/lib.sh
+    source "$ROOT/bench/lib.sh"
+    cmake --build "$BUILD" --target trainer -j2 >&2
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+    work="$(mktemp -d)"
+    # shellcheck disable=SC2064  # the directory is known now
+    trap "rm -rf '$work'" EXIT
+    wm_config "$work/wm.toml" "$(bench_data "$ROOT" "$BUILD" "$work")" $((steps + 1))
+    for zero in 0 1 2; do
+      echo "memory.sh: W-M dp 4 zero $zero" >&2
+      dir="$work/zero$zero"
+      mpirun -q --oversubscribe --bind-to none -np 4 "$BUILD/trainer" train "$work/wm.toml" \
+        --set run.out_dir="\"$dir\"" --set run.threads=1 --set parallel.dp=4 \
+        --set parallel.zero="$zero" >"$dir.log"
+      line="$(summarize "zero$zero" 4 "$dir/metrics.jsonl" 1 | "$PYTHON" -c '
+import json, re, sys
+d = json.loads(sys.stdin.read())
+log = open(sys.argv[1]).read()
+d["planned_mb_rank0"] = float(re.search(r"rank 0 expects ([0-9.]+) MB", log).group(1))
+d["plan"] = re.search(r"^memory: (.*)$", log, re.M).group(1)
+print(json.dumps(d))' "$dir.log")"
+      echo "$line"
+      zero_lines+=("$line")
+    done
+    continue
+  fi
   for mode in none selective full; do
     echo "memory.sh: $w recompute $mode" >&2
     line="$("$BUILD/bench/trainer_bench" --workload "$w" --threads 2 --steps "$steps" \
@@ -42,7 +73,8 @@ for w in "${workloads[@]}"; do
   done
 done
 
-printf '%s\n' "${lines[@]}" | "$PYTHON" -c '
+if ((${#lines[@]})); then
+  printf '%s\n' "${lines[@]}" | "$PYTHON" -c '
 import json, sys
 print("| workload | recompute | tokens/s | planned activations MB | planned MB | peak RSS MB | RSS / planned |")
 print("|---|---|---|---|---|---|---|")
@@ -52,3 +84,17 @@ for line in sys.stdin:
            d["planned_mb"], d["peak_rss_mb"], d["peak_rss_mb"] / d["planned_mb"])
     print("| %s | %s | %.0f | %.0f | %.0f | %.0f | %.2f |" % row)
 '
+fi
+if ((${#zero_lines[@]})); then
+  printf '%s\n' "${zero_lines[@]}" | "$PYTHON" -c '
+import json, sys
+print()
+print("| W-M, dp 4 | tokens/s (all ranks) | planned MB rank 0 | peak RSS MB rank 0 | RSS / planned | largest rank MB |")
+print("|---|---|---|---|---|---|")
+for line in sys.stdin:
+    d = json.loads(line)
+    row = (d["run"], d["tokens_per_s"], d["planned_mb_rank0"], d["peak_rss_mb_rank0"],
+           d["peak_rss_mb_rank0"] / d["planned_mb_rank0"], d["peak_rss_mb_max"])
+    print("| %s | %.0f | %.0f | %.0f | %.2f | %.0f |" % row)
+'
+fi
