@@ -42,8 +42,8 @@ GradReducer::GradReducer(Kernels& k, DPtr grads, DPtr params, int64_t total, Com
   const bool hier = intra && inter;
   if (hier && intra->size() * inter->size() != P)
     throw std::invalid_argument("GradReducer: intra x inter must be the data-parallel group");
-  const bool windowed = windowed_ = !options.units.empty();
-  if (windowed && (!options.shard || options.compression.method != "none"))
+  windowed_ = !options.units.empty();
+  if (windowed_ && (!options.shard || options.compression.method != "none"))
     throw std::invalid_argument("GradReducer: gradient units are ZeRO-2's, without compression");
   const int64_t L = hier ? intra->size() : 1, N = hier ? inter->size() : P;
   // This rank's piece of every bucket: its dp rank, or hierarchically, the part its node's
@@ -59,13 +59,13 @@ GradReducer::GradReducer(Kernels& k, DPtr grads, DPtr params, int64_t total, Com
   node_ranks_ = L;
   // Hierarchically, each bucket's part summed inside the node (ZeRO-2: the held units'; the
   // windows have their own).
-  const int64_t node_scratch = windowed ? held_end(options.units) / L : total / L;
+  const int64_t node_scratch = windowed_ ? held_end(options.units) / L : total / L;
   if (hier && node_scratch > 0) scratch_ = k.alloc(node_scratch, grads.dtype);
   if (hier && !options.shard) intra_gather_ = intra->dup();
   Communicator* gather = intra_gather_.get();
   // The buckets, from the end of the buffer: cut to the bucket size, or ZeRO-2's units.
   std::vector<std::pair<int64_t, int64_t>> ranges;  // [begin, end)
-  if (windowed) {
+  if (windowed_) {
     for (auto u = options.units.rbegin(); u != options.units.rend(); ++u) {
       if (u->begin % unit || u->end % unit)
         throw std::invalid_argument("GradReducer: gradient units must be aligned to 16 dp");
@@ -94,7 +94,7 @@ GradReducer::GradReducer(Kernels& k, DPtr grads, DPtr params, int64_t total, Com
     Bucket b;
     b.begin = begin;
     b.count = n;
-    b.held = windowed && options.units[ranges.size() - 1 - i].held;
+    b.held = windowed_ && options.units[ranges.size() - 1 - i].held;
     DPtr p = params + begin;
     const int64_t piece = n / P;
     pieces_.push_back({begin + piece_index * piece, piece, begin / P});
@@ -137,11 +137,12 @@ GradReducer::GradReducer(Kernels& k, DPtr grads, DPtr params, int64_t total, Com
     }
     buckets_.push_back(std::move(b));
   }
-  if (windowed) {
+  if (windowed_) {
     for (size_t u = 0; u < options.units.size(); u++)
       unit_bucket_.push_back(int(options.units.size() - 1 - u));
     unit_window_.assign(options.units.size(), -1);
     window_elems_ = largest_lent_unit(options.units);
+    bucket_bytes_ = window_elems_ * int64_t(dtype_size(grads.dtype));  // what a bucket can be
     for (int w = 0; w < (window_elems_ > 0 ? options.windows : 0); w++) {
       Window win;
       win.at.grads = k.alloc(window_elems_, grads.dtype);

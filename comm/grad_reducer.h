@@ -98,7 +98,8 @@ class GradReducer : public GradientWindows {
   void gather_params();
 
   int buckets() const { return int(buckets_.size()); }
-  int64_t bucket_bytes() const { return bucket_bytes_; }  // the size buckets are cut to
+  // The size buckets are cut to (ZeRO-2: a window's, the largest unit's).
+  int64_t bucket_bytes() const { return bucket_bytes_; }
   // The communicator of the hierarchical all-reduce's gather inside the node (a duplicate of
   // `intra`), null otherwise: its traffic is the node's too.
   Communicator* intra_gather() const { return intra_gather_.get(); }

@@ -4,18 +4,13 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <array>
 #include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <optional>
-#include <set>
-#include <sstream>
 #include <thread>
 
 #include "comm/grad_reducer.h"
@@ -24,7 +19,6 @@
 #include "io/atomic_file.h"
 #include "io/data_loader.h"
 #include "io/dataset.h"
-#include "io/hdf5_file.h"
 #include "io/safetensors.h"
 #include "io/tokenizer.h"
 #include "model/init.h"
@@ -39,111 +33,18 @@
 #include "trainer/llmc_format.h"
 #include "trainer/loss_scaler.h"
 #include "trainer/lr_schedule.h"
+#include "trainer/memory_budget.h"
 #include "trainer/metrics.h"
 #include "trainer/node_shards.h"
 #include "trainer/pipeline.h"
 #include "trainer/report_error.h"
+#include "trainer/run.h"
 #include "trainer/run_dir.h"
 #include "trainer/sampler.h"
 #include "trainer/step_guard.h"
 
 namespace trainer {
 namespace {
-
-using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-// A run of elements of one parameter in this rank's part of the flat buffers: all of them, or
-// (ZeRO-1) the pieces of the data-parallel shard. Its gradient and optimizer state live at
-// shard_offset.
-struct Span {
-  int64_t offset, count, shard_offset;
-  const ParamInfo* param;
-};
-
-std::vector<Span> whole_spans(const ParamTable& table) {
-  std::vector<Span> spans;
-  for (const ParamInfo& p : table.params) spans.push_back({p.offset, p.numel, p.offset, &p});
-  return spans;
-}
-
-std::vector<Range> owned_ranges(const std::vector<Span>& spans) {
-  std::vector<Range> ranges;
-  for (const Span& s : spans)
-    if (s.param->owned()) ranges.push_back({s.shard_offset, s.count});
-  return ranges;
-}
-
-std::vector<Span> shard_spans(const ParamTable& table,
-                              const std::vector<GradReducer::Piece>& pieces) {
-  std::vector<Span> spans;
-  for (const GradReducer::Piece& piece : pieces)
-    for (const ParamInfo& p : table.params) {
-      const int64_t lo = std::max(piece.offset, p.offset);
-      const int64_t hi = std::min(piece.offset + piece.count, p.offset + p.numel);
-      if (lo < hi) spans.push_back({lo, hi - lo, piece.shard_offset + (lo - piece.offset), &p});
-    }
-  return spans;
-}
-
-std::vector<AdamW::Segment> optimizer_segments(const std::vector<Span>& spans,
-                                               const OptimConfig& cfg) {
-  std::vector<AdamW::Segment> segments;
-  for (const Span& s : spans)
-    segments.push_back({s.offset, s.count, s.shard_offset, AdamW::weight_decay(cfg, *s.param)});
-  return segments;
-}
-
-// 0 threads = this rank's share of the cores: all the cores mpirun bound it to, or, unbound,
-// the node's cores divided among its ranks.
-int threads_per_rank(const Config& cfg, const World& world) {
-  if (cfg.run.threads > 0) return cfg.run.threads;
-  const int allowed = omp_get_num_procs();  // the affinity mask
-  const int cores = int(std::thread::hardware_concurrency());
-  if (allowed < cores) return allowed;
-  return std::max(1, cores / world.local_size());
-}
-
-DType compute_dtype(const PrecisionConfig& p) {
-  return p.compute == "bf16" ? DType::bf16 : p.compute == "fp16" ? DType::f16 : DType::f32;
-}
-// A buffer's type as [precision] names it.
-std::string_view precision_name(DType t) {
-  return t == DType::bf16 ? "bf16" : t == DType::f16 ? "fp16" : "fp32";
-}
-
-// Test hook: TRAINER_TEST_INJECT_INF="step,rank" makes one gradient infinite on that rank at
-// that step, to check that an overflow anywhere skips the step everywhere.
-std::pair<int64_t, int> injected_overflow() {
-  const char* spec = std::getenv("TRAINER_TEST_INJECT_INF");
-  if (!spec) return {-1, -1};
-  long long step = -1;
-  int rank = -1;
-  if (std::sscanf(spec, "%lld,%d", &step, &rank) != 2) return {-1, -1};
-  return {step, rank};
-}
-
-// Test hook: TRAINER_TEST_DATA_DELAY_MS=50 makes the loader take that long more per step (slow
-// storage), to check the data-wait warning.
-std::chrono::milliseconds injected_data_delay() {
-  const char* spec = std::getenv("TRAINER_TEST_DATA_DELAY_MS");
-  return std::chrono::milliseconds(spec ? std::atoi(spec) : 0);
-}
-
-// Test hook: TRAINER_TEST_INJECT_NAN="3,4,5" makes the loss of those steps NaN, once per
-// listing (a rolled-back run that repeats a step listed once trains it normally), to check the
-// step guard.
-std::multiset<int64_t> injected_nan_steps() {
-  std::multiset<int64_t> steps;
-  if (const char* spec = std::getenv("TRAINER_TEST_INJECT_NAN")) {
-    std::stringstream in(spec);
-    for (std::string item; std::getline(in, item, ',');)
-      if (!item.empty()) steps.insert(std::stoll(item));
-  }
-  return steps;
-}
 
 // SIGTERM / SIGUSR1 (what Slurm sends before preemption or the time limit): finish the step,
 // checkpoint, exit with kExitRequeue. A signal handler can only set a flag.
@@ -164,277 +65,6 @@ std::string resume_file(const Config& cfg, bool report) {
     for (const std::string& why : rejected)
       fmt::print(stderr, "trainer: skipping an unusable checkpoint: {}\n", why);
   return found;
-}
-
-// A checkpoint write that hangs (a dead peer inside a parallel HDF5 collective, a stuck file
-// system) ends the job like a hung collective.
-void end_hung_checkpoint(World& world, double limit, int64_t step) {
-  fmt::print(stderr,
-             "trainer: the checkpoint write of step {} did not finish within {} s "
-             "(checkpoint_timeout_s): a peer is dead or hung, or the file system is stuck; "
-             "ending the job\n",
-             step, limit);
-  std::fflush(stderr);
-  world.abort(1);
-}
-
-// Everything a step touches, built once.
-struct Run {
-  const Config& cfg;
-  World& world;
-  ParallelDims dims;
-  RankCoords me;
-  BatchSchedule schedule;  // each step's micro-batches (a batch ramp changes them)
-  GpuPlacement placement;
-  std::unique_ptr<Kernels> kernels;  // before the groups: NCCL communicators need the GPU
-  Groups groups;
-  std::unique_ptr<Tokenizer> tokenizer;  // [tokenizer]: samples, checkpoints, the data's check
-  // The ranks of this node, who share the decompression of compressed shards.
-  std::unique_ptr<Communicator> node = node_group(world);
-  NodeShardDecompressor decompressor{*node, cfg.data.cache_dir};
-  std::vector<Dataset> train_data;  // one per source of the blend
-  Dataset val_data;
-  StageExecutor model;
-  GradReducer reducer;
-  std::vector<Span> spans;  // what this rank updates and sums into the gradient norm
-  // Of the spans, those this rank counts in the global gradient norm (each element once), as
-  // ranges of the optimizer's gradient buffer: one fused sum per step.
-  std::vector<Range> norm_ranges = owned_ranges(spans);
-  AdamW optimizer;
-  std::optional<DataLoader> loader;   // started where the run starts (and again on a rollback)
-  BlendPlan blend;                    // how the sources mix (io/blend.h)
-  BlendOrder blend_positions{blend};  // each source's position, for the checkpoints
-  Pipeline pipe;
-  LossScaler scaler;
-  StepGuard guard;
-  CheckpointWriter writer;
-  std::pair<int64_t, int> inject_inf = injected_overflow();
-  std::multiset<int64_t> inject_nan = injected_nan_steps();
-  std::chrono::milliseconds inject_data_delay = injected_data_delay();
-  double flops_per_token;  // model FLOPs, forward and backward (flops_per_token)
-
-  // The run's tokenizer, whose ids must fit the model's vocabulary.
-  static std::unique_ptr<Tokenizer> load_run_tokenizer(const Config& c, const std::string& origin) {
-    auto t = load_tokenizer(c.tokenizer.kind, c.tokenizer.path, {c.tokenizer.pattern});
-    if (c.tokenizer.kind != "bytes" && t->vocab_size() > c.model.vocab_size)
-      throw ConfigError(
-          fmt::format("{}: [model] vocab_size: {} is smaller than the {} tokens of [tokenizer] {}",
-                      origin, c.model.vocab_size, t->vocab_size(), tokenizer_name(c.tokenizer)));
-    return t;
-  }
-
-  static StageOptions model_options(const Config& c, const RankCoords& me, const ParallelDims& dims,
-                                    Communicator* tp) {
-    StageOptions o;
-    o.shard = ModelShard::make(c.model, me.tp, dims.tp(), me.pp, dims.pp());
-    if (tp)
-      o.tp = TensorParallel(tp->rank(), tp->size(), [tp](DPtr buf, int64_t n, bool max) {
-        tp->all_reduce(buf, n, max ? ReduceOp::max : ReduceOp::sum);
-      });
-    const BatchSchedule schedule(c.train, c.model.seq_len, dims.dp(), "");
-    o.slots = Pipeline::slots(me.pp, dims.pp(), schedule.max_accum());
-    o.total_multiple = 16 * int64_t(dims.dp());
-    o.grad_dtype = c.precision.grads == "fp32" ? DType::f32 : compute_dtype(c.precision);
-    o.recompute = parse_recompute(c.memory.recompute);
-    o.recompute_layers = c.memory.recompute_layers;
-    o.windowed_grads = c.parallel.zero == 2;
-    return o;
-  }
-
-  static ReducerOptions reducer_options(const Config& c, const StageExecutor& model) {
-    ReducerOptions o;
-    // bucket_mb of the gradient buffer's real elements (2 bytes each for 16-bit gradients).
-    o.bucket_elems = int64_t(c.parallel.bucket_mb * (1 << 20) / dtype_size(model.grad_dtype()));
-    o.overlap = c.parallel.overlap;
-    o.shard = c.parallel.zero >= 1;
-    if (c.parallel.zero == 2) o.units = model.grad_units();
-    const CompressionConfig& z = c.comm.compression;
-    o.compression = {z.method,         z.topk_ratio,   z.powersgd_rank,
-                     z.error_feedback, z.warmup_steps, int64_t(z.min_bucket_kb * 1024 / 4),
-                     c.run.seed};
-    for (const ParamInfo& p : model.table().params)  // matrices as this rank holds them
-      if (p.shape.size() == 2) {
-        const int64_t cols = p.local_shape()[1];
-        o.matrices.push_back({p.offset, p.numel / cols, cols});
-      }
-    return o;
-  }
-
-  static std::vector<Dataset> load_sources(const Config& c, ShardDecompressor& decompressor) {
-    std::vector<Dataset> v;
-    for (const DataSource& s : training_sources(c.data))
-      v.emplace_back(s.path, c.model.vocab_size, c.model.seq_len, c.data.format == "nanogpt",
-                     decompressor);
-    return v;
-  }
-  static BlendPlan fresh_blend(const Config& c) {
-    std::vector<double> weights;
-    for (const DataSource& s : training_sources(c.data)) weights.push_back(s.weight);
-    return BlendPlan::fresh(weights);
-  }
-
-  // The layout for this world; its errors name the config file they come from.
-  // The batch ramp's rows must divide among this layout's data-parallel ranks, checked here
-  // with the config's name (model_options and memory_budget rebuild the schedule after).
-  static ParallelDims layout(const Config& c, int world, const std::string& origin) {
-    const ParallelDims dims = [&] {
-      try {
-        return ParallelDims::make(world, c.parallel.dp, c.parallel.tp, c.parallel.pp,
-                                  c.parallel.order, c.model);
-      } catch (const ConfigError& e) {
-        throw ConfigError(origin + ": " + e.what());
-      }
-    }();
-    BatchSchedule(c.train, c.model.seq_len, dims.dp(), origin);
-    return dims;
-  }
-
-  // Where the data order stands: the samples consumed before step data_step, and how many of
-  // them rollbacks skipped.
-  int64_t data_step = 0, data_samples = 0, data_skipped = 0;
-  int64_t samples_at(int64_t step) const {
-    return schedule.samples_at(step, data_step, data_samples);
-  }
-  // Tokens trained on before `step` (the samples rollbacks skipped were not trained on).
-  int64_t tokens_at(int64_t step) const {
-    return (samples_at(step) - data_skipped) * cfg.model.seq_len;
-  }
-  void start_data(int64_t step, int64_t samples) {
-    loader.reset();
-    data_step = step;
-    data_samples = samples;
-    // The loader's step k is the run's step + k.
-    auto accum = [this, step](int64_t k, int64_t at) {
-      if (inject_data_delay.count() > 0) std::this_thread::sleep_for(inject_data_delay);
-      return schedule.accum(step + k, at);
-    };
-    // The loader's own copy of the order, from the known point a resume gave it.
-    loader.emplace(train_data, blend_positions, cfg.train.micro_batch, cfg.model.seq_len, accum,
-                   cfg.run.seed, cfg.data.prefetch, samples, me.dp, dims.dp());
-  }
-  bool blended() const { return train_data.size() > 1; }
-  // The blend a resumed run continues: the checkpoint's, or where its weights differ from the
-  // config's, the config's from the checkpoint's sample on with each source where it stood.
-  void resume_blend(const TrainState& ts, bool report) {
-    const size_t sources = train_data.size(), saved = std::max<size_t>(1, ts.blend.weights.size());
-    if (saved != sources)
-      throw ConfigError(fmt::format(
-          "[data] sources: the checkpoint was trained on {} source{}, the config names {}: resume "
-          "with the same sources, or start from its weights with [init] from",
-          saved, saved == 1 ? "" : "s", sources));
-    if (sources == 1) return;
-    if (ts.blend.weights != blend.weights) {
-      if (report)
-        fmt::print(
-            "data: the blend's weights change from [{}] to [{}] at sample {}; each source "
-            "continues from its position [{}]\n",
-            format_weights(ts.blend.weights), format_weights(blend.weights), ts.data_samples,
-            fmt::join(ts.source_samples, ", "));
-      blend = {blend.weights, ts.data_samples, ts.source_samples};
-      blend_positions = BlendOrder(blend);
-    } else {
-      // The same mix: from the checkpoint's positions on, without replaying it from its start.
-      blend = ts.blend;
-      blend_positions = BlendOrder(blend, ts.data_samples, ts.source_samples);
-    }
-  }
-
-  // The checkpoint writer's own communicator (a single process writes without MPI-IO).
-  static std::unique_ptr<Communicator> writer_comm(World& w) {
-    return w.size() > 1 ? w.comm().dup() : nullptr;
-  }
-
-  Run(const Config& c, World& w, const std::string& origin, const GpuPlacement& gpu,
-      std::unique_ptr<Kernels> k)
-      : cfg(c),
-        world(w),
-        dims(layout(c, w.size(), origin)),
-        me(dims.coords(w.rank())),
-        schedule(c.train, c.model.seq_len, dims.dp(), origin),
-        placement(gpu),
-        kernels(std::move(k)),
-        groups(make_groups(w, dims, c.parallel, group_wrapper(gpu, w, *kernels))),
-        tokenizer(load_run_tokenizer(c, origin)),
-        train_data(load_sources(c, decompressor)),
-        val_data(c.data.val, c.model.vocab_size, c.model.seq_len, c.data.format == "nanogpt",
-                 decompressor),
-        model(c.model, *kernels, compute_dtype(c.precision), c.train.micro_batch, c.model.seq_len,
-              model_options(c, me, dims, groups.tp.get())),
-        reducer(*kernels, model.grads(), model.params(), model.table().total, *groups.dp,
-                groups.intra.get(), groups.inter.get(), reducer_options(c, model)),
-        spans(c.parallel.zero ? shard_spans(model.table(), reducer.pieces())
-                              : whole_spans(model.table())),
-        optimizer(model, c.optim, optimizer_segments(spans, c.optim),
-                  c.parallel.zero ? reducer.shard_grads() : model.grads(),
-                  c.parallel.zero ? reducer.shard_elems() : model.table().total),
-        blend(fresh_blend(c)),
-        pipe(model, *groups.pp, groups.tp.get(), schedule.max_accum(), c.train.micro_batch,
-             c.model.seq_len, c.run.phase_timing),
-        scaler(c.precision),
-        guard(c.faults, scaler.dynamic()),
-        writer(c.model, writer_comm(w), checkpoint_dir(c), c.checkpoint.keep_last,
-               w.size() == 1 || w.thread_multiple(), c.faults.checkpoint_timeout_s,
-               [&w, limit = c.faults.checkpoint_timeout_s](int64_t step) {
-                 end_hung_checkpoint(w, limit, step);
-               }),
-        flops_per_token(trainer::flops_per_token(c.model)) {
-    const std::string named = tokenizer_name(c.tokenizer);
-    for (const Dataset& d : train_data) d.check_tokenizer(tokenizer->identity_hash(), named);
-    val_data.check_tokenizer(tokenizer->identity_hash(), named);
-    // Backward reports the gradients it has finished; the reducer starts their buckets (ZeRO-2:
-    // backward writes into the reducer's windows, and each closing one starts its unit's).
-    if (c.parallel.zero == 2) model.set_gradient_windows(&reducer);
-    model.set_grads_ready_hook(
-        [this](int64_t frontier, int layers_left) { reducer.ready(frontier, layers_left); });
-  }
-
-  bool replica_leader() const { return me.dp == 0; }
-  // Whether this rank writes its part of a checkpoint: a data-parallel replica only once, but
-  // every ZeRO shard.
-  bool writes_checkpoint() const { return cfg.parallel.zero >= 1 || replica_leader(); }
-  Layout layout() const {
-    return {world.size(), dims.dp(), dims.tp(), dims.pp(), cfg.parallel.zero, cfg.parallel.order};
-  }
-  // Every communicator this rank uses, by group, the pipeline's last: the time blocked in the
-  // others is exposed communication, in the pipeline's it is waiting for the neighbouring
-  // stages. The hierarchical all-reduce's gather has its own communicator inside the node.
-  struct NamedGroup {
-    const char* name;
-    Communicator* comm;
-  };
-  std::vector<NamedGroup> traffic_groups() const {
-    std::vector<NamedGroup> v = {
-        {"dp", groups.dp.get()}, {"tp", groups.tp.get()}, {"emb", groups.emb.get()}};
-    if (groups.intra)
-      v.insert(v.end(), {{"intra", groups.intra.get()}, {"inter", groups.inter.get()}});
-    if (reducer.intra_gather()) v.push_back({"intra", reducer.intra_gather()});
-    v.push_back({"pp", groups.pp.get()});
-    return v;
-  }
-  const std::vector<NamedGroup> all_groups = traffic_groups();
-  const ParamInfo* tied_embedding = model.table().tied();  // null: middle stage, untied
-};
-
-// Runs the set-up on every rank. If it fails anywhere, every rank learns it, the first failing
-// rank prints its error, and all return its exit code: no rank is left waiting in a collective.
-template <class F>
-std::optional<int> agree_on_setup(World& world, F&& setup) {
-  std::exception_ptr error;
-  try {
-    setup();
-  } catch (...) {
-    error = std::current_exception();
-  }
-  if (world.size() == 1) {
-    if (error) return report_error(error);
-    return std::nullopt;
-  }
-  const int failed_rank = first_failing_rank(world.comm(), bool(error));
-  if (failed_rank < 0) return std::nullopt;
-  double code = 0;
-  if (world.rank() == failed_rank) code = report_error(error);
-  world.comm().broadcast(host_ptr(&code), 1, failed_rank);
-  return int(code);
 }
 
 // An overflow injected for tests (TRAINER_INJECT_INF): one infinite gradient on one rank, in
@@ -550,82 +180,6 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   return s;
 }
 
-double validation_loss(Run& run) {
-  const int B = run.cfg.train.micro_batch, T = run.cfg.model.seq_len;
-  Batch batch;
-  double total = 0;
-  for (int i = 0; i < run.cfg.train.val_batches; i++) {
-    validation_batch(run.val_data, i, run.cfg.train.val_batches, B, T, batch);
-    total += run.pipe.evaluate(batch.inputs.data(), batch.targets.data(), B, T);
-  }
-  return total / run.cfg.train.val_batches;
-}
-
-std::string sample_text(Run& run, int64_t step) {
-  SampleOptions opts{run.cfg.train.sample_tokens, run.cfg.train.sample_temperature,
-                     run.cfg.train.sample_top_k, run.cfg.run.seed + uint64_t(step)};
-  auto next_logits = [&](const int32_t* tokens, int n, int pos0, std::vector<float>& logits) {
-    run.pipe.next_logits(tokens, n, pos0, logits);
-  };
-  return trainer::sample_text(next_logits, run.tokenizer.get(), run.cfg.model.vocab_size,
-                              run.cfg.model.seq_len, run.cfg.train.sample_prompt, opts);
-}
-
-// This process's peak resident memory (VmHWM), in MB; 0 where /proc does not tell.
-double peak_rss_mb() {
-  std::ifstream in("/proc/self/status");
-  for (std::string line; std::getline(in, line);)
-    if (line.starts_with("VmHWM:")) return std::stod(line.substr(6)) / 1024;
-  return 0;
-}
-
-// What one rank will hold, in bytes, from the same plan the model allocates by: the model's
-// buffers, AdamW's fp32 moments (and fp32 master weights for 16-bit models) over the elements
-// this rank updates (all of its shard's, or its ZeRO-1 piece plus that piece's gradients), and
-// the host copy of them a checkpoint takes.
-struct MemoryBudget {
-  StageExecutor::Memory model;
-  double optimizer = 0;     // AdamW's moments and (16-bit models) fp32 master weights
-  double grad_shard = 0;    // ZeRO-1 and -2: the reduced gradients of this rank's piece
-  double grad_windows = 0;  // ZeRO-2: the windows backward writes gradients into
-  // The temporaries of the data-parallel reductions in flight, at most: Open MPI's
-  // non-blocking reduce-scatter and all-reduce allocate one as large as the buffer they reduce,
-  // and the buckets of a flat buffer may all be in flight at once (finish() starts every one
-  // backward has not); under ZeRO-2 one per window. NCCL's buffers are its own, not counted.
-  double collectives = 0;
-  double snapshot = 0;
-  double total() const {
-    return double(model.total()) + optimizer + grad_shard + grad_windows + collectives + snapshot;
-  }
-};
-
-// node_ranks: the data-parallel ranks on this rank's node under the hierarchical all-reduce
-// (0 otherwise), for ZeRO-2's windows.
-MemoryBudget memory_budget(const Config& cfg, const ParallelDims& dims, const RankCoords& me,
-                           bool keeps_probs, int node_ranks) {
-  const DType dtype = compute_dtype(cfg.precision);
-  const StageOptions o = Run::model_options(cfg, me, dims, nullptr);
-  MemoryBudget b;
-  b.model = StageExecutor::memory_needed(cfg.model, dtype, cfg.train.micro_batch, cfg.model.seq_len,
-                                         o, keeps_probs);
-  const ParamTable table = param_table(cfg.model, *o.shard, o.total_multiple);
-  const double elems = double(table.total);
-  const double owned = cfg.parallel.zero ? elems / dims.dp() : elems;
-  b.optimizer = owned * 4 * (is_half(dtype) ? 3 : 2);
-  b.grad_shard = cfg.parallel.zero ? owned * dtype_size(*o.grad_dtype) : 0;
-  if (o.windowed_grads)
-    b.grad_windows = double(GradReducer::window_buffer_elems(
-                         grad_units(table), dims.dp(), node_ranks, ReducerOptions().windows)) *
-                     dtype_size(*o.grad_dtype);
-  if (dims.dp() > 1 && cfg.run.device == "cpu")
-    b.collectives = double(o.windowed_grads ? ReducerOptions().windows *
-                                                  GradReducer::largest_lent_unit(grad_units(table))
-                                            : table.total) *
-                    dtype_size(*o.grad_dtype);
-  b.snapshot = owned * 4 * 3;
-  return b;
-}
-
 void print_start(const Run& run) {
   const Config& cfg = run.cfg;
   const ParallelDims& dims = run.dims;
@@ -668,10 +222,15 @@ void print_start(const Run& run) {
     fmt::print("batch ramp: {} (global batches in sequences, through accumulation)\n",
                run.schedule.describe());
   fmt::print(
-      "parallel: dp {} x tp {} x pp {} (order {}), zero {}, {} all-reduce, {} buckets of "
-      "{:.3g} MB, overlap {}, 1F1B bubble {:.1f}% ({} stages, {} micro-batches)\n",
+      "parallel: dp {} x tp {} x pp {} (order {}), zero {}, {} all-reduce, {} buckets {}, "
+      "overlap {}, 1F1B bubble {:.1f}% ({} stages, {} micro-batches)\n",
       dims.dp(), dims.tp(), dims.pp(), cfg.parallel.order, cfg.parallel.zero,
-      cfg.parallel.allreduce, run.reducer.buckets(), double(run.reducer.bucket_bytes()) / (1 << 20),
+      cfg.parallel.allreduce, run.reducer.buckets(),
+      cfg.parallel.zero == 2
+          ? fmt::format(
+                "(the gradient units, reduced in every micro-batch; {} windows of {:.3g} MB)",
+                ReducerOptions().windows, double(run.reducer.bucket_bytes()) / (1 << 20))
+          : fmt::format("of {:.3g} MB", double(run.reducer.bucket_bytes()) / (1 << 20)),
       cfg.parallel.overlap ? "on" : "off", 100 * pipeline_bubble(dims.pp(), accum), dims.pp(),
       accum);
   if (dims.pp() > 1) {
@@ -730,79 +289,6 @@ void print_start(const Run& run) {
              run.flops_per_token / 1e6);
 }
 
-// Restores a checkpoint on every rank (each takes its slice, whatever layout wrote it): the
-// tensors, the loss scaler, the compression state when the gradients were exchanged the same
-// way (layout, buckets, method), and the data order at `samples` (-1: where the checkpoint
-// left it). Returns the step it continues from.
-int64_t restore(Run& run, const std::string& file, bool report, int64_t samples = -1) {
-  std::vector<float> comm_state;
-  const TrainState ts =
-      load_checkpoint(file, run.model, &run.optimizer, &comm_state, run.world.rank());
-  run.scaler.set_state(ts.scaler);
-  run.guard.restore(ts.recent_losses, ts.recent_norms);
-  if (run.optimizer.master() && run.cfg.precision.stochastic_rounding) {
-    run.optimizer.round_master(ts.step);  // the last update's rounding, not nearest-even
-    run.reducer.gather_params();          // ZeRO-1: the other ranks' pieces
-  }
-  const Config& cfg = run.cfg;
-  if (cfg.comm.compression.method != "none") {
-    const Config saved = checkpoint_config(file);
-    const bool same_exchange = ts.layout == run.layout() &&
-                               saved.parallel.bucket_mb == cfg.parallel.bucket_mb &&
-                               saved.parallel.allreduce == cfg.parallel.allreduce &&
-                               saved.comm.compression == cfg.comm.compression;
-    double restored = same_exchange && run.reducer.set_compression_state(comm_state) ? 1 : 0;
-    run.world.comm().all_reduce(host_ptr(&restored), 1, ReduceOp::sum);
-    if (report && restored < run.world.size())
-      fmt::print(
-          "compression state: not restored on {} of {} ranks (saved with another layout, "
-          "buckets or method); it starts from zero\n",
-          run.world.size() - int(restored), run.world.size());
-  }
-  run.resume_blend(ts, report);
-  run.data_skipped = ts.data_skipped + (samples >= 0 ? samples - ts.data_samples : 0);
-  run.start_data(ts.step, samples >= 0 ? samples : ts.data_samples);
-  return ts.step;
-}
-
-// Bytes available to this rank: a GPU's arena, or on the CPU the kernel's MemAvailable shared
-// by the ranks of this node (0: unknown).
-double available_bytes(Kernels& kernels, const World& world) {
-  if (const int64_t reserved = kernels.memory().reserved; reserved > 0) return double(reserved);
-  std::ifstream in("/proc/meminfo");
-  for (std::string key; in >> key;) {
-    double kb = 0;
-    in >> kb;
-    if (key == "MemAvailable:") return kb * 1024 / std::max(1, world.local_size());
-    in.ignore(1 << 10, '\n');
-  }
-  return 0;
-}
-
-// A run that cannot fit is refused before anything is allocated (allocating first grows for
-// tens of seconds and then fails somewhere).
-void check_memory(const Config& cfg, World& world, Kernels& kernels, const std::string& origin) {
-  const ParallelDims dims = Run::layout(cfg, world.size(), origin);
-  const MemoryBudget b =
-      memory_budget(cfg, dims, dims.coords(world.rank()), kernels.attention_keeps_probabilities(),
-                    0);  // hierarchical ZeRO-2's node parts aside: 1/ranks-per-node of a window
-  const StageExecutor::Memory& model = b.model;
-  const double need = b.total(), optimizer = b.optimizer + b.grad_shard, snapshot = b.snapshot;
-  const double grads = double(model.grads) + b.grad_windows;
-  const double have = available_bytes(kernels, world);
-  if (have <= 0 || need <= have) return;
-  const double GB = 1 << 30;
-  throw ConfigError(fmt::format(
-      "{}: the run needs {:.2f} GB on rank {} (weights {:.2f}, gradients {:.2f}, activations "
-      "{:.2f}, optimizer state {:.2f}, checkpoint copy {:.2f}) but {:.2f} GB is available to it "
-      "({}): lower train.micro_batch, or spread the model over more ranks (tp, pp, zero)",
-      origin, need / GB, world.rank(), double(model.params) / GB, grads / GB,
-      double(model.activations + model.stats) / GB, optimizer / GB, snapshot / GB, have / GB,
-      kernels.memory().reserved > 0
-          ? "the GPU memory reserved by run.gpu_memory_fraction"
-          : fmt::format("MemAvailable shared by {} rank(s) on this node", world.local_size())));
-}
-
 // Every rank read the tokenizer's files itself: they must be the same files everywhere (a
 // collective; every rank gets the same answer).
 void check_one_tokenizer(World& world, const Tokenizer& tokenizer, const TokenizerConfig& cfg) {
@@ -832,157 +318,6 @@ void catch_stop_signals() {
   std::signal(SIGUSR1, request_stop);
   // A file-size limit (ulimit -f) must fail the write, not kill the process.
   std::signal(SIGXFSZ, SIG_IGN);
-}
-
-namespace {
-
-// One multiple-choice example: the context's tokens, each ending's, and the right ending.
-struct Choice {
-  std::vector<int32_t> context;
-  std::vector<std::vector<int32_t>> endings;
-  int label = -1;
-};
-
-// HellaSwag's JSON Lines, tokenized (each ending after a space, as llm.c's evaluation does);
-// a context too long for an ending to fit in seq_len + 1 tokens loses its first tokens.
-std::vector<Choice> read_choices(const std::string& file, const std::string& text,
-                                 const Tokenizer& tokenizer, int T) {
-  std::istringstream in(text);
-  std::vector<Choice> out;
-  int line_no = 0;
-  for (std::string line; std::getline(in, line);) {
-    line_no++;
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    auto bad = [&](const std::string& what) {
-      return DataError(fmt::format("{}:{}: {}", file, line_no, what));
-    };
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(line);
-    } catch (const nlohmann::json::exception&) {
-      throw bad("not a JSON object");
-    }
-    if (!j.is_object() || !j.contains("ctx") || !j["ctx"].is_string() || !j.contains("endings") ||
-        !j["endings"].is_array() || j["endings"].size() < 2 || !j.contains("label") ||
-        !j["label"].is_number_integer())
-      throw bad("expected {\"ctx\": string, \"endings\": [2 or more strings], \"label\": index}");
-    Choice c;
-    c.context = tokenizer.encode(j["ctx"].get<std::string>());
-    for (const auto& e : j["endings"]) {
-      if (!e.is_string()) throw bad("an ending that is not a string");
-      std::string ending = e.get<std::string>();
-      ending.insert(ending.begin(), ' ');  // (not " " + ...: GCC 12's -Wrestrict misfires)
-      c.endings.push_back(tokenizer.encode(ending));
-      if (c.endings.back().empty() || int(c.endings.back().size()) > T)
-        throw bad(
-            fmt::format("an ending of {} tokens (1 to seq_len = {})", c.endings.back().size(), T));
-    }
-    const int64_t label = j["label"].get<int64_t>();
-    if (label < 0 || label >= int64_t(c.endings.size()))
-      throw bad(fmt::format("label {} of {} endings", label, c.endings.size()));
-    c.label = int(label);
-    if (c.context.empty()) throw bad("an empty context");
-    out.push_back(std::move(c));
-  }
-  if (out.empty()) throw DataError(fmt::format("{}: no examples", file));
-  return out;
-}
-
-// Each data-parallel replica scores its share of the examples (every rank of it takes part in
-// the forwards); the counts are summed over the world from one rank of each replica.
-int score_choices(Run& run, const std::string& file, const std::string& state) {
-  const int T = run.cfg.model.seq_len;
-  // Rank 0's copy for every rank: ranks that disagreed on the examples would not join the same
-  // forwards.
-  std::string text;
-  if (run.world.rank() == 0) {
-    std::ifstream in(file, std::ios::binary);
-    text = in ? std::string((std::istreambuf_iterator<char>(in)), {}) : std::string("\x01");
-  }
-  broadcast_string(run.world.comm(), text, 0);
-  if (text == "\x01") throw DataError(fmt::format("{}: cannot read", file));
-  const std::vector<Choice> choices = read_choices(file, text, *run.tokenizer, T);
-  const auto t0 = Clock::now();
-  double counts[3] = {0, 0, 0};  // right by mean loss, right by total loss, examples
-  for (size_t i = size_t(run.me.dp); i < choices.size(); i += size_t(run.dims.dp())) {
-    const Choice& c = choices[i];
-    double best_mean = INFINITY, best_sum = INFINITY;
-    int by_mean = -1, by_sum = -1;
-    for (size_t e = 0; e < c.endings.size(); e++) {
-      std::vector<int32_t> seq = c.context;
-      seq.insert(seq.end(), c.endings[e].begin(), c.endings[e].end());
-      if (int(seq.size()) > T + 1) seq.erase(seq.begin(), seq.end() - (T + 1));
-      const int n = int(seq.size()) - 1, first = n - int(c.endings[e].size());
-      const std::vector<float> losses = run.pipe.token_losses(seq.data(), seq.data() + 1, 1, n);
-      double sum = 0;
-      for (int t = first; t < n; t++) sum += losses[t];
-      const double mean = sum / (n - first);
-      if (mean < best_mean) best_mean = mean, by_mean = int(e);
-      if (sum < best_sum) best_sum = sum, by_sum = int(e);
-    }
-    if (run.me.tp == 0 && run.me.pp == 0) {
-      counts[0] += by_mean == c.label;
-      counts[1] += by_sum == c.label;
-      counts[2] += 1;
-    }
-  }
-  run.world.comm().all_reduce(host_ptr(counts), 3, ReduceOp::sum);
-  if (run.world.rank() == 0)
-    fmt::print(
-        "eval: acc_norm {:.4f} (lowest mean loss), acc {:.4f} (lowest total) on {} examples of "
-        "{} (weights of step {} from {}; {:.1f} s)\n",
-        counts[0] / counts[2], counts[1] / counts[2], int64_t(counts[2]), file,
-        checkpoint_step(state), state, std::chrono::duration<double>(Clock::now() - t0).count());
-  return 0;
-}
-
-}  // namespace
-
-int evaluate(const EvalOptions& opts, World& world) {
-  Config cfg;
-  std::string state;
-  if (auto failed = agree_on_setup(world, [&] {
-        state = resolve_checkpoint(opts.checkpoint);
-        // The checkpoint's run in the default layout (data parallel over the world), with the
-        // command line's settings on top.
-        Config run_cfg = checkpoint_config(state);
-        run_cfg.parallel = ParallelConfig{};
-        cfg = parse_config(config_to_toml(run_cfg), state, opts.overrides);
-        if (!opts.data.empty()) cfg.data.val = {opts.data};
-        cfg.data.train = cfg.data.val;  // nothing is trained: no training data is needed
-        cfg.data.sources.clear();
-        cfg.train.batch_ramp.clear();
-        if (opts.batches > 0) cfg.train.val_batches = opts.batches;
-        check_weights(state, cfg.model);
-        omp_set_num_threads(threads_per_rank(cfg, world));
-      }))
-    return *failed;
-  GpuPlacement placement;
-  std::unique_ptr<Kernels> kernels;
-  std::unique_ptr<Run> run_ptr;
-  const std::string origin = "trainer eval --checkpoint " + opts.checkpoint;
-  if (auto failed = agree_on_setup(world, [&] {
-        placement = place_on_gpus(cfg, world, origin);
-        kernels = make_kernels(cfg, placement);
-      }))
-    return *failed;
-  if (auto failed = agree_on_setup(world, [&] {
-        run_ptr = std::make_unique<Run>(cfg, world, origin, placement, std::move(kernels));
-        load_weights(state, run_ptr->model, &run_ptr->optimizer);
-      }))
-    return *failed;
-  Run& run = *run_ptr;
-  const auto t0 = Clock::now();
-  if (!opts.choices.empty()) return score_choices(run, opts.choices, state);
-  const double loss = validation_loss(run);
-  if (world.rank() == 0)
-    fmt::print(
-        "eval: loss {:.6f}, perplexity {:.3f} on {} windows of {} tokens of {} (weights of step "
-        "{} from {}; {} s)\n",
-        loss, std::exp(loss), int64_t(cfg.train.val_batches) * cfg.train.micro_batch,
-        cfg.model.seq_len, fmt::join(cfg.data.val, ", "), checkpoint_step(state), state,
-        fmt::format("{:.1f}", std::chrono::duration<double>(Clock::now() - t0).count()));
-  return 0;
 }
 
 int train(const std::string& config_path, const std::vector<std::string>& overrides, World& world) {

@@ -1,0 +1,85 @@
+#include "trainer/memory_budget.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <fstream>
+
+#include "comm/grad_reducer.h"
+#include "trainer/run.h"
+
+namespace trainer {
+
+double peak_rss_mb() {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);)
+    if (line.starts_with("VmHWM:")) return std::stod(line.substr(6)) / 1024;
+  return 0;
+}
+
+// node_ranks: the data-parallel ranks on this rank's node under the hierarchical all-reduce
+// (0 otherwise), for ZeRO-2's windows.
+MemoryBudget memory_budget(const Config& cfg, const ParallelDims& dims, const RankCoords& me,
+                           bool keeps_probs, int node_ranks) {
+  const DType dtype = compute_dtype(cfg.precision);
+  const StageOptions o = Run::model_options(cfg, me, dims, nullptr);
+  MemoryBudget b;
+  b.model = StageExecutor::memory_needed(cfg.model, dtype, cfg.train.micro_batch, cfg.model.seq_len,
+                                         o, keeps_probs);
+  const ParamTable table = param_table(cfg.model, *o.shard, o.total_multiple);
+  const double elems = double(table.total);
+  const double owned = cfg.parallel.zero ? elems / dims.dp() : elems;
+  b.optimizer = owned * 4 * (is_half(dtype) ? 3 : 2);
+  b.grad_shard = cfg.parallel.zero ? owned * dtype_size(*o.grad_dtype) : 0;
+  if (o.windowed_grads)
+    b.grad_windows = double(GradReducer::window_buffer_elems(
+                         grad_units(table), dims.dp(), node_ranks, ReducerOptions().windows)) *
+                     dtype_size(*o.grad_dtype);
+  if (dims.dp() > 1 && cfg.run.device == "cpu")
+    b.collectives = double(o.windowed_grads ? ReducerOptions().windows *
+                                                  GradReducer::largest_lent_unit(grad_units(table))
+                                            : table.total) *
+                    dtype_size(*o.grad_dtype);
+  b.snapshot = owned * 4 * 3;
+  return b;
+}
+
+// Bytes available to this rank: a GPU's arena, or on the CPU the kernel's MemAvailable shared
+// by the ranks of this node (0: unknown).
+double available_bytes(Kernels& kernels, const World& world) {
+  if (const int64_t reserved = kernels.memory().reserved; reserved > 0) return double(reserved);
+  std::ifstream in("/proc/meminfo");
+  for (std::string key; in >> key;) {
+    double kb = 0;
+    in >> kb;
+    if (key == "MemAvailable:") return kb * 1024 / std::max(1, world.local_size());
+    in.ignore(1 << 10, '\n');
+  }
+  return 0;
+}
+
+// A run that cannot fit is refused before anything is allocated (allocating first grows for
+// tens of seconds and then fails somewhere).
+void check_memory(const Config& cfg, World& world, Kernels& kernels, const std::string& origin) {
+  const ParallelDims dims = Run::layout(cfg, world.size(), origin);
+  const MemoryBudget b =
+      memory_budget(cfg, dims, dims.coords(world.rank()), kernels.attention_keeps_probabilities(),
+                    0);  // hierarchical ZeRO-2's node parts aside: 1/ranks-per-node of a window
+  const StageExecutor::Memory& model = b.model;
+  const double need = b.total(), optimizer = b.optimizer + b.grad_shard, snapshot = b.snapshot;
+  const double grads = double(model.grads) + b.grad_windows;
+  const double have = available_bytes(kernels, world);
+  if (have <= 0 || need <= have) return;
+  const double GB = 1 << 30;
+  throw ConfigError(fmt::format(
+      "{}: the run needs {:.2f} GB on rank {} (weights {:.2f}, gradients {:.2f}, activations "
+      "{:.2f}, optimizer state {:.2f}, checkpoint copy {:.2f}) but {:.2f} GB is available to it "
+      "({}): lower train.micro_batch, or spread the model over more ranks (tp, pp, zero)",
+      origin, need / GB, world.rank(), double(model.params) / GB, grads / GB,
+      double(model.activations + model.stats) / GB, optimizer / GB, snapshot / GB, have / GB,
+      kernels.memory().reserved > 0
+          ? "the GPU memory reserved by run.gpu_memory_fraction"
+          : fmt::format("MemAvailable shared by {} rank(s) on this node", world.local_size())));
+}
+
+}  // namespace trainer

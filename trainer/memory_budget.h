@@ -1,0 +1,47 @@
+#pragma once
+// What one rank will hold, from the plan its buffers are allocated by: printed at start-up,
+// checked against the memory available before anything is allocated, and compared with the
+// measured peak at the end (the planner's accounting too).
+#include <string>
+
+#include "comm/communicator.h"
+#include "comm/parallel_dims.h"
+#include "io/config.h"
+#include "kernels/kernels.h"
+#include "model/stage_executor.h"
+
+namespace trainer {
+
+// What one rank will hold, in bytes, from the same plan the model allocates by: the model's
+// buffers, AdamW's fp32 moments (and fp32 master weights for 16-bit models) over the elements
+// this rank updates (all of its shard's, or its ZeRO-1 piece plus that piece's gradients), and
+// the host copy of them a checkpoint takes.
+struct MemoryBudget {
+  StageExecutor::Memory model;
+  double optimizer = 0;     // AdamW's moments and (16-bit models) fp32 master weights
+  double grad_shard = 0;    // ZeRO-1 and -2: the reduced gradients of this rank's piece
+  double grad_windows = 0;  // ZeRO-2: the windows backward writes gradients into
+  // The temporaries of the data-parallel reductions in flight, at most: Open MPI's
+  // non-blocking reduce-scatter and all-reduce allocate one as large as the buffer they reduce,
+  // and the buckets of a flat buffer may all be in flight at once (finish() starts every one
+  // backward has not); under ZeRO-2 one per window. NCCL's buffers are its own, not counted.
+  double collectives = 0;
+  double snapshot = 0;
+  double total() const {
+    return double(model.total()) + optimizer + grad_shard + grad_windows + collectives + snapshot;
+  }
+};
+
+// node_ranks: the data-parallel ranks on this rank's node under the hierarchical all-reduce
+// (0 otherwise), for ZeRO-2's windows.
+MemoryBudget memory_budget(const Config& cfg, const ParallelDims& dims, const RankCoords& me,
+                           bool keeps_probs, int node_ranks);
+
+// This process's peak resident memory (VmHWM), in MB; 0 where /proc does not tell.
+double peak_rss_mb();
+
+// A run that cannot fit is refused before anything is allocated (allocating first grows for
+// tens of seconds and then fails somewhere): a ConfigError naming `origin`.
+void check_memory(const Config& cfg, World& world, Kernels& kernels, const std::string& origin);
+
+}  // namespace trainer
