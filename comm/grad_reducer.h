@@ -63,10 +63,12 @@ class GradReducer : public GradientWindows {
   // Before each step's backward: compression is used from step warmup_steps on, and ZeRO-2's
   // shard starts from zero (it accumulates every backward's pieces).
   void start_step(int64_t step);
-  // The next backward produces the gradients to reduce (the last micro-batch of a step).
+  // The next backward produces the gradients to reduce (the last micro-batch of a step; ZeRO-2
+  // reduces every backward's and needs no arming).
   void arm() { armed_ = true; }
   // Every gradient at or above `frontier` is final: start the buckets that completes (with
   // overlap on, once armed). layers_left: how many layers' backward had not started then.
+  // Also drives the reductions in flight (ZeRO-2: only that; its units start at close()).
   void ready(int64_t frontier, int layers_left = 0);
   // Starts what is left and waits for all of it. Afterwards the gradients are summed over the
   // data-parallel group: in place, or (shard) in shard_grads().
@@ -77,23 +79,24 @@ class GradReducer : public GradientWindows {
   DPtr open(int unit) override;
   void close(int unit, int layers_left) override;
   int64_t window_elems() const { return window_elems_; }  // 0 without ZeRO-2
-  // What ZeRO-2's windows and their reduction buffers hold, in gradient elements: `windows`
-  // windows of the largest unit not held, each with its piece (1/dp) and, hierarchically
-  // (node_ranks > 0), its part summed inside the node (1/node_ranks). The gradient memory of
-  // a ZeRO-2 rank is this, its shard and the held units.
   // The largest unit not held: the size of a window.
   static int64_t largest_lent_unit(const std::vector<GradUnit>& units);
+  // What ZeRO-2's windows and their reduction buffers hold, in gradient elements: `windows`
+  // windows of the largest unit not held, each with its piece (1/dp) and, hierarchically
+  // (node_ranks > 0), its part summed inside the node (1/node_ranks), with the held units'
+  // parts summed inside the node. The gradient memory of a ZeRO-2 rank is this, its shard and
+  // the held units.
   static int64_t window_buffer_elems(const std::vector<GradUnit>& units, int dp, int node_ranks,
                                      int windows);
 
-  // ZeRO-1: this rank's part of each bucket, where it lives in the flat buffers and in the
-  // shard buffers (shard_grads(), and the optimizer's state).
+  // ZeRO-1 and -2: this rank's part of each bucket, where it lives in the flat buffers and in
+  // the shard buffers (shard_grads(), and the optimizer's state).
   struct Piece {
     int64_t offset, count, shard_offset;
   };
   const std::vector<Piece>& pieces() const { return pieces_; }
-  int64_t shard_elems() const { return shard_elems_; }  // 0 without ZeRO-1
-  DPtr shard_grads() const { return shard_; }           // null without ZeRO-1
+  int64_t shard_elems() const { return shard_elems_; }  // 0 without ZeRO
+  DPtr shard_grads() const { return shard_; }           // null without ZeRO
   // All-gathers each bucket's pieces of the parameters (after the update of this rank's).
   void gather_params();
 
@@ -104,7 +107,8 @@ class GradReducer : public GradientWindows {
   // `intra`), null otherwise: its traffic is the node's too.
   Communicator* intra_gather() const { return intra_gather_.get(); }
   // How early each bucket of the last finish() was started, in bucket order (the end of the
-  // buffer first): the layers_left that ready() reported, or -1 when it started in finish().
+  // buffer first): the layers_left that ready() reported (ZeRO-2: close(), in the step's last
+  // backward), or -1 when it started in finish() (ZeRO-2: or backward waited for it).
   const std::vector<int>& started_with_layers_left() const { return started_; }
 
   bool compressing() const { return compressing_; }
@@ -139,7 +143,7 @@ class GradReducer : public GradientWindows {
     bool held = false;                       // ZeRO-2: reduced from the flat buffer at finish()
     int layers_left = -1;                    // when it was launched: see started_with_layers_left()
     std::unique_ptr<Compressor> compressor;  // null: reduced uncompressed
-    int64_t piece_offset = 0;                // this rank's piece (ZeRO-1), in the buffer
+    int64_t piece_offset = 0;                // this rank's piece (ZeRO), in the buffer
   };
   // One reduction in flight: a bucket's chain on some buffers (a window's, or -1).
   struct Flight {

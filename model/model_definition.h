@@ -157,8 +157,9 @@ class ModelDefinition {
 void add_token_embedding(ParamTableBuilder& b, const ModelConfig& cfg, const ModelShard& shard,
                          const std::string& name, float init_std);
 
-// The definition of cfg.arch on one shard; the table's flat length is padded to a multiple of
-// total_multiple elements (16 for aligned views, 16 x dp for even ZeRO shards).
+// The definition of cfg.arch on one shard; the table's flat length, and where each block and the
+// parameters after the blocks start, are multiples of total_multiple elements (16 for aligned
+// views, 16 x dp for even ZeRO shards that no gradient unit straddles).
 std::unique_ptr<ModelDefinition> make_model_definition(const ModelConfig& cfg,
                                                        const ModelShard& shard,
                                                        int64_t total_multiple = 16);

@@ -1,8 +1,9 @@
 #pragma once
 // Every parameter is a named view into one flat buffer: a logical name (`h.3.attn.qkv.weight`),
 // its full logical shape, and where this rank's part of it lives. Gradients and optimizer states
-// use the same offsets in their own flat buffers, so clipping, the optimizer, checkpoint I/O,
-// bucketed reduction and ZeRO sharding are loops over spans of this table.
+// use the same offsets in their own flat buffers (ZeRO-2's gradients: in windows of one gradient
+// unit at a time, model/grad_units.h), so clipping, the optimizer, checkpoint I/O, bucketed
+// reduction and ZeRO sharding are loops over spans of this table.
 //
 // A table describes one model shard: the layers of one pipeline stage and, for tensor
 // parallelism, one rank's slice of each matrix (Megatron: QKV and MLP up-projection split by

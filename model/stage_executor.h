@@ -102,7 +102,12 @@ class StageExecutor {
   const std::vector<GradUnit>& grad_units() const { return units_; }
   void set_gradient_windows(GradientWindows* windows) { windows_ = windows; }
   DPtr param(const ParamInfo& p) const { return params_ + p.offset; }
-  DPtr grad(const ParamInfo& p) const { return grads_ + p.offset; }
+  // A parameter's gradient in grads(): with windowed gradients, of a held unit only.
+  DPtr grad(const ParamInfo& p) const {
+    if (p.offset + p.numel > grads_elems_)
+      throw std::logic_error(p.name + ": its gradient is in a window, not in grads()");
+    return grads_ + p.offset;
+  }
 
   // Initialisation is a pure function of (seed, parameter name, logical index): it does not
   // depend on how the model is split, nor on the dtype.

@@ -4,12 +4,14 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <map>
 #include <numbers>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "model/architectures.h"
+#include "model/grad_units.h"
 #include "model/init.h"
 #include "model/stage_executor.h"
 #include "test_util.h"
@@ -255,6 +257,144 @@ INSTANTIATE_TEST_SUITE_P(Models, Recomputation,
                                             ::testing::Values(Recompute::selective,
                                                               Recompute::full)),
                          arch_and_recompute);
+
+// Gradient units (ZeRO-2's, model/grad_units.h) tile each shard's table in offset order, start
+// on multiples of the table's unit multiple, hold one block's (or the embeddings', or the final
+// norm and head's) parameters each, and the tied embedding's unit alone is held: for GPT-2
+// (tied) and Llama (untied), whole and in three pipeline stages by two tensor-parallel ranks.
+TEST(GradUnits, TileEachShardAlignedWithTheTiedEmbeddingHeld) {
+  for (Arch arch : {Arch::gpt2, Arch::llama}) {
+    ModelConfig cfg = tiny(arch);
+    cfg.n_layer = 5;
+    cfg.tie_embeddings = arch == Arch::gpt2;
+    for (auto [tp, stages] : {std::pair{1, 1}, std::pair{2, 3}})
+      for (int stage = 0; stage < stages; stage++) {
+        SCOPED_TRACE(std::string(arch_name(arch)) + " tp " + std::to_string(tp) + " stage " +
+                     std::to_string(stage) + " of " + std::to_string(stages));
+        const ModelShard shard = ModelShard::make(cfg, tp - 1, tp, stage, stages);
+        const int64_t multiple = 16 * 4;  // dp = 4
+        const ParamTable table = param_table(cfg, shard, multiple);
+        const std::vector<GradUnit> units = grad_units(table);
+        const bool front = shard.first_stage() || (shard.last_stage() && cfg.tie_embeddings);
+        ASSERT_EQ(units.size(), size_t(shard.end_layer - shard.first_layer + front +
+                                       (shard.last_stage() ? 1 : 0)));
+        EXPECT_EQ(units.front().begin, 0);
+        EXPECT_EQ(units.back().end, table.total);
+        for (size_t u = 0; u < units.size(); u++) {
+          EXPECT_LT(units[u].begin, units[u].end);
+          EXPECT_EQ(units[u].begin % multiple, 0);
+          if (u + 1 < units.size()) {
+            EXPECT_EQ(units[u].end, units[u + 1].begin);
+          }
+          EXPECT_EQ(units[u].held, u == 0 && front && cfg.tie_embeddings) << u;
+        }
+        for (const ParamInfo& p : table.params) {
+          int in = -1;
+          for (size_t u = 0; u < units.size(); u++)
+            if (p.offset >= units[u].begin && p.offset + p.numel <= units[u].end) in = int(u);
+          ASSERT_GE(in, 0) << p.name;
+          // The unit of block l is after the embeddings' (when this stage has them).
+          const bool before_blocks = p.offset < table.layer_offset(shard.first_layer);
+          const int want = p.layer >= 0    ? front + p.layer - shard.first_layer
+                           : before_blocks ? 0
+                                           : int(units.size()) - 1;
+          EXPECT_EQ(in, want) << p.name;
+        }
+      }
+  }
+}
+
+// Windowed gradients (ZeRO-2's executor side): each unit's backward writes into the buffer
+// open() lends and hands it back with close(); summed back into place they are the flat
+// buffer's gradients, with recomputation, for GPT-2 (a tied embedding, held: written by the
+// head and the embedding) and Llama: bit for bit for one micro-batch; for two, to rounding (the
+// flat buffer accumulates inside each kernel, the windows after it). A unit opened twice
+// without closing, or a gradient written outside its window, fails.
+class RecordingWindows : public GradientWindows {
+ public:
+  RecordingWindows(const std::vector<GradUnit>& units, int64_t total)
+      : units_(units), sum_(total, 0.0f), open_(units.size(), false) {}
+  DPtr open(int u) override {
+    EXPECT_FALSE(open_[u]) << "unit " << u << " opened twice";
+    open_[u] = true;
+    order.push_back(u);
+    buffers_[u].assign(size_t(units_[u].elems()), 0.0f);  // zeroed, as the reducer lends them
+    return host_ptr(buffers_[u].data());
+  }
+  void close(int u, int layers_left) override {
+    EXPECT_TRUE(open_[u]) << "unit " << u << " closed without open";
+    open_[u] = false;
+    lefts.push_back(layers_left);
+    for (int64_t i = 0; i < units_[u].elems(); i++) sum_[units_[u].begin + i] += buffers_[u][i];
+  }
+  const std::vector<float>& sum() const { return sum_; }
+  std::vector<int> order, lefts;
+
+ private:
+  std::vector<GradUnit> units_;
+  std::vector<float> sum_;
+  std::vector<bool> open_;
+  std::map<int, std::vector<float>> buffers_;
+};
+
+TEST(GradUnits, WindowedBackwardGivesTheFlatGradients) {
+  for (Arch arch : {Arch::gpt2, Arch::llama}) {
+    SCOPED_TRACE(arch_name(arch));
+    ModelConfig cfg = tiny(arch);
+    cfg.n_layer = 3;
+    const int B = 2, T = cfg.seq_len;
+    auto k = make_cpu_kernels();
+    std::vector<int32_t> tokens(2 * B * T), targets(2 * B * T);
+    for (size_t i = 0; i < tokens.size(); i++) {
+      tokens[i] = int32_t(mix64(i) % cfg.vocab_size);
+      targets[i] = int32_t(mix64(i + 1000) % cfg.vocab_size);
+    }
+    for (int micro_batches : {1, 2}) {
+      SCOPED_TRACE(std::to_string(micro_batches) + " micro-batches");
+      auto run = [&](bool windowed, RecordingWindows* windows) {
+        StageOptions o;
+        o.slots = 2;
+        o.recompute = Recompute::full;
+        o.recompute_layers = 1;
+        o.windowed_grads = windowed;
+        StageExecutor model(cfg, *k, DType::f32, B, T, o);
+        model.init_parameters(7);
+        model.set_gradient_windows(windows);
+        model.zero_grad();
+        for (int s = 0; s < micro_batches; s++)
+          model.forward(s, &tokens[s * B * T], &targets[s * B * T], B, T);
+        for (int s = micro_batches - 1; s >= 0; s--) model.backward(s, 1.0f);
+        std::vector<float> grads(model.grads_elems());
+        k->copy_to_host(grads.data(), model.grads(), model.grads_elems());
+        return std::pair{grads, model.grad_units()};
+      };
+      const auto [want, units] = run(false, nullptr);
+      RecordingWindows windows(units, int64_t(want.size()));
+      const auto [held, same_units] = run(true, &windows);
+      std::vector<float> got = windows.sum();
+      // The held unit's gradients stay in grads(), from offset 0.
+      ASSERT_EQ(held.size(), size_t(cfg.tie_embeddings ? units.front().end : 0));
+      for (size_t i = 0; i < held.size(); i++) got[i] += held[i];
+      if (micro_batches == 1) {
+        EXPECT_EQ(got, want);
+      } else {
+        for (size_t i = 0; i < want.size(); i++)
+          ASSERT_NEAR(got[i], want[i], 1e-6 * (1 + std::abs(want[i]))) << i;
+      }
+      // Each backward: the head's unit, the blocks' from the last, then an untied embedding's;
+      // layers_left as backward reports it.
+      const int n = int(units.size()), lent = cfg.tie_embeddings ? n - 1 : n;
+      std::vector<int> order, lefts;
+      for (int b = 0; b < micro_batches; b++) {
+        for (int u = n - 1; u >= n - lent; u--) order.push_back(u);
+        for (int left : {3, 2, 1, 0}) lefts.push_back(left);
+        if (!cfg.tie_embeddings) lefts.push_back(0);
+      }
+      EXPECT_EQ(windows.order, order);
+      EXPECT_EQ(windows.lefts, lefts);
+    }
+  }
+}
 
 // What each mode keeps, from the plan: selective drops the probabilities and the MLP activation
 // of every recomputed block but one, full everything but the block outputs; recompute_layers

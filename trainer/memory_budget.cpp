@@ -31,15 +31,22 @@ MemoryBudget memory_budget(const Config& cfg, const ParallelDims& dims, const Ra
   const double owned = cfg.parallel.zero ? elems / dims.dp() : elems;
   b.optimizer = owned * 4 * (is_half(dtype) ? 3 : 2);
   b.grad_shard = cfg.parallel.zero ? owned * dtype_size(*o.grad_dtype) : 0;
+  const std::vector<GradUnit> units = grad_units(table);
+  const int windows = ReducerOptions().windows;
   if (o.windowed_grads)
-    b.grad_windows = double(GradReducer::window_buffer_elems(
-                         grad_units(table), dims.dp(), node_ranks, ReducerOptions().windows)) *
-                     dtype_size(*o.grad_dtype);
-  if (dims.dp() > 1 && cfg.run.device == "cpu")
-    b.collectives = double(o.windowed_grads ? ReducerOptions().windows *
-                                                  GradReducer::largest_lent_unit(grad_units(table))
-                                            : table.total) *
-                    dtype_size(*o.grad_dtype);
+    b.grad_windows =
+        double(GradReducer::window_buffer_elems(units, dims.dp(), node_ranks, windows)) *
+        dtype_size(*o.grad_dtype);
+  if (dims.dp() > 1 && cfg.run.device == "cpu") {
+    // ZeRO-2: the windows' reductions and the held units' (started at the end of the step,
+    // while the last backward's windows may still be in flight).
+    int64_t in_flight = table.total;
+    if (o.windowed_grads) {
+      in_flight = windows * GradReducer::largest_lent_unit(units);
+      for (const GradUnit& u : units) in_flight += u.held ? u.elems() : 0;
+    }
+    b.collectives = double(in_flight) * dtype_size(*o.grad_dtype);
+  }
   b.snapshot = owned * 4 * 3;
   return b;
 }
@@ -64,7 +71,8 @@ void check_memory(const Config& cfg, World& world, Kernels& kernels, const std::
   const ParallelDims dims = Run::layout(cfg, world.size(), origin);
   const MemoryBudget b =
       memory_budget(cfg, dims, dims.coords(world.rank()), kernels.attention_keeps_probabilities(),
-                    0);  // hierarchical ZeRO-2's node parts aside: 1/ranks-per-node of a window
+                    0);  // hierarchical ZeRO-2's node parts aside (1/ranks-per-node of its windows
+                         // and held units): the groups are not made yet
   const StageExecutor::Memory& model = b.model;
   const double need = b.total(), optimizer = b.optimizer + b.grad_shard, snapshot = b.snapshot;
   const double grads = double(model.grads) + b.grad_windows;
@@ -73,10 +81,12 @@ void check_memory(const Config& cfg, World& world, Kernels& kernels, const std::
   const double GB = 1 << 30;
   throw ConfigError(fmt::format(
       "{}: the run needs {:.2f} GB on rank {} (weights {:.2f}, gradients {:.2f}, activations "
-      "{:.2f}, optimizer state {:.2f}, checkpoint copy {:.2f}) but {:.2f} GB is available to it "
-      "({}): lower train.micro_batch, or spread the model over more ranks (tp, pp, zero)",
+      "{:.2f}, optimizer state {:.2f}, reduction temporaries {:.2f}, checkpoint copy {:.2f}) but "
+      "{:.2f} GB is available to it ({}): lower train.micro_batch, or spread the model over more "
+      "ranks (tp, pp, zero)",
       origin, need / GB, world.rank(), double(model.params) / GB, grads / GB,
-      double(model.activations + model.stats) / GB, optimizer / GB, snapshot / GB, have / GB,
+      double(model.activations + model.stats) / GB, optimizer / GB, b.collectives / GB,
+      snapshot / GB, have / GB,
       kernels.memory().reserved > 0
           ? "the GPU memory reserved by run.gpu_memory_fraction"
           : fmt::format("MemAvailable shared by {} rank(s) on this node", world.local_size())));

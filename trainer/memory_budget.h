@@ -14,7 +14,7 @@ namespace trainer {
 
 // What one rank will hold, in bytes, from the same plan the model allocates by: the model's
 // buffers, AdamW's fp32 moments (and fp32 master weights for 16-bit models) over the elements
-// this rank updates (all of its shard's, or its ZeRO-1 piece plus that piece's gradients), and
+// this rank updates (all of its shard's, or its ZeRO piece plus that piece's gradients), and
 // the host copy of them a checkpoint takes.
 struct MemoryBudget {
   StageExecutor::Memory model;
@@ -24,7 +24,8 @@ struct MemoryBudget {
   // The temporaries of the data-parallel reductions in flight, at most: Open MPI's
   // non-blocking reduce-scatter and all-reduce allocate one as large as the buffer they reduce,
   // and the buckets of a flat buffer may all be in flight at once (finish() starts every one
-  // backward has not); under ZeRO-2 one per window. NCCL's buffers are its own, not counted.
+  // backward has not); under ZeRO-2 one per window and the held units'. NCCL's buffers are its
+  // own, not counted.
   double collectives = 0;
   double snapshot = 0;
   double total() const {

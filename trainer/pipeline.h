@@ -32,8 +32,8 @@ class Pipeline {
   // One step's forwards and backwards over `micro_batches` micro-batches (at most the
   // constructor's; a batch ramp changes them). next_batch() is called once per micro-batch, in
   // order; before_last_backward() just before this stage's last backward
-  // (whose gradients are final for the step). Returns the sum of the micro-batches' mean
-  // losses on the last stage, 0 elsewhere.
+  // (whose gradients are final for the step; ZeRO-2 reduces every backward's anyway). Returns the
+  // sum of the micro-batches' mean losses on the last stage, 0 elsewhere.
   double step(int micro_batches, const std::function<const Batch&()>& next_batch, float loss_scale,
               const std::function<void()>& before_last_backward, PipeTimes& times);
 

@@ -139,7 +139,7 @@ int64_t restore(Run& run, const std::string& file, bool report, int64_t samples)
   run.guard.restore(ts.recent_losses, ts.recent_norms);
   if (run.optimizer.master() && run.cfg.precision.stochastic_rounding) {
     run.optimizer.round_master(ts.step);  // the last update's rounding, not nearest-even
-    run.reducer.gather_params();          // ZeRO-1: the other ranks' pieces
+    run.reducer.gather_params();          // ZeRO: the other ranks' pieces
   }
   const Config& cfg = run.cfg;
   if (cfg.comm.compression.method != "none") {

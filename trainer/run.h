@@ -43,7 +43,7 @@ inline double seconds_since(Clock::time_point t0) {
 }
 
 // A run of elements of one parameter in this rank's part of the flat buffers: all of them, or
-// (ZeRO-1) the pieces of the data-parallel shard. Its gradient and optimizer state live at
+// (ZeRO-1 and -2) the pieces of the data-parallel shard. Its gradient and optimizer state live at
 // shard_offset.
 struct Span {
   int64_t offset, count, shard_offset;
