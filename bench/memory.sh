@@ -57,6 +57,8 @@ import json, re, sys
 d = json.loads(sys.stdin.read())
 log = open(sys.argv[1]).read()
 d["planned_mb_rank0"] = float(re.search(r"rank 0 expects ([0-9.]+) MB", log).group(1))
+# The peak is taken at the end of training, before the final checkpoint allocates its copy.
+d["checkpoint_copy_mb"] = float(re.search(r"checkpoint copy ([0-9.]+)", log).group(1))
 d["plan"] = re.search(r"^memory: (.*)$", log, re.M).group(1)
 print(json.dumps(d))' "$dir.log")"
       echo "$line"
@@ -89,12 +91,13 @@ if ((${#zero_lines[@]})); then
   printf '%s\n' "${zero_lines[@]}" | "$PYTHON" -c '
 import json, sys
 print()
-print("| W-M, dp 4 | tokens/s (all ranks) | planned MB rank 0 | peak RSS MB rank 0 | RSS / planned | largest rank MB |")
-print("|---|---|---|---|---|---|")
+print("| W-M, dp 4 | tokens/s (all ranks) | MB sent per step (rank 0) | planned MB rank 0 | of which checkpoint copy | peak RSS MB rank 0 (training) | RSS / planned without the copy |")
+print("|---|---|---|---|---|---|---|")
 for line in sys.stdin:
     d = json.loads(line)
-    row = (d["run"], d["tokens_per_s"], d["planned_mb_rank0"], d["peak_rss_mb_rank0"],
-           d["peak_rss_mb_rank0"] / d["planned_mb_rank0"], d["peak_rss_mb_max"])
-    print("| %s | %.0f | %.0f | %.0f | %.2f | %.0f |" % row)
+    training = d["planned_mb_rank0"] - d["checkpoint_copy_mb"]
+    row = (d["run"], d["tokens_per_s"], d["mb_sent_per_step_rank0"], d["planned_mb_rank0"],
+           d["checkpoint_copy_mb"], d["peak_rss_mb_rank0"], d["peak_rss_mb_rank0"] / training)
+    print("| %s | %.0f | %.0f | %.0f | %.0f | %.0f | %.2f |" % row)
 '
 fi
