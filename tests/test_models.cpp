@@ -132,6 +132,13 @@ TEST(Rope, FrequenciesAndLlama31Scaling) {
   EXPECT_FLOAT_EQ(table[(2 * 4 + 1) * 2 + 1], float(std::sin(2 * scaled[1])));
 }
 
+// n token ids below vocab, a function of (i + salt) alone.
+std::vector<int32_t> pseudo_tokens(size_t n, int vocab, uint64_t salt) {
+  std::vector<int32_t> v(n);
+  for (size_t i = 0; i < n; i++) v[i] = int32_t(mix64(i + salt) % uint64_t(vocab));
+  return v;
+}
+
 ModelConfig tiny(Arch arch) {
   ModelConfig cfg;
   cfg.arch = arch;
@@ -222,11 +229,8 @@ TEST_P(Recomputation, BitwiseTheGradientsOfKeepingEverything) {
   const Recompute mode = std::get<1>(GetParam());
   const int B = 2, T = cfg.seq_len;
   auto k = make_cpu_kernels();
-  std::vector<int32_t> tokens(2 * B * T), targets(2 * B * T);
-  for (size_t i = 0; i < tokens.size(); i++) {
-    tokens[i] = int32_t(mix64(i) % cfg.vocab_size);
-    targets[i] = int32_t(mix64(i + 1000) % cfg.vocab_size);
-  }
+  const std::vector<int32_t> tokens = pseudo_tokens(2 * B * T, cfg.vocab_size, 0),
+                             targets = pseudo_tokens(2 * B * T, cfg.vocab_size, 1000);
   auto run = [&](Recompute r, int layers, std::vector<double>& losses) {
     StageOptions o;
     o.slots = 2;
@@ -344,11 +348,8 @@ TEST(GradUnits, WindowedBackwardGivesTheFlatGradients) {
     cfg.n_layer = 3;
     const int B = 2, T = cfg.seq_len;
     auto k = make_cpu_kernels();
-    std::vector<int32_t> tokens(2 * B * T), targets(2 * B * T);
-    for (size_t i = 0; i < tokens.size(); i++) {
-      tokens[i] = int32_t(mix64(i) % cfg.vocab_size);
-      targets[i] = int32_t(mix64(i + 1000) % cfg.vocab_size);
-    }
+    const std::vector<int32_t> tokens = pseudo_tokens(2 * B * T, cfg.vocab_size, 0),
+                               targets = pseudo_tokens(2 * B * T, cfg.vocab_size, 1000);
     for (int micro_batches : {1, 2}) {
       SCOPED_TRACE(std::to_string(micro_batches) + " micro-batches");
       auto run = [&](bool windowed, RecordingWindows* windows) {
