@@ -69,12 +69,14 @@ std::string resume_file(const Config& cfg, bool report) {
 
 // An overflow injected for tests (TRAINER_INJECT_INF): one infinite gradient on one rank, in
 // the flat buffer before the reduction spreads it, or under ZeRO-2 (which keeps none) in the
-// rank's reduced shard.
+// rank's reduced shard, at an element the gradient norm counts.
 void inject_overflow(Run& run, int64_t step, bool reduced) {
   if (run.inject_inf.first != step || run.inject_inf.second != run.world.rank()) return;
   if (reduced != (run.cfg.parallel.zero == 2)) return;
   const float inf = INFINITY;
-  run.kernels->upload_f32(reduced ? run.optimizer.grads() : run.model.grads(), &inf, 1);
+  if (!reduced) return run.kernels->upload_f32(run.model.grads(), &inf, 1);
+  if (!run.norm_ranges.empty())
+    run.kernels->upload_f32(run.optimizer.grads() + run.norm_ranges.front().offset, &inf, 1);
 }
 
 // One optimizer step: the micro-batches through the pipeline, gradient reduction, the global
