@@ -8,17 +8,6 @@
 
 namespace trainer {
 
-namespace {
-
-int64_t held_end(const std::vector<GradUnit>& units) {
-  int64_t end = 0;
-  for (const GradUnit& u : units)
-    if (u.held) end = u.end;
-  return end;
-}
-
-}  // namespace
-
 int64_t GradReducer::largest_lent_unit(const std::vector<GradUnit>& units) {
   int64_t n = 0;
   for (const GradUnit& u : units)

@@ -31,6 +31,8 @@ struct GradUnit {
 // one of them is a tied embedding), each block, and the parameters after the blocks; empty ones
 // left out. Their boundaries are those the table's unit_multiple aligns.
 std::vector<GradUnit> grad_units(const ParamTable& table);
+// Where the held units end (they come first): the flat gradients a windowed shard keeps.
+int64_t held_end(const std::vector<GradUnit>& units);
 
 // What the executor asks of whoever lends windows (the reducer).
 class GradientWindows {

@@ -167,4 +167,11 @@ std::vector<GradUnit> grad_units(const ParamTable& table) {
   return units;
 }
 
+int64_t held_end(const std::vector<GradUnit>& units) {
+  int64_t end = 0;
+  for (const GradUnit& u : units)
+    if (u.held) end = u.end;
+  return end;
+}
+
 }  // namespace trainer

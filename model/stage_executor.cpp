@@ -18,14 +18,6 @@ struct Loc {
   int64_t offset = 0;
 };
 
-// The flat gradients a windowed shard keeps: from 0 to the end of its last held unit.
-int64_t held_elems(const std::vector<GradUnit>& units) {
-  int64_t end = 0;
-  for (const GradUnit& u : units)
-    if (u.held) end = u.end;
-  return end;
-}
-
 // How many of a stage's `layers` blocks are recomputed.
 int recomputed_layers(const StageOptions& o, int layers) {
   if (o.recompute == Recompute::none) return 0;
@@ -138,7 +130,7 @@ StageExecutor::Memory StageExecutor::memory_needed(const ModelConfig& cfg, DType
   const int64_t total = def->table().total;
   const Plan p = plan(*def, max_B, max_T, o, keeps_probs);
   const int64_t stats_bytes = dtype_size(is_half(dtype) ? DType::f32 : dtype);
-  const int64_t grads = o.windowed_grads ? held_elems(trainer::grad_units(def->table())) : total;
+  const int64_t grads = o.windowed_grads ? held_end(trainer::grad_units(def->table())) : total;
   return {total * int64_t(dtype_size(dtype)),
           grads * int64_t(dtype_size(o.grad_dtype ? *o.grad_dtype : dtype)),
           p.acts * int64_t(dtype_size(dtype)), p.stats * stats_bytes};
@@ -166,7 +158,7 @@ StageExecutor::StageExecutor(const ModelConfig& cfg, Kernels& kernels, DType dty
   params_ = k_.alloc(table().total, dtype);
   units_ = trainer::grad_units(table());
   windowed_ = o.windowed_grads;
-  grads_elems_ = windowed_ ? held_elems(units_) : table().total;
+  grads_elems_ = windowed_ ? held_end(units_) : table().total;
   grads_ = grads_elems_ > 0 ? k_.alloc(grads_elems_, grad_dtype_)
                             : DPtr{nullptr, grad_dtype_, params_.device};  // typed, holding none
   const Plan p = plan(*def_, max_B, max_T, o, keeps_probs_);

@@ -231,7 +231,7 @@ void print_start(const Run& run) {
       cfg.parallel.zero == 2
           ? fmt::format(
                 "(the gradient units, reduced in every micro-batch; {} windows of {:.3g} MB)",
-                ReducerOptions().windows, double(run.reducer.bucket_bytes()) / (1 << 20))
+                run.reducer.windows(), double(run.reducer.bucket_bytes()) / (1 << 20))
           : fmt::format("of {:.3g} MB", double(run.reducer.bucket_bytes()) / (1 << 20)),
       cfg.parallel.overlap ? "on" : "off", 100 * pipeline_bubble(dims.pp(), accum), dims.pp(),
       accum);
