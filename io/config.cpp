@@ -517,7 +517,7 @@ Config parse_config(const std::string& text, const std::string& origin,
     r.field("order", p.order,
             one_of({"tp-pp-dp", "tp-dp-pp", "pp-tp-dp", "pp-dp-tp", "dp-tp-pp", "dp-pp-tp"}));
     r.field("micro_batches", p.micro_batches, in_range(0, 1 << 16));
-    r.field("zero", p.zero, in_range(0, 2));
+    r.field("zero", p.zero, in_range(0, 3));
     r.field("bucket_mb", p.bucket_mb, in_range(1e-3, 1 << 16));
     r.field("overlap", p.overlap);
     r.field("allreduce", p.allreduce, one_of({"flat", "hierarchical"}));
@@ -586,13 +586,13 @@ Config parse_config(const std::string& text, const std::string& origin,
           fmt::format("{}: [comm.compression] method: \"{}\" compresses fp32 gradients, but "
                       "precision.grads = \"{}\" (set it to \"fp32\")",
                       r.origin("method"), z.method, c.precision.grads));
-    // The compressors exchange whole buckets of the step's summed gradients; ZeRO-2 reduces
-    // each micro-batch's as its units finish and keeps no bucket whole.
-    if (z.method != "none" && c.parallel.zero == 2)
+    // The compressors exchange whole buckets of the step's summed gradients; ZeRO-2 and -3
+    // reduce each micro-batch's as its units finish and keep no bucket whole.
+    if (z.method != "none" && c.parallel.zero >= 2)
       throw ConfigError(fmt::format(
           "{}: [comm.compression] method: \"{}\" compresses the flat gradient buffer that "
-          "parallel.zero = 2 does not keep (use zero = 1 with compression)",
-          r.origin("method"), z.method));
+          "parallel.zero = {} does not keep (use zero = 1 with compression)",
+          r.origin("method"), z.method, c.parallel.zero));
   }
   {
     SectionReader r(root, "checkpoint", origin, origins);

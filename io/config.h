@@ -107,7 +107,8 @@ struct ParallelConfig {
   std::string order = "tp-pp-dp";  // fastest- to slowest-varying rank
   int micro_batches = 0;           // per step and pipeline; 0 = train.grad_accum
   // 1: shard the optimizer state across the data-parallel ranks (ZeRO-1); 2: and the gradients,
-  // reduce-scattered unit by unit in every backward, with no flat gradient buffer (ZeRO-2)
+  // reduce-scattered unit by unit in every backward, with no flat gradient buffer (ZeRO-2); 3:
+  // and the parameters, each unit's gathered just before it runs (ZeRO-3, FSDP)
   int zero = 0;
   double bucket_mb = 25;           // gradient all-reduce bucket size
   bool overlap = true;             // reduce buckets while backward goes on

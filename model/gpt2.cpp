@@ -108,7 +108,9 @@ class Gpt2 final : public ModelDefinition {
     k.layernorm_forward(a[ln1], a[ln1_mean], a[ln1_rstd], x, P(c, w.ln1_w), P(c, w.ln1_b), BT, C_);
     c.tp.copy_forward(a[ln1], BT * C_);
     k.matmul_forward(qkv_rows, a[ln1], P(c, w.qkv_w), P(c, w.qkv_b), BT, C_, 3 * Cl_);
+    c.tick();  // collectives in flight (ZeRO-3's next unit) progress between kernels
     attention(c, a[atty], a[att], a[qkv], Cl_, NHl_, NHl_);
+    c.tick();
     k.matmul_forward(a[res2], a[atty], P(c, w.proj_w), row_bias(c, w.proj_b), BT, Cl_, C_);
     c.tp.reduce_forward(a[res2], BT * C_);
     dropout(c, a[res2], BT * C_, attn_site(l));
@@ -116,6 +118,7 @@ class Gpt2 final : public ModelDefinition {
                                  P(c, w.ln2_w), P(c, w.ln2_b), BT, C_);
     c.tp.copy_forward(a[ln2], BT * C_);
     k.matmul_gelu_forward(a[fch], a[fch_gelu], a[ln2], P(c, w.fc_w), P(c, w.fc_b), BT, C_, 4 * Cl_);
+    c.tick();
     k.matmul_forward(out, a[fch_gelu], P(c, w.fcproj_w), row_bias(c, w.fcproj_b), BT, 4 * Cl_, C_);
     c.tp.reduce_forward(out, BT * C_);
     dropout(c, out, BT * C_, mlp_site(l));

@@ -1,6 +1,7 @@
 #pragma once
 // Gradient units and windows: ZeRO-2's protocol between the stage executor, which writes
-// gradients, and the data-parallel reducer, which reduce-scatters them.
+// gradients, and the data-parallel reducer, which reduce-scatters them; and ZeRO-3's, by which
+// the executor borrows each unit's parameters, gathered, just before it runs.
 //
 // A backward finishes the gradients of one unit at a time: the final norm and head after the
 // blocks first, then each block from the last to the first, then the embeddings ahead of them.
@@ -43,6 +44,25 @@ class GradientWindows {
   // Unit u's gradients of this backward are final in the buffer open(u) gave; `layers_left`:
   // how many of the stage's blocks have not started their backward yet.
   virtual void close(int u, int layers_left) = 0;
+};
+
+// What the executor asks of whoever gathers ZeRO-3's parameters. Each rank keeps only its
+// pieces of the parameters; a unit's are all-gathered into a window just before the unit runs
+// (forward, recomputation, backward, inference) and the window may be reused once it is closed.
+// The held units' parameters stay whole for the whole step, as their gradients do.
+class ParamWindows {
+ public:
+  virtual ~ParamWindows() = default;
+  // Unit u's parameters, whole (units[u].elems() elements), until close(u): waited for here if
+  // their gathering has not finished.
+  virtual DPtr open(int u) = 0;
+  virtual void close(int u) = 0;
+  // Unit u is the next to be opened: start gathering it now if a window is free, so that it
+  // arrives while the current unit computes.
+  virtual void prefetch(int u) = 0;
+  // Drives the gathers in flight (between kernels: a non-blocking collective progresses only
+  // inside calls of the communication library).
+  virtual void progress() = 0;
 };
 
 }  // namespace trainer

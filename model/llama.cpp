@@ -102,8 +102,10 @@ class Llama final : public ModelDefinition {
     k.rmsnorm_forward(a[attn_norm], a[attn_rstd], x, P(c, w.attn_norm), BT, C_, eps_);
     c.tp.copy_forward(a[attn_norm], BT * C_);
     k.matmul_forward(qkv_rows, a[attn_norm], P(c, w.wqkv), DPtr{}, BT, C_, QKVl_);
+    c.tick();  // collectives in flight (ZeRO-3's next unit) progress between kernels
     k.rope_forward(qkv_rows, rope_, c.B, c.T, NHl_, NKVl_, hs_, c.pos0);
     attention(c, a[atty], a[att], a[qkv], Cl_, NHl_, NKVl_);
+    c.tick();
     k.matmul_forward(a[res2], a[atty], P(c, w.wo), DPtr{}, BT, Cl_, C_);
     c.tp.reduce_forward(a[res2], BT * C_);
     k.residual_rmsnorm_forward(a[res2], a[ffn_norm], a[ffn_rstd], a[res2], x, P(c, w.ffn_norm), BT,
@@ -111,6 +113,7 @@ class Llama final : public ModelDefinition {
     c.tp.copy_forward(a[ffn_norm], BT * C_);
     k.matmul_forward(a[gate_up], a[ffn_norm], P(c, w.w13), DPtr{}, BT, C_, 2 * Fl_);
     k.swiglu_forward(a[swi], a[gate_up], BT, Fl_);
+    c.tick();
     k.matmul_forward(out, a[swi], P(c, w.w2), DPtr{}, BT, Fl_, C_);
     c.tp.reduce_forward(out, BT * C_);
     k.residual_forward(out, out, a[res2], BT * C_);

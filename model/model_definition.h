@@ -36,25 +36,35 @@ struct ActSpec {
   bool kv_cache = false;
 };
 
-// Where gradients of a range of flat offsets live: `at` holds those of [begin, end).
-struct GradSpan {
+// Where the parameters or gradients of a range of flat offsets live: `at` holds [begin, end).
+struct FlatSpan {
   DPtr at;
   int64_t begin = 0, end = 0;
   bool holds(int64_t offset) const { return offset >= begin && offset < end; }
+  // The element at `offset` of whichever of `a` and `b` holds it (`what` names it otherwise).
+  static DPtr find(const FlatSpan& a, const FlatSpan& b, int64_t offset, const char* what) {
+    const FlatSpan& s = b.holds(offset) ? b : a;
+    if (!s.holds(offset)) throw std::logic_error(what);
+    return s.at + (offset - s.begin);
+  }
 };
 
 // What one call of a definition sees.
 struct LayerCall {
   Kernels& k;
   const TensorParallel& tp;
-  DPtr params;  // the shard's flat buffer (parameter table offsets)
-  // Where parameter gradients accumulate: the flat gradient buffer, or under ZeRO-2 the window
-  // of the unit being run (model/grad_units.h) and the gradients held for the whole step.
-  GradSpan grads, held;
+  // Where the parameters are (parameter table offsets): the shard's flat buffer, or under
+  // ZeRO-3 the window the unit being run was gathered into (model/grad_units.h) and the
+  // parameters held for the whole step.
+  FlatSpan params, held_params;
+  DPtr param(int64_t offset) const {
+    return FlatSpan::find(params, held_params, offset, "a parameter read outside its unit");
+  }
+  // Where parameter gradients accumulate: the flat gradient buffer, or under ZeRO-2 and -3 the
+  // window of the unit being run and the gradients held for the whole step.
+  FlatSpan grads, held;
   DPtr grad(int64_t offset) const {
-    const GradSpan& s = held.holds(offset) ? held : grads;
-    if (!s.holds(offset)) throw std::logic_error("a gradient written outside its unit's window");
-    return s.at + (offset - s.begin);
+    return FlatSpan::find(grads, held, offset, "a gradient written outside its unit's window");
   }
   int B = 0, T = 0;
   // Inference with a key/value cache (one sequence): the T tokens are at positions
@@ -68,8 +78,8 @@ struct LayerCall {
   uint64_t dropout_key = 0;
   const DPtr* acts = nullptr;     // the layer's (or the head's) activations, in declared order
   const DPtr* scratch = nullptr;  // backward scratch shared by all layers, in declared order
-  // Backward calls it between kernels, so that collectives already in flight (the data-parallel
-  // reducer's buckets) make progress while backward goes on.
+  // Blocks call it between kernels, so that collectives already in flight (the data-parallel
+  // reducer's buckets in backward, ZeRO-3's next unit's parameters) make progress meanwhile.
   const std::function<void()>* progress = nullptr;
   void tick() const {
     if (progress && *progress) (*progress)();
@@ -123,7 +133,7 @@ class ModelDefinition {
   virtual void head_backward(const LayerCall& c, DPtr x, DPtr dlogits, DPtr dx) const = 0;
 
  protected:
-  DPtr P(const LayerCall& c, const ParamInfo* p) const { return p ? c.params + p->offset : DPtr{}; }
+  DPtr P(const LayerCall& c, const ParamInfo* p) const { return p ? c.param(p->offset) : DPtr{}; }
   DPtr G(const LayerCall& c, const ParamInfo* p) const { return p ? c.grad(p->offset) : DPtr{}; }
   // Causal self-attention of a block, for training or (c.inference) over the key/value cache
   // that `qkv`, the layer's full-length activation, holds: the new tokens' q, k and v are

@@ -130,8 +130,9 @@ StageExecutor::Memory StageExecutor::memory_needed(const ModelConfig& cfg, DType
   const int64_t total = def->table().total;
   const Plan p = plan(*def, max_B, max_T, o, keeps_probs);
   const int64_t stats_bytes = dtype_size(is_half(dtype) ? DType::f32 : dtype);
-  const int64_t grads = o.windowed_grads ? held_end(trainer::grad_units(def->table())) : total;
-  return {total * int64_t(dtype_size(dtype)),
+  const int64_t held = held_end(trainer::grad_units(def->table()));
+  const int64_t grads = o.windowed_grads ? held : total;
+  return {(o.windowed_params ? held : total) * int64_t(dtype_size(dtype)),
           grads * int64_t(dtype_size(o.grad_dtype ? *o.grad_dtype : dtype)),
           p.acts * int64_t(dtype_size(dtype)), p.stats * stats_bytes};
 }
@@ -155,12 +156,18 @@ StageExecutor::StageExecutor(const ModelConfig& cfg, Kernels& kernels, DType dty
     throw std::invalid_argument("the tensor-parallel group does not match the shard");
   tp_ = o.tp;
   recompute_layers_ = recomputed_layers(o, layers_);
-  params_ = k_.alloc(table().total, dtype);
   units_ = trainer::grad_units(table());
+  windowed_params_ = o.windowed_params;
+  params_elems_ = windowed_params_ ? held_end(units_) : table().total;
+  params_ = params_elems_ > 0 ? k_.alloc(params_elems_, dtype) : DPtr{nullptr, dtype, false};
   windowed_ = o.windowed_grads;
   grads_elems_ = windowed_ ? held_end(units_) : table().total;
   grads_ = grads_elems_ > 0 ? k_.alloc(grads_elems_, grad_dtype_)
                             : DPtr{nullptr, grad_dtype_, params_.device};  // typed, holding none
+  if (windowed_params_)
+    forward_progress_ = [this] {
+      if (param_windows_) param_windows_->progress();
+    };
   const Plan p = plan(*def_, max_B, max_T, o, keeps_probs_);
   acts_ = k_.alloc(p.acts, dtype);
   stats_ = k_.alloc(p.stats, stats_dtype_);
@@ -198,6 +205,7 @@ StageExecutor::StageExecutor(const ModelConfig& cfg, Kernels& kernels, DType dty
   const int64_t blocks_end = layers_ > 0 ? layer_frontier_.back() : -1;
   for (const ParamInfo& p : table().params)
     if (p.layer < 0 && p.offset > blocks_end) head_frontier_ = std::min(head_frontier_, p.offset);
+  first_block_unit_ = layers_ > 0 && units_.front().begin < layer_frontier_.front() ? 1 : 0;
   have_probs_.assign(slots_, 0);
   dropout_keys_.assign(slots_, 0);
   tokens_.assign(slots_, std::vector<int32_t>(size_t(max_B) * max_T));
@@ -206,25 +214,28 @@ StageExecutor::StageExecutor(const ModelConfig& cfg, Kernels& kernels, DType dty
 
 StageExecutor::~StageExecutor() {
   def_->release(k_);
-  k_.free(params_);
+  if (params_) k_.free(params_);
   if (grads_) k_.free(grads_);
   k_.free(acts_);
   k_.free(stats_);
 }
 
-void StageExecutor::init_parameters(uint64_t seed, DPtr into) {
-  for (const auto& p : table().params) {
-    std::vector<double> values(p.local_numel());
-    const uint64_t stream = hash_name(p.name);
-    if (p.kind == ParamKind::norm) {
-      std::fill(values.begin(), values.end(), 1.0);
-    } else if (p.kind != ParamKind::bias) {
+std::vector<double> StageExecutor::initial_values(uint64_t seed, const ParamInfo& p, int64_t begin,
+                                                  int64_t end) const {
+  std::vector<double> values(end - begin);
+  const uint64_t stream = hash_name(p.name);
+  if (p.kind == ParamKind::norm) {
+    std::fill(values.begin(), values.end(), 1.0);
+  } else if (p.kind != ParamKind::bias) {
 #pragma omp parallel for schedule(static)
-      for (int64_t i = 0; i < int64_t(values.size()); i++)
-        values[i] = p.init_std * normal_at(seed, stream, p.logical_index(i));
-    }
-    write(p, into, values);
+    for (int64_t i = 0; i < int64_t(values.size()); i++)
+      values[i] = p.init_std * normal_at(seed, stream, p.logical_index(begin + i));
   }
+  return values;
+}
+
+void StageExecutor::init_parameters(uint64_t seed, DPtr into) {
+  for (const auto& p : table().params) write(p, into, initial_values(seed, p, 0, p.local_numel()));
 }
 
 // Host values in H to and from a buffer of any dtype, through a temporary in H's dtype.
@@ -291,8 +302,16 @@ void StageExecutor::train_mode(uint64_t step_key, int first, int stride) {
 }
 
 LayerCall StageExecutor::call(int slot, int B, int T, const DPtr* acts) const {
-  const GradSpan all{grads_, 0, grads_elems_};
-  LayerCall c{k_, tp_, params_, windowed_ ? GradSpan{} : all, windowed_ ? all : GradSpan{}, B, T};
+  const FlatSpan params{params_, 0, params_elems_}, grads{grads_, 0, grads_elems_};
+  LayerCall c{k_,
+              tp_,
+              windowed_params_ ? FlatSpan{} : params,
+              windowed_params_ ? params : FlatSpan{},
+              windowed_ ? FlatSpan{} : grads,
+              windowed_ ? grads : FlatSpan{},
+              B,
+              T};
+  if (windowed_params_) c.progress = &forward_progress_;  // backward sets its own
   c.inference = inference_;
   c.pos0 = pos0_;
   c.dropout_key = dropout_keys_[slot];
@@ -323,18 +342,28 @@ void StageExecutor::run_layers_forward(int slot, int B, int T, bool inference, i
   const SlotViews& v = views_[slot];
   const ModelShard& sh = shard();
   DPtr x = v.input;
-  if (sh.first_stage()) def_->embed_forward(call(slot, B, T, nullptr), x, tokens_[slot].data());
+  const int tail = int(units_.size()) - 1;  // the final norm and head (last stage)
+  if (sh.first_stage()) {
+    def_->embed_forward(open_params(call(slot, B, T, nullptr), 0, 1), x, tokens_[slot].data());
+    close_params(0);
+  }
   for (int l = sh.first_layer; l < sh.end_layer; l++) {
     const int local = l - sh.first_layer;
     for (auto& h : layer_hooks_)
       if (h.before_forward) h.before_forward(slot, l);
     const DPtr* acts = inference ? inference_layers_[local].data() : v.layers[local].data();
-    def_->layer_forward(call(slot, B, T, acts), l, x, v.outputs[local]);
+    def_->layer_forward(open_params(call(slot, B, T, acts), block_unit(local), 1), l, x,
+                        v.outputs[local]);
+    close_params(block_unit(local));
     for (auto& h : layer_hooks_)
       if (h.after_forward) h.after_forward(slot, l);
     x = v.outputs[local];
   }
-  if (sh.last_stage()) def_->head_forward(call(slot, B, T, v.head.data()), x, v.logits);
+  if (sh.last_stage()) {
+    // A backward follows, from the head back: the next unit needed is the last block's.
+    def_->head_forward(open_params(call(slot, B, T, v.head.data()), tail, -1), x, v.logits);
+    close_params(tail);
+  }
   inference_ = false;
   pos0_ = 0;
 }
@@ -369,6 +398,22 @@ void StageExecutor::infer(const int32_t* tokens, int T, int pos0) {
   run_layers_forward(0, 1, T, true, pos0);
 }
 
+LayerCall StageExecutor::open_params(LayerCall c, int u, int direction) const {
+  if (!windowed_params_) return c;
+  if (!param_windows_) throw std::logic_error("windowed parameters without windows");
+  if (!units_[u].held) c.params = {param_windows_->open(u), units_[u].begin, units_[u].end};
+  for (int next = u + direction; next >= 0 && next < int(units_.size()); next += direction)
+    if (!units_[next].held) {
+      param_windows_->prefetch(next);
+      break;
+    }
+  return c;
+}
+
+void StageExecutor::close_params(int u) const {
+  if (windowed_params_ && !units_[u].held) param_windows_->close(u);
+}
+
 LayerCall StageExecutor::open_unit(LayerCall c, int u) const {
   if (!windowed_ || units_[u].held) return c;
   if (!windows_) throw std::logic_error("windowed gradients without windows");
@@ -392,6 +437,7 @@ void StageExecutor::backward(int slot, float loss_scale) {
   int layers_left = end - first;
   const std::function<void()> progress = [&] {
     if (grads_ready_) grads_ready_(frontier, layers_left);
+    if (param_windows_) param_windows_->progress();
   };
   auto with_progress = [&](LayerCall c) {
     c.progress = &progress;
@@ -406,25 +452,25 @@ void StageExecutor::backward(int slot, float loss_scale) {
     k_.crossentropy_backward(v.logits, targets_[slot].data(), loss_scale / float(BT), BT,
                              def_->vocab());
     const int tail = int(units_.size()) - 1;  // the final norm and head
-    def_->head_backward(open_unit(with_progress(call(slot, B, T, v.head.data())), tail), x_last,
-                        v.logits, d_res_);
+    const LayerCall c = open_params(with_progress(call(slot, B, T, v.head.data())), tail, -1);
+    def_->head_backward(open_unit(c, tail), x_last, v.logits, d_res_);
+    close_params(tail);
     close_unit(tail, end - first);
     frontier = head_frontier_;
     progress();
   }  // else d_res holds the output's gradient, received from the next stage
-  // Block l's gradient unit: after the embeddings' on the first stage, or the tied copy's.
-  const int first_block_unit = units_.front().begin < layer_frontier_.front() ? 1 : 0;
   for (int l = end - 1; l >= first; l--) {
     const int local = l - first;
     layers_left = local;  // this one has started
     for (auto& h : layer_hooks_)
       if (h.before_backward) h.before_backward(slot, l);
     const DPtr x = l == first ? v.input : v.outputs[local - 1];
-    if (recomputed(local))  // driving collectives in flight, as the backward does
-      recompute(with_progress(call(slot, B, T, v.layers[local].data())), local, x);
-    const int unit = first_block_unit + local;
-    def_->layer_backward(open_unit(with_progress(call(slot, B, T, v.layers[local].data())), unit),
-                         l, x, d_res_);
+    const int unit = block_unit(local);
+    const LayerCall c =
+        open_params(with_progress(call(slot, B, T, v.layers[local].data())), unit, -1);
+    if (recomputed(local)) recompute(c, local, x);  // driving collectives in flight, as backward
+    def_->layer_backward(open_unit(c, unit), l, x, d_res_);
+    close_params(unit);
     close_unit(unit, local);
     frontier = layer_frontier_[local];
     progress();
@@ -432,7 +478,9 @@ void StageExecutor::backward(int slot, float loss_scale) {
       if (h.after_backward) h.after_backward(slot, l);
   }
   if (sh.first_stage()) {
-    def_->embed_backward(open_unit(call(slot, B, T, nullptr), 0), d_res_, tokens_[slot].data());
+    def_->embed_backward(open_unit(open_params(call(slot, B, T, nullptr), 0, -1), 0), d_res_,
+                         tokens_[slot].data());
+    close_params(0);
     close_unit(0, 0);
   }
 }

@@ -62,6 +62,10 @@ struct StageOptions {
   // (model/grad_units.h) lent by set_gradient_windows(), and grads() holds only the units held
   // for the whole step. The table's units should be aligned (total_multiple) to the shards.
   bool windowed_grads = false;
+  // ZeRO-3 (with windowed_grads): no flat parameter buffer either; each unit's parameters are
+  // borrowed, gathered, from set_param_windows() just before the unit runs, and params() holds
+  // only the held units'.
+  bool windowed_params = false;
 };
 
 class StageExecutor {
@@ -91,7 +95,10 @@ class StageExecutor {
   Kernels& kernels() const { return k_; }
   VocabSlice vocab() const { return def_->vocab(); }  // the vocabulary rows this rank holds
 
-  DPtr params() const { return params_; }  // flat (table().total)
+  // Flat (table().total); with windowed parameters only the held units' (as grads()).
+  DPtr params() const { return params_; }
+  int64_t params_elems() const { return params_elems_; }
+  bool windowed_params() const { return windowed_params_; }
   // Flat, same offsets; with windowed gradients only the held units' (from offset 0 to the
   // end of the last held unit; null when none is held).
   DPtr grads() const { return grads_; }
@@ -101,7 +108,15 @@ class StageExecutor {
   // (windowed gradients only; before the first backward).
   const std::vector<GradUnit>& grad_units() const { return units_; }
   void set_gradient_windows(GradientWindows* windows) { windows_ = windows; }
-  DPtr param(const ParamInfo& p) const { return params_ + p.offset; }
+  // Who gathers the parameters into windows (windowed parameters only; before the first
+  // forward).
+  void set_param_windows(ParamWindows* windows) { param_windows_ = windows; }
+  // A parameter in params(): with windowed parameters, of a held unit only.
+  DPtr param(const ParamInfo& p) const {
+    if (p.offset + p.numel > params_elems_)
+      throw std::logic_error(p.name + ": it is gathered into a window, not in params()");
+    return params_ + p.offset;
+  }
   // A parameter's gradient in grads(): with windowed gradients, of a held unit only.
   DPtr grad(const ParamInfo& p) const {
     if (p.offset + p.numel > grads_elems_)
@@ -114,6 +129,9 @@ class StageExecutor {
   void init_parameters(uint64_t seed) { init_parameters(seed, params_); }
   // The same values into another buffer laid out like params() (fp32 master weights, say).
   void init_parameters(uint64_t seed, DPtr into);
+  // This rank's initial values of one parameter's local elements [begin, end) (local order).
+  std::vector<double> initial_values(uint64_t seed, const ParamInfo& p, int64_t begin,
+                                     int64_t end) const;
 
   // This rank's real elements of a parameter (padding excluded, ParamInfo::local_shape) to and
   // from host fp32 or fp64.
@@ -182,10 +200,17 @@ class StageExecutor {
   static Plan plan(const ModelDefinition& def, int max_B, int max_T, const StageOptions& o,
                    bool keeps_probs);
   LayerCall call(int slot, int B, int T, const DPtr* acts) const;
+  // Unit u's parameters from a window (windowed parameters, unit not held), the next unit in
+  // the direction of travel (+1 forward, -1 backward) prefetched: `c` with them;
+  // close_params() hands the window back.
+  LayerCall open_params(LayerCall c, int u, int direction) const;
+  void close_params(int u) const;
   // Unit u's gradients of this backward go to a window (windowed gradients, unit not held):
   // `c` with them, and close_unit() hands the window back.
   LayerCall open_unit(LayerCall c, int u) const;
   void close_unit(int u, int layers_left) const;
+  // The unit of the stage's local block `local`.
+  int block_unit(int local) const { return first_block_unit_ + local; }
   bool recomputed(int local_layer) const { return local_layer < recompute_layers_; }
   // Remakes what block `local` did not keep of the forward of the micro-batch `c` is for.
   void recompute(const LayerCall& c, int local, DPtr x);
@@ -220,10 +245,14 @@ class StageExecutor {
   std::vector<LayerHooks> layer_hooks_;
 
   DPtr params_, grads_;
-  int64_t grads_elems_ = 0;
-  bool windowed_ = false;
+  int64_t params_elems_ = 0, grads_elems_ = 0;
+  bool windowed_ = false, windowed_params_ = false;
   std::vector<GradUnit> units_;
+  int first_block_unit_ = 0;  // after the embeddings' unit on the first stage, or the tied copy's
   GradientWindows* windows_ = nullptr;
+  ParamWindows* param_windows_ = nullptr;
+  // Drives the parameter gathers in flight between the kernels of a forward.
+  std::function<void()> forward_progress_;
   DPtr acts_;   // one slab for all activations and backward scratch
   DPtr stats_;  // one slab for the per-row statistics
   // Views into the slabs, by slot: the stage's input, each layer's output and activations, the

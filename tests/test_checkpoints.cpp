@@ -72,11 +72,13 @@ void Resume::expect_bitwise_and_reshards(const std::string& model, const ModelCo
     EXPECT_EQ(a.attr_doubles("recent_losses"), b.attr_doubles("recent_losses"));
     EXPECT_EQ(a.attr_doubles("recent_norms"), b.attr_doubles("recent_norms"));
   }
-  // Other layouts with the same global batch of 8 sequences.
+  // Other layouts with the same global batch of 8 sequences (ZeRO-3's pieces among them, from
+  // a checkpoint of any stage).
   const std::vector<std::pair<int, std::string>> layouts = {
       {4, "--set parallel.dp=2 --set parallel.tp=2 --set train.grad_accum=2 "},
       {4, "--set parallel.tp=2 --set parallel.pp=2 --set train.grad_accum=4 "},
-      {1, "--set train.grad_accum=4 "}};
+      {1, "--set train.grad_accum=4 "},
+      {2, "--set parallel.dp=2 --set parallel.zero=3 --set train.grad_accum=2 "}};
   const auto f = steps_of(path("full/metrics.jsonl"));
   int n = 0;
   for (const auto& [ranks, layout] : layouts) {
@@ -98,6 +100,11 @@ TEST_F(Resume, IsBitwiseAndReshards) {
 // ZeRO-2's shards (gradient units, a tied embedding's held) checkpoint and reshard the same way.
 TEST_F(Resume, ZeroTwoIsBitwiseAndReshards) {
   expect_bitwise_and_reshards("", cli_model(), 2);
+}
+
+// ZeRO-3's (parameters in pieces, gathered unit by unit) too.
+TEST_F(Resume, ZeroThreeIsBitwiseAndReshards) {
+  expect_bitwise_and_reshards("", cli_model(), 3);
 }
 
 // GPT-2 with dropout: its masks are a function of (seed, step, sample), so they resume and
@@ -320,7 +327,7 @@ TEST_F(MpiCli, ResumeRestoresCompressionState) {
 }
 
 // A 16-bit run checkpoints its fp32 master weights (with the moments) and resumes from them bit
-// for bit, here bf16 with stochastic rounding under dp 2 with ZeRO-1 and with ZeRO-2.
+// for bit, here bf16 with stochastic rounding under dp 2 with ZeRO-1, -2 and -3.
 class Bf16Resume : public MpiCli, public ::testing::WithParamInterface<int> {};
 
 TEST_P(Bf16Resume, BitForBitFromItsMasterWeights) {
@@ -342,7 +349,7 @@ TEST_P(Bf16Resume, BitForBitFromItsMasterWeights) {
                       path("resumed/checkpoints/step_00000012/state.h5"));
 }
 
-INSTANTIATE_TEST_SUITE_P(Zero, Bf16Resume, ::testing::Values(1, 2),
+INSTANTIATE_TEST_SUITE_P(Zero, Bf16Resume, ::testing::Values(1, 2, 3),
                          [](const auto& info) { return "zero" + std::to_string(info.param); });
 
 }  // namespace

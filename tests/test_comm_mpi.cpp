@@ -15,6 +15,7 @@
 #include "comm/compression.h"
 #include "comm/grad_reducer.h"
 #include "comm/parallel_dims.h"
+#include "comm/param_gatherer.h"
 #include "comm/staged_comm.h"
 #include "io/compressed_shard.h"
 #include "io/dataset.h"
@@ -294,6 +295,88 @@ TEST(Mpi, ZeroTwoReducesEachWindowIntoTheShard) {
     }
     k->free(held);
     k->free(params);
+  }
+}
+
+// ZeRO-3: each rank holds its pieces of the parameters (the reducer's shard layout); a unit
+// opened is whole in its window, flat and hierarchically, whether it was prefetched, kept from
+// an earlier open, or gathered on demand; with three windows, the least recently used free one
+// is reused, and a unit still open is never overwritten. refresh() gathers the held unit whole
+// and forgets the windows (their parameters are stale after an update).
+TEST(Mpi, ZeroThreeGathersEachUnitIntoItsWindow) {
+  World& w = *g_world;
+  Communicator& c = w.comm();
+  const int r = c.rank(), P = c.size();
+  const int64_t U = 16 * P;
+  auto k = make_cpu_kernels();
+  auto intra = w.group(r < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3});
+  auto inter = w.group(r % 2 == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3});
+  const std::vector<GradUnit> units = {{0, 4 * U, true},        {4 * U, 7 * U, false},
+                                       {7 * U, 9 * U, false},   {9 * U, 14 * U, false},
+                                       {14 * U, 15 * U, false}, {15 * U, 18 * U, false}};
+  const int64_t total = 18 * U;
+  for (bool hierarchical : {false, true}) {
+    SCOPED_TRACE(testing::Message() << "hierarchical " << hierarchical);
+    DPtr held = k->alloc(4 * U, DType::f32);
+    ParamGatherer g(*k, held, DType::f32, units, c, hierarchical ? intra.get() : nullptr,
+                    hierarchical ? inter.get() : nullptr);
+    ASSERT_EQ(g.shard_elems(), total / P);
+    ASSERT_EQ(g.window_elems(), 5 * U);
+    // This rank's pieces, where the reducer puts them: each unit's, by the rank's piece index.
+    ReducerOptions o;
+    o.shard = true;
+    o.units = units;
+    GradReducer reducer(*k, held, held, total, c, hierarchical ? intra.get() : nullptr,
+                        hierarchical ? inter.get() : nullptr, o);
+    for (int version : {1, 2}) {
+      auto value = [&](int64_t i) { return float(i * 3 + version * 1000); };
+      std::vector<float> shard(g.shard_elems());
+      for (const auto& piece : reducer.pieces())
+        for (int64_t i = 0; i < piece.count; i++)
+          shard[piece.shard_offset + i] = value(piece.offset + i);
+      k->copy_from_host(g.shard(), shard.data(), g.shard_elems());
+      g.refresh();
+      std::vector<float> h(4 * U);
+      k->copy_to_host(h.data(), held, 4 * U);
+      for (int64_t i = 0; i < 4 * U; i++) ASSERT_EQ(h[i], value(i)) << "held element " << i;
+      g.take_stats();
+      auto expect_whole = [&](int u, DPtr at) {
+        std::vector<float> x(units[u].elems());
+        k->copy_to_host(x.data(), at, units[u].elems());
+        for (int64_t i = 0; i < units[u].elems(); i++)
+          ASSERT_EQ(x[i], value(units[u].begin + i)) << "unit " << u << " element " << i;
+      };
+      // A forward and a backward, as the executor runs them.
+      for (int u = 1; u <= 5; u++) {
+        const DPtr at = g.open(u);
+        if (u < 5) g.prefetch(u + 1);
+        g.progress();
+        expect_whole(u, at);
+        g.close(u);
+      }
+      for (int u = 5; u >= 1; u--) {
+        const DPtr at = g.open(u);
+        if (u > 1) g.prefetch(u - 1);
+        expect_whole(u, at);
+        g.close(u);
+      }
+      // Forward: the first waited, four prefetched. Backward: 5, 4, 3 kept from the forward (3
+      // windows), 2 and 1 prefetched.
+      const ParamGatherer::Stats s = g.take_stats();
+      EXPECT_EQ(s.waited, 1);
+      EXPECT_EQ(s.ready, 9);
+      EXPECT_EQ(s.gathers, 7);
+      // Two open at once keep their windows; a third unit can still be gathered.
+      const DPtr a = g.open(1), b = g.open(2);
+      g.prefetch(3);
+      const DPtr d = g.open(4);
+      expect_whole(1, a);
+      expect_whole(2, b);
+      expect_whole(4, d);
+      for (int u : {1, 2, 4}) g.close(u);
+      EXPECT_THROW(g.close(4), std::logic_error);
+    }
+    k->free(held);
   }
 }
 

@@ -75,6 +75,37 @@ TEST_F(MpiCli, OverlapStartsBucketsWhileBackwardRuns) {
     }
 }
 
+// ZeRO-3 gathers each unit's parameters ahead of its use: of the 2 x accumulation x lent units
+// opened per step (each block and the head's unit, forward and backward; GPT-2's tied embedding
+// is held whole), at most the step's first waits for its gather to start; the others were
+// prefetched, or kept from the forward for the backward, which is why fewer gathers than opens
+// happen. Without prefetching, every gather would be waited for.
+TEST_F(MpiCli, ZeroThreeGathersTheNextUnitAhead) {
+  const std::string out = path("zero3");
+  const auto r = mpirun(2,
+                        "--set model.n_layer=4 --set train.steps=3 --set parallel.zero=3 "
+                        "--set train.grad_accum=2 --set run.out_dir=" +
+                            quoted(out));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const int lent = 4 + 1, opens = 2 * 2 * lent;
+  int steps = 0;
+  for (const auto& j : step_records(out)) {
+    steps++;
+    SCOPED_TRACE(j.dump());
+    const int gathers = j["param_gathers"], ready = j["param_ready"], waited = j["param_waited"];
+    EXPECT_EQ(ready + waited, opens);
+    EXPECT_LE(waited, 1);
+    EXPECT_GE(gathers, lent);  // each unit at least once after the update
+    EXPECT_LT(gathers, opens);
+  }
+  EXPECT_EQ(steps, 3);
+  // ZeRO 0-2 report none.
+  const auto z1 = mpirun(
+      2, "--set train.steps=1 --set parallel.zero=1 --set run.out_dir=" + quoted(path("zero1")));
+  ASSERT_EQ(z1.code, 0) << z1.output;
+  for (const auto& j : step_records(path("zero1"))) EXPECT_FALSE(j.contains("param_gathers"));
+}
+
 // data.prefetch = N: N batches ready ahead of every step (the loader's consumer holds one more).
 TEST_F(MpiCli, PrefetchKeepsThatManyBatchesReady) {
   for (int prefetch : {1, 3}) {

@@ -397,6 +397,116 @@ TEST(GradUnits, WindowedBackwardGivesTheFlatGradients) {
   }
 }
 
+// Windowed parameters (ZeRO-3's executor side): each unit's forward, recomputation, backward and
+// inference reads its parameters from the buffer open() lends, and only between open() and
+// close(): here a copy of the flat parameters that close() poisons with NaN. Loss, gradients
+// and inference logits are bit for bit the flat model's, for GPT-2 (its tied embedding held
+// whole, outside the windows) and Llama; the units are opened in order (forward ascending,
+// backward descending), each unit's (a held one's too) prefetching the next lent one.
+class CopyingParamWindows : public ParamWindows {
+ public:
+  CopyingParamWindows(const std::vector<GradUnit>& units, std::vector<float> flat)
+      : units_(units), flat_(std::move(flat)) {}
+  DPtr open(int u) override {
+    EXPECT_FALSE(buffers_.count(u)) << "unit " << u << " opened twice";
+    EXPECT_FALSE(units_[u].held) << "a held unit has no window";
+    opened.push_back(u);
+    std::vector<float>& b = buffers_[u];
+    b.assign(flat_.begin() + units_[u].begin, flat_.begin() + units_[u].end);
+    return host_ptr(b.data());
+  }
+  void close(int u) override {
+    ASSERT_TRUE(buffers_.count(u)) << "unit " << u << " closed without open";
+    std::fill(buffers_[u].begin(), buffers_[u].end(), NAN);  // read after close: NaN losses
+    closed_.push_back(std::move(buffers_[u]));  // kept allocated: a stale read stays defined
+    buffers_.erase(u);
+  }
+  void prefetch(int u) override { prefetched.push_back(u); }
+  void progress() override {}
+  std::vector<int> opened, prefetched;
+
+ private:
+  std::vector<GradUnit> units_;
+  std::vector<float> flat_;
+  std::map<int, std::vector<float>> buffers_;
+  std::vector<std::vector<float>> closed_;
+};
+
+TEST(GradUnits, WindowedParametersGiveTheFlatLossAndGradients) {
+  for (Arch arch : {Arch::gpt2, Arch::llama}) {
+    SCOPED_TRACE(arch_name(arch));
+    ModelConfig cfg = tiny(arch);
+    cfg.n_layer = 3;
+    const int B = 2, T = cfg.seq_len;
+    auto k = make_cpu_kernels();
+    const std::vector<int32_t> tokens = pseudo_tokens(B * T, cfg.vocab_size, 0),
+                               targets = pseudo_tokens(B * T, cfg.vocab_size, 1000);
+    StageOptions o;
+    o.recompute = Recompute::full;
+    o.recompute_layers = 1;
+    struct Result {
+      double loss;
+      std::vector<float> grads, logits;
+    };
+    auto run = [&](StageExecutor& model) {
+      model.zero_grad();
+      Result r;
+      r.loss = model.forward(tokens.data(), targets.data(), B, T);
+      model.backward(1.0f);
+      r.grads.resize(model.grads_elems());
+      k->copy_to_host(r.grads.data(), model.grads(), model.grads_elems());
+      model.infer(tokens.data(), 4, 0);
+      r.logits.resize(size_t(4) * model.vocab().width);
+      k->copy_to_host(r.logits.data(), model.logits(), int64_t(r.logits.size()));
+      return r;
+    };
+    StageExecutor flat(cfg, *k, DType::f32, B, T, o);
+    flat.init_parameters(7);
+    const Result want = run(flat);
+    std::vector<float> params(flat.table().total);
+    k->copy_to_host(params.data(), flat.params(), flat.table().total);
+
+    o.windowed_params = true;
+    StageExecutor windowed(cfg, *k, DType::f32, B, T, o);
+    const std::vector<GradUnit>& units = windowed.grad_units();
+    ASSERT_EQ(windowed.params_elems(), held_end(units));
+    for (const ParamInfo& p : windowed.table().params)  // the held units' stay whole
+      if (p.offset < windowed.params_elems())
+        windowed.write(p, windowed.params(), flat.read<float>(p, flat.params()));
+    EXPECT_THROW(windowed.param(windowed.table().params.back()), std::logic_error);
+    CopyingParamWindows windows(units, params);
+    windowed.set_param_windows(&windows);
+    const Result got = run(windowed);
+    EXPECT_EQ(got.loss, want.loss);
+    EXPECT_EQ(got.grads, want.grads);
+    EXPECT_EQ(got.logits, want.logits);
+    // Forward ascending, backward descending (a recomputed block's forward again inside its
+    // backward's window), then inference ascending; each open prefetches the next lent unit on
+    // its way, none past the ends.
+    std::vector<int> lent;
+    for (int u = 0; u < int(units.size()); u++)
+      if (!units[u].held) lent.push_back(u);
+    std::vector<int> order = lent, prefetched;
+    order.insert(order.end(), lent.rbegin(), lent.rend());
+    order.insert(order.end(), lent.begin(), lent.end());
+    const int n = int(units.size());
+    auto next_lent = [&](int u, int direction) {
+      for (int v = u + direction; v >= 0 && v < n; v += direction)
+        if (!units[v].held) return v;
+      return -1;
+    };
+    for (int pass : {1, -1, 1})  // forward, backward, inference
+      for (int i = 0; i < n; i++) {
+        const int u = pass > 0 ? i : n - 1 - i;
+        // The head's forward looks ahead to the backward, which starts from it.
+        const int direction = pass > 0 && u < n - 1 ? 1 : -1;
+        if (const int v = next_lent(u, direction); v >= 0) prefetched.push_back(v);
+      }
+    EXPECT_EQ(windows.opened, order);
+    EXPECT_EQ(windows.prefetched, prefetched);
+  }
+}
+
 // What each mode keeps, from the plan: selective drops the probabilities and the MLP activation
 // of every recomputed block but one, full everything but the block outputs; recompute_layers
 // limits it to the first blocks.

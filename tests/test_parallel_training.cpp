@@ -231,9 +231,10 @@ std::vector<Layout> layouts() {
   for (const Layout& l : base) {
     all.push_back(l);
     all.push_back({l.name + "_zero1", l.ranks, l.settings + " --set parallel.zero=1"});
-    // ZeRO-2 where there is data parallelism (its windows with tp and pp too).
+    // ZeRO-2 and -3 where there is data parallelism (their windows with tp and pp too).
     if (l.name.starts_with("dp"))
-      all.push_back({l.name + "_zero2", l.ranks, l.settings + " --set parallel.zero=2"});
+      for (const char* z : {"2", "3"})
+        all.push_back({l.name + "_zero" + z, l.ranks, l.settings + " --set parallel.zero=" + z});
   }
   // Hierarchical reduction, with two "nodes" of two ranks on this machine; small buckets so
   // that several are in flight; and the non-overlapped path.
@@ -246,6 +247,7 @@ std::vector<Layout> layouts() {
   all.push_back({"dp4_hierarchical", 4, dp4 + hier});
   all.push_back({"dp4_hierarchical_zero1", 4, dp4 + hier + " --set parallel.zero=1"});
   all.push_back({"dp4_hierarchical_zero2", 4, dp4 + hier + " --set parallel.zero=2"});
+  all.push_back({"dp4_hierarchical_zero3", 4, dp4 + hier + " --set parallel.zero=3"});
   all.push_back({"dp2_zero2_no_overlap", 2,
                  base[0].settings + " --set parallel.zero=2 --set parallel.overlap=false"});
   all.push_back({"dp2_no_overlap", 2, base[0].settings + " --set parallel.overlap=false"});
@@ -302,9 +304,9 @@ TEST_F(MpiCli, BadLayoutsEndEveryRankWithOneLine) {
 }
 
 TEST_F(MpiCli, BadInputOfOtherKindsUnderMpirun) {
-  auto r = mpirun(2, "--set parallel.zero=3");
+  auto r = mpirun(2, "--set parallel.zero=4");
   EXPECT_EQ(r.code, 2) << r.output;
-  EXPECT_EQ(count(r.output, "[parallel] zero: must be in [0, 2], found 3"), 1) << r.output;
+  EXPECT_EQ(count(r.output, "[parallel] zero: must be in [0, 3], found 4"), 1) << r.output;
   r = mpirun(2, "--set parallel.zero=2 --set comm.compression.method=\\\"int8\\\"");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_EQ(count(r.output,
@@ -345,16 +347,18 @@ TEST_F(MpiCli, ZeroOneShardsTheOptimizerState) {
 
 // ZeRO-2 keeps no flat gradient buffer: a rank's peak memory falls from ZeRO-1's by what the
 // plan says (the flat gradients, less the windows backward writes into; and MPI's reduction
-// temporaries, a whole buffer's against a window's), within 10%. A Llama of 16 blocks (untied:
-// no unit held) whose gradients are ~100 MB, at dp = 2; without overlap, where the plan's bound
-// on temporaries in flight is what happens (every bucket of ZeRO-1 started at once at the end).
-TEST_F(MpiCli, ZeroTwoSavesThePlannedGradientMemory) {
+// temporaries, a whole buffer's against a window's), within 10%; ZeRO-3 keeps no flat
+// parameter buffer either: it falls again by the parameters less this rank's pieces and the
+// windows they are gathered into. A Llama of 16 blocks (untied: no unit held) whose gradients
+// are ~100 MB, at dp = 2; without overlap, where the plan's bound on temporaries in flight is
+// what happens (every bucket of ZeRO-1 started at once at the end).
+TEST_F(MpiCli, ZeroTwoAndThreeSaveThePlannedMemory) {
   auto megabytes_after = [](const std::string& output, const std::string& what) {
     const size_t at = output.find(what);
     return at == std::string::npos ? -1.0 : std::stod(output.substr(at + what.size()));
   };
   std::vector<double> planned, measured, windows;
-  for (int zero : {1, 2}) {
+  for (int zero : {1, 2, 3}) {
     const auto r = mpirun(
         2,
         "--set parallel.dp=2 --set model.arch=\\\"llama\\\" --set model.seq_len=64 "
@@ -372,13 +376,15 @@ TEST_F(MpiCli, ZeroTwoSavesThePlannedGradientMemory) {
   }
   EXPECT_LT(windows[0], 0);  // ZeRO-1 has none
   EXPECT_GT(windows[1], 0);
-  const double want = planned[0] - planned[1], got = measured[0] - measured[1];
-  EXPECT_GT(want, 20);  // tens of MB: well above the RSS's noise
-  EXPECT_NEAR(got, want, 0.1 * want);
-  std::printf(
-      "[ zero 1 -> 2 ] planned %.1f -> %.1f MB (windows %.1f), peak RSS %.0f -> %.0f MB: saves "
-      "%.1f MB planned, %.1f MB measured\n",
-      planned[0], planned[1], windows[1], measured[0], measured[1], want, got);
+  for (int z : {1, 2}) {
+    const double want = planned[z - 1] - planned[z], got = measured[z - 1] - measured[z];
+    EXPECT_GT(want, 20);  // tens of MB: well above the RSS's noise
+    EXPECT_NEAR(got, want, 0.1 * want) << "zero " << z << " -> " << z + 1;
+    std::printf(
+        "[ zero %d -> %d ] planned %.1f -> %.1f MB, peak RSS %.0f -> %.0f MB: saves %.1f MB "
+        "planned, %.1f MB measured\n",
+        z, z + 1, planned[z - 1], planned[z], measured[z - 1], measured[z], want, got);
+  }
 }
 
 }  // namespace

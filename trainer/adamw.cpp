@@ -1,5 +1,8 @@
 #include "trainer/adamw.h"
 
+#include <algorithm>
+#include <stdexcept>
+
 #include "model/init.h"
 
 namespace trainer {
@@ -15,12 +18,15 @@ AdamW::AdamW(StageExecutor& model, const OptimConfig& cfg)
     : AdamW(model, cfg, whole_model(model, cfg), model.grads(), model.table().total) {}
 
 AdamW::AdamW(StageExecutor& model, const OptimConfig& cfg, std::vector<Segment> segments,
-             DPtr grads, int64_t state_elems)
+             DPtr grads, int64_t state_elems, DPtr shard_weights)
     : model_(model),
       cfg_(cfg),
       segments_(std::move(segments)),
       grads_(grads),
+      shard_weights_(shard_weights),
       state_elems_(state_elems) {
+  if (model.windowed_params() && !shard_weights)
+    throw std::invalid_argument("AdamW: a model without whole parameters needs shard weights");
   const DType state = is_half(model.dtype()) ? DType::f32 : model.dtype();
   m_ = model.kernels().alloc(state_elems, state);
   v_ = model.kernels().alloc(state_elems, state);
@@ -36,6 +42,23 @@ AdamW::~AdamW() {
 void AdamW::init_master(DPtr full) {
   for (const Segment& s : segments_)
     model_.kernels().convert(master_ + s.state_offset, full + s.offset, s.count, 0);
+}
+
+void AdamW::init_shard(uint64_t seed) {
+  Kernels& k = model_.kernels();
+  k.zero(shard_weights_, state_elems_);  // padding rows
+  if (master_) k.zero(master_, state_elems_);
+  for (const ParamInfo& p : model_.table().params)
+    for (const Segment& s : segments_) {  // a segment lies within one parameter
+      if (s.offset < p.offset || s.offset >= p.offset + p.numel) continue;
+      const int64_t begin = s.offset - p.offset, end = std::min(begin + s.count, p.local_numel());
+      if (end <= begin) continue;
+      const std::vector<double> values = model_.initial_values(seed, p, begin, end);
+      const std::vector<float> piece(values.begin(), values.end());
+      const int64_t n = end - begin;
+      k.upload_f32(shard_weights_ + s.state_offset, piece.data(), n);  // rounded when 16-bit
+      if (master_) k.upload_f32(master_ + s.state_offset, piece.data(), n);
+    }
 }
 
 float AdamW::weight_decay(const OptimConfig& cfg, const ParamInfo& p) {
@@ -62,7 +85,7 @@ void AdamW::update(float lr, float grad_scale, int64_t step) {
                    grad_scale};
     Kernels& k = model_.kernels();
     if (!master_) {
-      k.adamw_update(model_.params() + s.offset, grads_ + s.state_offset, m_ + s.state_offset,
+      k.adamw_update(weights_of(s), grads_ + s.state_offset, m_ + s.state_offset,
                      v_ + s.state_offset, s.count, args);
       continue;
     }
@@ -79,7 +102,7 @@ void AdamW::round_into_model(const Segment& s, int64_t step) {
       stochastic_seed_
           ? mix64(stochastic_seed_ ^ mix64(uint64_t(step) << 32 ^ uint64_t(s.offset))) | 1
           : 0;
-  model_.kernels().convert(model_.params() + s.offset, master_ + s.state_offset, s.count, seed);
+  model_.kernels().convert(weights_of(s), master_ + s.state_offset, s.count, seed);
 }
 
 void AdamW::round_master(int64_t step) {

@@ -311,7 +311,7 @@ Meta read_meta(const H5File& f, const std::string& file) {
   if (int64_t(l.dp) * l.tp * l.pp != l.world)
     bad("layout_world", std::to_string(l.world),
         fmt::format("layout_dp x layout_tp x layout_pp = {}", int64_t(l.dp) * l.tp * l.pp));
-  l.zero = int(integer("layout_zero", 0, 2));
+  l.zero = int(integer("layout_zero", 0, 3));
   l.order = f.attr_string("layout_order");
   {
     std::string parts = l.order;
@@ -423,8 +423,8 @@ void take_snapshot(const StageExecutor& model, const AdamW* optimizer, bool writ
   out.v.resize(optimizer ? total : 0);
   for (const Copy& c : copies) {
     const int64_t n = c.part.count, at = c.part.at;
-    if (optimizer && optimizer->master())  // the exact fp32 values of a 16-bit model
-      k.download_f32(out.params.data() + at, optimizer->master() + c.state, n);
+    if (optimizer && optimizer->state_weights())  // a 16-bit model's exact fp32, or ZeRO-3's
+      k.download_f32(out.params.data() + at, optimizer->state_weights() + c.state, n);
     else
       k.download_f32(out.params.data() + at, model.params() + c.flat, n);
     if (optimizer) {
@@ -845,10 +845,14 @@ void upload_state(Kernels& k, const AdamW& optimizer, const std::vector<float>& 
   k.upload_f32(state, host.data(), optimizer.state_elems());
 }
 
-// The weights into the model and, when it computes in 16 bits, the fp32 master.
+// The weights into the model (ZeRO-3: its held units, and this rank's shard of the rest) and,
+// when it computes in 16 bits, the fp32 master.
 void load_params(const TensorSource& source, StageExecutor& model, AdamW* optimizer) {
   const std::vector<float> params = read_local(source, model);
-  model.kernels().upload_f32(model.params(), params.data(), model.table().total);
+  if (model.params_elems() > 0)
+    model.kernels().upload_f32(model.params(), params.data(), model.params_elems());
+  if (optimizer && optimizer->shard_weights())
+    upload_state(model.kernels(), *optimizer, params, optimizer->shard_weights());
   if (optimizer && optimizer->master())
     upload_state(model.kernels(), *optimizer, params, optimizer->master());
 }

@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include "comm/grad_reducer.h"
+#include "comm/param_gatherer.h"
 #include "trainer/run.h"
 
 namespace trainer {
@@ -37,6 +38,11 @@ MemoryBudget memory_budget(const Config& cfg, const ParallelDims& dims, const Ra
     b.grad_windows =
         double(GradReducer::window_buffer_elems(units, dims.dp(), node_ranks, windows)) *
         dtype_size(*o.grad_dtype);
+  if (o.windowed_params) {
+    b.param_shard = owned * dtype_size(dtype);
+    b.param_windows = double(ParamGatherer::window_buffer_elems(units, ParamGatherer::kWindows)) *
+                      dtype_size(dtype);
+  }
   if (dims.dp() > 1 && cfg.run.device == "cpu") {
     // ZeRO-2: the windows' reductions and the held units' (started at the end of the step,
     // while the last backward's windows may still be in flight).
@@ -76,6 +82,7 @@ void check_memory(const Config& cfg, World& world, Kernels& kernels, const std::
   const StageExecutor::Memory& model = b.model;
   const double need = b.total(), optimizer = b.optimizer + b.grad_shard, snapshot = b.snapshot;
   const double grads = double(model.grads) + b.grad_windows;
+  const double weights = double(model.params) + b.param_shard + b.param_windows;
   const double have = available_bytes(kernels, world);
   if (have <= 0 || need <= have) return;
   const double GB = 1 << 30;
@@ -84,7 +91,7 @@ void check_memory(const Config& cfg, World& world, Kernels& kernels, const std::
       "{:.2f}, optimizer state {:.2f}, reduction temporaries {:.2f}, checkpoint copy {:.2f}) but "
       "{:.2f} GB is available to it ({}): lower train.micro_batch, or spread the model over more "
       "ranks (tp, pp, zero)",
-      origin, need / GB, world.rank(), double(model.params) / GB, grads / GB,
+      origin, need / GB, world.rank(), weights / GB, grads / GB,
       double(model.activations + model.stats) / GB, optimizer / GB, b.collectives / GB,
       snapshot / GB, have / GB,
       kernels.memory().reserved > 0

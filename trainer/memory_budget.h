@@ -20,7 +20,10 @@ struct MemoryBudget {
   StageExecutor::Memory model;
   double optimizer = 0;     // AdamW's moments and (16-bit models) fp32 master weights
   double grad_shard = 0;    // ZeRO-1 and -2: the reduced gradients of this rank's piece
-  double grad_windows = 0;  // ZeRO-2: the windows backward writes gradients into
+  double grad_windows = 0;  // ZeRO-2 and -3: the windows backward writes gradients into
+  // ZeRO-3: this rank's pieces of the compute weights (model.params holds only the held
+  // units'), and the windows each unit's are gathered into.
+  double param_shard = 0, param_windows = 0;
   // The temporaries of the data-parallel reductions in flight, at most: Open MPI's
   // non-blocking reduce-scatter and all-reduce allocate one as large as the buffer they reduce,
   // and the buckets of a flat buffer may all be in flight at once (finish() starts every one
@@ -29,7 +32,8 @@ struct MemoryBudget {
   double collectives = 0;
   double snapshot = 0;
   double total() const {
-    return double(model.total()) + optimizer + grad_shard + grad_windows + collectives + snapshot;
+    return double(model.total()) + optimizer + grad_shard + grad_windows + param_shard +
+           param_windows + collectives + snapshot;
   }
 };
 

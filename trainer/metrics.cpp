@@ -53,6 +53,11 @@ void MetricsLog::step(const StepStats& s, bool print) {
     j["backward_ms"] = s.backward_s * 1e3;
   }
   if (!s.bytes_by_group.empty()) j["bytes_sent_groups"] = s.bytes_by_group;
+  if (s.param_gathers >= 0) {
+    j["param_gathers"] = s.param_gathers;
+    j["param_ready"] = s.param_ready;
+    j["param_waited"] = s.param_waited;
+  }
   if (!s.bad.empty()) j["bad"] = s.bad;
   out_ << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
   out_.flush();

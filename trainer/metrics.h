@@ -40,6 +40,10 @@ struct StepStats {
   // Data-parallel buckets: how many, how many started while layers' backward was still to run
   // (overlap), and how many layers were still to run when the first one started (-1: after).
   int buckets = 0, buckets_overlapped = 0, first_bucket_layers_left = -1;
+  // ZeRO-3 (else -1): the units' parameters gathered in the step, the units the executor found
+  // gathered or on their way when it needed them (prefetched, or kept from the forward), and
+  // those it had to wait for from the start.
+  int64_t param_gathers = -1, param_ready = -1, param_waited = -1;
   // Gradient compression: what the compressed buckets would have sent as plain fp32, and the
   // time spent in them (encode, exchange, decode).
   int64_t bytes_uncompressed = 0;

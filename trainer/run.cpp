@@ -139,7 +139,9 @@ int64_t restore(Run& run, const std::string& file, bool report, int64_t samples)
   run.guard.restore(ts.recent_losses, ts.recent_norms);
   if (run.optimizer.master() && run.cfg.precision.stochastic_rounding) {
     run.optimizer.round_master(ts.step);  // the last update's rounding, not nearest-even
-    run.reducer.gather_params();          // ZeRO: the other ranks' pieces
+    run.gather_params();                  // ZeRO: the other ranks' pieces
+  } else if (run.gatherer) {
+    run.gatherer->refresh();  // the held units, and windows gathered afresh (after a rollback)
   }
   const Config& cfg = run.cfg;
   if (cfg.comm.compression.method != "none") {

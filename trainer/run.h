@@ -18,6 +18,7 @@
 
 #include "comm/grad_reducer.h"
 #include "comm/parallel_dims.h"
+#include "comm/param_gatherer.h"
 #include "comm/rank_groups.h"
 #include "io/config.h"
 #include "io/data_loader.h"
@@ -87,6 +88,7 @@ struct Run {
   Dataset val_data;
   StageExecutor model;
   GradReducer reducer;
+  std::unique_ptr<ParamGatherer> gatherer;  // ZeRO-3
   std::vector<Span> spans;  // what this rank updates and sums into the gradient norm
   // Of the spans, those this rank counts in the global gradient norm (each element once), as
   // ranges of the optimizer's gradient buffer: one fused sum per step.
@@ -128,7 +130,8 @@ struct Run {
     o.grad_dtype = c.precision.grads == "fp32" ? DType::f32 : compute_dtype(c.precision);
     o.recompute = parse_recompute(c.memory.recompute);
     o.recompute_layers = c.memory.recompute_layers;
-    o.windowed_grads = c.parallel.zero == 2;
+    o.windowed_grads = c.parallel.zero >= 2;
+    o.windowed_params = c.parallel.zero == 3;
     return o;
   }
 
@@ -138,7 +141,7 @@ struct Run {
     o.bucket_elems = int64_t(c.parallel.bucket_mb * (1 << 20) / dtype_size(model.grad_dtype()));
     o.overlap = c.parallel.overlap;
     o.shard = c.parallel.zero >= 1;
-    if (c.parallel.zero == 2) o.units = model.grad_units();
+    if (c.parallel.zero >= 2) o.units = model.grad_units();
     const CompressionConfig& z = c.comm.compression;
     o.compression = {z.method,         z.topk_ratio,   z.powersgd_rank,
                      z.error_feedback, z.warmup_steps, int64_t(z.min_bucket_kb * 1024 / 4),
@@ -253,11 +256,17 @@ struct Run {
               model_options(c, me, dims, groups.tp.get())),
         reducer(*kernels, model.grads(), model.params(), model.table().total, *groups.dp,
                 groups.intra.get(), groups.inter.get(), reducer_options(c, model)),
+        gatherer(c.parallel.zero == 3
+                     ? std::make_unique<ParamGatherer>(*kernels, model.params(), model.dtype(),
+                                                       model.grad_units(), *groups.dp,
+                                                       groups.intra.get(), groups.inter.get())
+                     : nullptr),
         spans(c.parallel.zero ? shard_spans(model.table(), reducer.pieces())
                               : whole_spans(model.table())),
         optimizer(model, c.optim, optimizer_segments(spans, c.optim),
                   c.parallel.zero ? reducer.shard_grads() : model.grads(),
-                  c.parallel.zero ? reducer.shard_elems() : model.table().total),
+                  c.parallel.zero ? reducer.shard_elems() : model.table().total,
+                  gatherer ? gatherer->shard() : DPtr{}),
         blend(fresh_blend(c)),
         pipe(model, *groups.pp, groups.tp.get(), schedule.max_accum(), c.train.micro_batch,
              c.model.seq_len, c.run.phase_timing),
@@ -274,9 +283,19 @@ struct Run {
     val_data.check_tokenizer(tokenizer->identity_hash(), named);
     // Backward reports the gradients it has finished; the reducer starts their buckets (ZeRO-2:
     // backward writes into the reducer's windows, and each closing one starts its unit's).
-    if (c.parallel.zero == 2) model.set_gradient_windows(&reducer);
+    if (c.parallel.zero >= 2) model.set_gradient_windows(&reducer);
+    if (gatherer) model.set_param_windows(gatherer.get());
     model.set_grads_ready_hook(
         [this](int64_t frontier, int layers_left) { reducer.ready(frontier, layers_left); });
+  }
+
+  // After the weights changed (an update, a restore): ZeRO-1 and -2 all-gather every updated
+  // piece; ZeRO-3 gathers its held units and lets the windows be gathered afresh.
+  void gather_params() {
+    if (gatherer)
+      gatherer->refresh();
+    else
+      reducer.gather_params();
   }
 
   bool replica_leader() const { return me.dp == 0; }
@@ -299,6 +318,13 @@ struct Run {
     if (groups.intra)
       v.insert(v.end(), {{"intra", groups.intra.get()}, {"inter", groups.inter.get()}});
     if (reducer.intra_gather()) v.push_back({"intra", reducer.intra_gather()});
+    if (gatherer) {  // ZeRO-3's gathers: the data-parallel group's traffic, flat or by node
+      const std::vector<Communicator*> g = gatherer->communicators();
+      if (g.size() == 1)
+        v.push_back({"dp", g[0]});
+      else
+        v.insert(v.end(), {{"intra", g[0]}, {"inter", g[1]}});
+    }
     v.push_back({"pp", groups.pp.get()});
     return v;
   }

@@ -68,11 +68,11 @@ std::string resume_file(const Config& cfg, bool report) {
 }
 
 // An overflow injected for tests (TRAINER_INJECT_INF): one infinite gradient on one rank, in
-// the flat buffer before the reduction spreads it, or under ZeRO-2 (which keeps none) in the
+// the flat buffer before the reduction spreads it, or under ZeRO-2 and -3 (which keep none) in the
 // rank's reduced shard, at an element the gradient norm counts.
 void inject_overflow(Run& run, int64_t step, bool reduced) {
   if (run.inject_inf.first != step || run.inject_inf.second != run.world.rank()) return;
-  if (reduced != (run.cfg.parallel.zero == 2)) return;
+  if (reduced != (run.cfg.parallel.zero >= 2)) return;
   const float inf = INFINITY;
   if (!reduced) return run.kernels->upload_f32(run.model.grads(), &inf, 1);
   if (!run.norm_ranges.empty())
@@ -96,6 +96,7 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
 
   run.model.zero_grad();
   run.reducer.start_step(step);
+  if (run.gatherer) run.gatherer->take_stats();  // evaluation's and sampling's gathers aside
   PipeTimes times;
   // Gradients of loss x scale (fp16), averaged over the micro-batches and data-parallel ranks.
   const double scale = run.scaler.scale();
@@ -126,6 +127,12 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   s.buckets = int(started.size());
   for (int layers_left : started) s.buckets_overlapped += layers_left > 0;
   s.first_bucket_layers_left = started.empty() ? -1 : started.front();
+  if (run.gatherer) {
+    const ParamGatherer::Stats g = run.gatherer->take_stats();
+    s.param_gathers = g.gathers;
+    s.param_ready = g.ready;
+    s.param_waited = g.waited;
+  }
 
   const auto t_opt = Clock::now();
   // The step's mean loss and squared gradient norm, summed over the world: each loss once per
@@ -157,7 +164,7 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
     const double max_norm = cfg.optim.max_grad_norm;
     const double clip = max_norm > 0 && s.grad_norm > max_norm ? max_norm / s.grad_norm : 1.0;
     run.optimizer.update(float(s.lr), float(clip / scale), step + 1);
-    run.reducer.gather_params();
+    run.gather_params();
   }
   run.kernels->synchronize();  // the update's kernels, on a GPU, have finished
   s.optimizer_s = seconds_since(t_opt);
@@ -228,10 +235,17 @@ void print_start(const Run& run) {
       "overlap {}, 1F1B bubble {:.1f}% ({} stages, {} micro-batches)\n",
       dims.dp(), dims.tp(), dims.pp(), cfg.parallel.order, cfg.parallel.zero,
       cfg.parallel.allreduce, run.reducer.buckets(),
-      cfg.parallel.zero == 2
+      cfg.parallel.zero >= 2
           ? fmt::format(
-                "(the gradient units, reduced in every micro-batch; {} windows of {:.3g} MB)",
-                run.reducer.windows(), double(run.reducer.bucket_bytes()) / (1 << 20))
+                "(the gradient units, reduced in every micro-batch; {} windows of {:.3g} MB{})",
+                run.reducer.windows(), double(run.reducer.bucket_bytes()) / (1 << 20),
+                run.gatherer ? fmt::format("; parameters gathered unit by unit into {} windows "
+                                           "of {:.3g} MB, the next unit prefetched",
+                                           run.gatherer->windows(),
+                                           double(run.gatherer->window_elems() *
+                                                  dtype_size(run.model.dtype())) /
+                                               (1 << 20))
+                             : "")
           : fmt::format("of {:.3g} MB", double(run.reducer.bucket_bytes()) / (1 << 20)),
       cfg.parallel.overlap ? "on" : "off", 100 * pipeline_bubble(dims.pp(), accum), dims.pp(),
       accum);
@@ -248,18 +262,22 @@ void print_start(const Run& run) {
   const double MB = 1 << 20;
   // One line from the plan the buffers are allocated by (and that check_memory refuses by).
   fmt::print(
-      "memory: recompute {}{}, rank 0 expects {:.1f} MB (weights {:.2f}, gradients {:.2f}, "
+      "memory: recompute {}{}, rank 0 expects {:.1f} MB (weights {:.2f}{}, gradients {:.2f}, "
       "activations {:.2f}, AdamW {:.2f}{}, {}checkpoint copy {:.2f})\n",
       cfg.memory.recompute,
       cfg.memory.recompute != "none" && cfg.memory.recompute_layers > 0
           ? fmt::format(" (first {} blocks of each stage)", cfg.memory.recompute_layers)
           : "",
-      b.total() / MB, double(b.model.params) / MB, double(b.model.grads) / MB,
-      double(b.model.activations + b.model.stats) / MB, b.optimizer / MB,
+      b.total() / MB, double(b.model.params) / MB,
+      cfg.parallel.zero == 3 ? fmt::format(" held + shard {:.2f} + parameter windows {:.2f}",
+                                           b.param_shard / MB, b.param_windows / MB)
+                             : "",
+      double(b.model.grads) / MB, double(b.model.activations + b.model.stats) / MB,
+      b.optimizer / MB,
       cfg.parallel.zero
           ? fmt::format(" (ZeRO-{}: 1/{} of the whole) + its gradient shard {:.2f}{}",
                         cfg.parallel.zero, dims.dp(), b.grad_shard / MB,
-                        cfg.parallel.zero == 2
+                        cfg.parallel.zero >= 2
                             ? fmt::format(" + gradient windows {:.2f}", b.grad_windows / MB)
                             : "")
           : "",
@@ -408,7 +426,10 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     print_start(run);
   }
 
-  if (run.optimizer.master()) {  // exact fp32 values for the master, rounded for the model
+  if (run.gatherer) {  // ZeRO-3: this rank's pieces only
+    run.optimizer.init_shard(cfg.run.seed);
+    if (cfg.precision.stochastic_rounding) run.optimizer.set_stochastic_rounding(cfg.run.seed);
+  } else if (run.optimizer.master()) {  // exact fp32 values for the master, rounded for the model
     Kernels& k = *run.kernels;
     const int64_t total = run.model.table().total;
     DPtr full = k.alloc(total, DType::f32);
@@ -421,8 +442,10 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     run.model.init_parameters(cfg.run.seed);
   }
   int64_t step = 0;
-  if (!init.empty()) {  // a warm start: the weights only, checked by rank 0 above
+  if (!init.empty())  // a warm start: the weights only, checked by rank 0 above
     load_weights(init, run.model, &run.optimizer);
+  if (run.gatherer) run.gatherer->refresh();  // ZeRO-3: the held units whole
+  if (!init.empty()) {
     if (leader) {
       fmt::print(
           "initialized from {} ({}; optimizer state, step, schedule and data order start "
