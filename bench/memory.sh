@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Memory against speed, in one run: W-M and W-L (one process, fp32, 2 threads) under each
 # activation recomputation mode; and W-M at dp = 4 (four ranks under mpirun, one thread each)
-# under ZeRO 0, 1 and 2.
+# under ZeRO 0, 1, 2 and 3.
 #
 #   bench/memory.sh [W-M] [W-L] [zero] [--steps N]
 #
@@ -46,7 +46,7 @@ for w in "${workloads[@]}"; do
     # shellcheck disable=SC2064  # the directory is known now
     trap "rm -rf '$work'" EXIT
     wm_config "$work/wm.toml" "$(bench_data "$ROOT" "$BUILD" "$work")" $((steps + 1))
-    for zero in 0 1 2; do
+    for zero in 0 1 2 3; do
       echo "memory.sh: W-M dp 4 zero $zero" >&2
       dir="$work/zero$zero"
       mpirun -q --oversubscribe --bind-to none -np 4 "$BUILD/trainer" train "$work/wm.toml" \

@@ -52,12 +52,15 @@ void AdamW::init_shard(uint64_t seed) {
     for (const Segment& s : segments_) {  // a segment lies within one parameter
       if (s.offset < p.offset || s.offset >= p.offset + p.numel) continue;
       const int64_t begin = s.offset - p.offset, end = std::min(begin + s.count, p.local_numel());
-      if (end <= begin) continue;
-      const std::vector<double> values = model_.initial_values(seed, p, begin, end);
-      const std::vector<float> piece(values.begin(), values.end());
-      const int64_t n = end - begin;
-      k.upload_f32(shard_weights_ + s.state_offset, piece.data(), n);  // rounded when 16-bit
-      if (master_) k.upload_f32(master_ + s.state_offset, piece.data(), n);
+      // In chunks: the host holds a few hundred kB, never a parameter's piece.
+      constexpr int64_t kChunk = 1 << 16;
+      for (int64_t at = begin; at < end; at += kChunk) {
+        const int64_t n = std::min(kChunk, end - at), to = s.state_offset + (at - begin);
+        const std::vector<double> values = model_.initial_values(seed, p, at, at + n);
+        const std::vector<float> chunk(values.begin(), values.end());
+        k.upload_f32(shard_weights_ + to, chunk.data(), n);  // rounded to nearest when 16-bit
+        if (master_) k.upload_f32(master_ + to, chunk.data(), n);
+      }
     }
 }
 
