@@ -80,6 +80,13 @@ class SectionReader {
   }
 
   bool has(const std::string& key) const { return table_ && table_->get(key); }
+  // Whether `key` is the string `word` (then it counts as read); else field() reads it.
+  bool is_word(const std::string& key, const std::string& word) {
+    const toml::node* n = table_ ? table_->get(key) : nullptr;
+    if (!n || n->value_exact<std::string>() != word) return false;
+    seen_.insert(key);
+    return true;
+  }
 
   void finish() {
     if (!table_) return;
@@ -597,8 +604,22 @@ Config parse_config(const std::string& text, const std::string& origin,
   {
     SectionReader r(root, "checkpoint", origin, origins);
     CheckpointConfig& k = c.checkpoint;
-    r.field("every_steps", k.every_steps, at_least(0));
+    if (r.is_word("every_steps", "auto"))
+      k.every_steps = CheckpointConfig::kAutoSteps;
+    else
+      r.field("every_steps", k.every_steps, [](int v) -> std::optional<std::string> {
+        if (v >= 0) return std::nullopt;
+        return fmt::format("expected a number of steps >= 0 or \"auto\", found {}", v);
+      });
     r.field("every_minutes", k.every_minutes, at_least(0));
+    r.field("mtbf_hours", k.mtbf_hours, at_least(0));
+    r.field("protect", k.protect);
+    r.field("protect_min_steps", k.protect_min_steps, at_least(0));
+    if (k.every_steps == CheckpointConfig::kAutoSteps && k.mtbf_hours <= 0)
+      throw ConfigError(fmt::format(
+          "{}: [checkpoint] every_steps = \"auto\" sets the interval from the cluster's failure "
+          "rate: set [checkpoint] mtbf_hours (the job's mean time between failures)",
+          r.origin("every_steps")));
     r.field("keep_last", k.keep_last, at_least(0));
     r.field("async", k.async);
     r.field("dir", k.dir);
@@ -780,6 +801,9 @@ std::string config_to_toml(const Config& c) {
                                         {"min_bucket_kb", c.comm.compression.min_bucket_kb}}}}},
       {"checkpoint", toml::table{{"every_steps", c.checkpoint.every_steps},
                                  {"every_minutes", c.checkpoint.every_minutes},
+                                 {"mtbf_hours", c.checkpoint.mtbf_hours},
+                                 {"protect", c.checkpoint.protect},
+                                 {"protect_min_steps", c.checkpoint.protect_min_steps},
                                  {"keep_last", c.checkpoint.keep_last},
                                  {"async", c.checkpoint.async},
                                  {"dir", c.checkpoint.dir},
@@ -791,6 +815,8 @@ std::string config_to_toml(const Config& c) {
                              {"collective_timeout_s", c.faults.collective_timeout_s},
                              {"checkpoint_timeout_s", c.faults.checkpoint_timeout_s}}},
   };
+  if (c.checkpoint.every_steps == CheckpointConfig::kAutoSteps)
+    root.at_path("checkpoint").as_table()->insert_or_assign("every_steps", "auto");
   std::stringstream ss;
   // Basic strings only: toml++ writes "\n" as a multi-line literal that does not read back.
   const auto flags =

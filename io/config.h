@@ -148,11 +148,22 @@ struct CommConfig {
 
 // [checkpoint]: when checkpoints are written, where, how many are kept, and where a run starts.
 struct CheckpointConfig {
-  int every_steps = 0;       // 0 = only at the end (and on SIGTERM/SIGUSR1)
+  // every_steps = "auto": the Young/Daly interval, from the measured checkpoint stall, the
+  // step time and mtbf_hours.
+  static constexpr int kAutoSteps = -1;
+  int every_steps = 0;       // 0 = only at the end (and on SIGTERM/SIGUSR1); kAutoSteps
   double every_minutes = 0;  // also after this much wall time since the last one; 0 = off
   int keep_last = 0;         // older complete checkpoints are deleted; 0 = keep all
   bool async = true;         // a writer thread does the I/O while training goes on
   std::string dir;           // "" = <run.out_dir>/checkpoints
+  // The cluster's mean time between failures (of the job: any of its nodes), in hours: the
+  // Young/Daly checkpoint interval is advised from it (0 = no advice).
+  double mtbf_hours = 0;
+  // A protective checkpoint: the first bad step after good ones (skipped, so the weights are
+  // still the last good state) writes one, unless a checkpoint is newer than protect_min_steps,
+  // so that a rollback after more bad steps loses little.
+  bool protect = true;
+  int protect_min_steps = 10;
   // "none": a fresh start (into an out_dir without another run, unless run.overwrite); "auto":
   // the checkpoint `latest` names in dir, or the newest older one when it does not verify, or a
   // fresh start when there is none; else a checkpoint path (step directory, run directory or

@@ -15,6 +15,7 @@
 #include "mpi_cli.h"
 #include "test_util.h"
 #include "trainer/checkpoint.h"
+#include "trainer/checkpoint_interval.h"
 
 namespace trainer {
 namespace {
@@ -491,12 +492,98 @@ TEST_F(MpiCli, NanStepsAreSkippedAndRolledBack) {
       << r.output;
 
   r = mpirun(2,
-             common + "--set checkpoint.every_steps=0 --set run.out_dir=" + quoted(path("nowhere")),
+             common +
+                 "--set checkpoint.every_steps=0 --set checkpoint.protect=false "
+                 "--set run.out_dir=" +
+                 quoted(path("nowhere")),
              "TRAINER_TEST_INJECT_NAN=2,3,4 ");
   EXPECT_EQ(r.code, 3) << r.output;
   EXPECT_EQ(count(r.output,
                   "trainer: training diverged: 3 bad steps in a row up to step 4 and "
                   "no checkpoint to roll back to"),
+            1)
+      << r.output;
+}
+
+// A protective checkpoint: the first bad step after good ones writes the last good state (the
+// step was skipped), so the rollback after three bad steps returns there, not to the start, and
+// the run finishes as the clean one did (bit for bit: each injection fires once). Not when a
+// checkpoint is newer than protect_min_steps (the periodic one at step 5 serves), and not with
+// protect = false (then there is nothing to roll back to).
+TEST_F(MpiCli, FirstBadStepWritesAProtectiveCheckpoint) {
+  const std::string common =
+      "--set train.steps=12 --set parallel.dp=2 --set faults.max_bad_steps=3 ";
+  auto r = mpirun(2, common + "--set run.out_dir=" + quoted(path("clean")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  r = mpirun(2, common + "--set run.out_dir=" + quoted(path("protected")),
+             "TRAINER_TEST_INJECT_NAN=7,8,9 ");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(count(r.output,
+                  "step      7 | a bad step after good ones (loss is nan): protective "
+                  "checkpoint of step 7"),
+            1)
+      << r.output;
+  EXPECT_EQ(count(r.output, "rolled back to " +
+                                path("protected/checkpoints/step_00000007/state.h5") + " (step 7)"),
+            1)
+      << r.output;
+  expect_same_tensors(path("clean/checkpoints/step_00000012/state.h5"),
+                      path("protected/checkpoints/step_00000012/state.h5"));
+  r = mpirun(2,
+             common + "--set checkpoint.every_steps=5 --set run.out_dir=" + quoted(path("recent")),
+             "TRAINER_TEST_INJECT_NAN=7,8,9 ");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(count(r.output, "protective"), 0) << r.output;
+  EXPECT_EQ(count(r.output, "(step 5)"), 1) << r.output;
+  r = mpirun(2, common + "--set checkpoint.protect=false --set run.out_dir=" + quoted(path("off")),
+             "TRAINER_TEST_INJECT_NAN=7,8,9 ");
+  EXPECT_EQ(r.code, 3) << r.output;
+  EXPECT_EQ(count(r.output, "no checkpoint to roll back to"), 1) << r.output;
+}
+
+// Young/Daly from the measured costs: with mtbf_hours, the advice is printed after the first
+// checkpoint and logged; every_steps = "auto" takes its interval (from the snapshot copy after
+// three steps, then from each checkpoint's stall) and checkpoints at multiples of it. A failure
+// rate of a few seconds makes it a few steps here. Without mtbf_hours "auto" is refused.
+TEST_F(MpiCli, CheckpointIntervalFromTheFailureRate) {
+  const std::string out = path("auto");
+  auto r = mpirun(2,
+                  "--set train.steps=40 --set parallel.dp=2 --set checkpoint.mtbf_hours=0.0001 "
+                  "--set checkpoint.every_steps=\\\"auto\\\" --set run.out_dir=" +
+                      quoted(out));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_GE(count(r.output, "checkpoint interval: stall "), 1) << r.output;
+  EXPECT_GE(count(r.output, "every_steps = \"auto\" uses it"), 1) << r.output;
+  std::vector<nlohmann::json> advice;
+  std::vector<int64_t> written;
+  std::ifstream in(out + "/metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (j.contains("checkpoint_advice")) advice.push_back(j["checkpoint_advice"]);
+    if (j.contains("checkpoint")) written.push_back(j["step"]);
+  }
+  ASSERT_FALSE(advice.empty());
+  for (const auto& a : advice) {
+    SCOPED_TRACE(a.dump());
+    const double stall = a["stall_s"], mtbf = a["mtbf_s"], optimum = a["optimum_s"];
+    EXPECT_NEAR(mtbf, 0.0001 * 3600, 1e-9);
+    EXPECT_NEAR(optimum, optimum_interval_s({stall, a["write_s"], mtbf}), 1e-9 * optimum);
+    EXPECT_GE(int(a["optimum_steps"]), 1);
+  }
+  ASSERT_GE(written.size(), 2u) << r.output;  // periodic ones and the final one
+  EXPECT_EQ(written.back(), 40);
+  for (size_t i = 0; i + 1 < written.size(); i++) {  // at a multiple of an advised interval
+    bool advised = false;
+    for (const auto& a : advice) advised |= written[i] % int64_t(a["optimum_steps"]) == 0;
+    EXPECT_TRUE(advised) << "checkpoint at step " << written[i];
+  }
+
+  r = mpirun(
+      2, "--set checkpoint.every_steps=\\\"auto\\\" --set run.out_dir=" + quoted(path("refused")));
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_EQ(count(r.output,
+                  "every_steps = \"auto\" sets the interval from the cluster's "
+                  "failure rate: set [checkpoint] mtbf_hours"),
             1)
       << r.output;
 }

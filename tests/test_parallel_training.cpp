@@ -275,6 +275,52 @@ INSTANTIATE_TEST_SUITE_P(Layouts, ParallelTraining, ::testing::ValuesIn(layouts(
 namespace trainer {
 namespace {
 
+// --dry-run sets every rank up and writes nothing. Its plan is the run's: the memory line a real
+// start prints, each stage's memory and the largest rank's, and a step's model FLOPs over the
+// configured peak (1 TFLOP/s a rank) with the pipeline's bubble. What a run would refuse, it
+// refuses the same way.
+TEST_F(MpiCli, DryRunPlansEveryRankAndWritesNothing) {
+  const std::string layout =
+      "--set parallel.tp=2 --set parallel.pp=2 --set parallel.micro_batches=4 ";
+  auto line = [](const std::string& output, const std::string& prefix) {
+    const size_t at = output.find(prefix);
+    return at == std::string::npos ? std::string() : output.substr(at, output.find('\n', at) - at);
+  };
+  auto number_after = [](const std::string& text, const std::string& what) {
+    const size_t at = text.find(what);
+    return at == std::string::npos ? NAN : std::stod(text.substr(at + what.size()));
+  };
+  const std::string out = path("dry");
+  auto r = mpirun(4, layout + "--set run.out_dir=" + quoted(out) + " --dry-run");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_FALSE(fs::exists(out));
+  EXPECT_EQ(count(r.output, "| loss "), 0) << r.output;
+  EXPECT_EQ(count(r.output, "nothing trained, nothing written"), 1) << r.output;
+  const std::string memory = line(r.output, "dry run: memory per rank: ");
+  EXPECT_NE(memory.find("stage 0 "), std::string::npos) << r.output;
+  EXPECT_NE(memory.find(", stage 1 "), std::string::npos) << r.output;
+  const std::string step = line(r.output, "dry run: a step of ");
+  const double tokens = number_after(step, "a step of "), tflop = number_after(step, "is ");
+  const double seconds = number_after(step, "at least "), bubble = number_after(step, "with the ");
+  const int64_t batch = 4 * 2 * 16;  // micro-batches x micro_batch x seq_len of run.toml
+  EXPECT_EQ(tokens, double(batch)) << step;
+  EXPECT_NEAR(tflop, flops_per_token(cli_model()) * batch / 1e12, 1e-4 * tflop) << step;
+  EXPECT_NEAR(bubble, 100.0 * 1 / (4 + 1), 0.1) << step;  // (S - 1) / (M + S - 1)
+  EXPECT_NEAR(seconds, tflop / 4 / (1 - bubble / 100), 1e-3 * seconds) << step;
+  // A real start of the same layout plans the same memory.
+  r = mpirun(4, layout + "--set train.steps=1 --set run.out_dir=" + quoted(path("real")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::string real = line(r.output, "memory: ");
+  EXPECT_FALSE(real.empty());
+  EXPECT_EQ(number_after(real, "rank 0 expects "), number_after(memory, "stage 0 ")) << real << "\n"
+                                                                                     << memory;
+  // Refused as the run would be: exit 2, one line, nothing written.
+  r = mpirun(3, "--set parallel.tp=2 --set run.out_dir=" + quoted(out) + " --dry-run");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_EQ(count(r.output, "world size 3 is not divisible by tp x pp = 2 x 1 = 2"), 1) << r.output;
+  EXPECT_FALSE(fs::exists(out));
+}
+
 TEST_F(MpiCli, BadLayoutsEndEveryRankWithOneLine) {
   const std::string cfg = path("run.toml") + ": [parallel] ";
   const std::vector<std::tuple<int, std::string, std::string>> cases = {

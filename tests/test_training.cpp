@@ -11,6 +11,7 @@
 #include "test_util.h"
 #include "trainer/adamw.h"
 #include "trainer/checkpoint.h"
+#include "trainer/checkpoint_interval.h"
 #include "trainer/lr_schedule.h"
 #include "trainer/sampler.h"
 #include "trainer/step_guard.h"
@@ -219,6 +220,25 @@ namespace {
 // The step guard: non-finite values and z-score spikes over a full window of good steps are bad;
 // max_bad_steps in a row call for a rollback; a good step ends the run of bad ones. Overflowed
 // gradients under dynamic fp16 scaling are the scaler's to skip, not the guard's.
+// Young/Daly: a 60 s stall on a job failing once a day wants a checkpoint every ~53 minutes
+// (Young's sqrt(2 d M) = 3220 s, Daly's correction +20 s, less the stall: 3180 s); that interval is
+// where the expected waste (stalls and rework) is least, within the model's rounding; and a
+// stall above 2M makes checkpointing pointless (the interval is M).
+TEST(CheckpointInterval, DalysOptimumMinimisesTheExpectedWaste) {
+  const CheckpointCosts c{60, 30, 86400};
+  const double young = std::sqrt(2 * 60 * 86400.0);
+  const double optimum = optimum_interval_s(c);
+  EXPECT_NEAR(optimum, young * (1 + std::sqrt(60 / (2 * 86400.0)) / 3 + 60 / (18 * 86400.0)) - 60,
+              1e-9);
+  EXPECT_NEAR(optimum, 3180.06, 0.01);
+  const double best = expected_waste(optimum, c);
+  for (double f : {0.5, 0.8, 0.95, 1.05, 1.25, 2.0})
+    EXPECT_GT(expected_waste(f * optimum, c), best * 0.999) << f;
+  EXPECT_NEAR(best, 60 / (optimum + 60) + (optimum / 2 + 30 + 30) / 86400, 1e-12);
+  EXPECT_NEAR(expected_loss_s(3600, c), 1800 + 30 + 30, 1e-9);
+  EXPECT_EQ(optimum_interval_s({300, 0, 100}), 100);
+}
+
 TEST(StepGuard, SpikesAndNonFiniteStepsAreBadAndRepeatsRollBack) {
   FaultsConfig f;
   f.spike_zscore = 6;

@@ -1,5 +1,5 @@
 // trainer: one binary that trains transformer language models from one TOML file.
-//   trainer train CONFIG [--set section.key=value ...]
+//   trainer train CONFIG [--set section.key=value ...] [--dry-run]
 //   trainer generate --checkpoint DIR [--prompt TEXT] [--tokens N]
 //   trainer prepare --input FILE|DIR|GLOB... --out-dir DIR [--tokenizer KIND --tokenizer-path PATH]
 //                   [--format auto|text|jsonl --field NAME --threads N --shard-tokens N
@@ -103,6 +103,11 @@ int main(int argc, char** argv) {
   train->add_option("config", config_path, "the run's TOML config")->required();
   train->add_option("--set", overrides, "override a config value: section.key=value (repeatable)")
       ->take_all();
+  bool dry_run = false;
+  train->add_flag("--dry-run", dry_run,
+                  "set everything up on every rank (data, layout, memory, allocation), print the "
+                  "plan of this layout (memory per rank, expected step time) and exit: nothing is "
+                  "trained or written");
 
   std::string checkpoint, prompt = "\n";
   int tokens = 200;
@@ -200,7 +205,7 @@ int main(int argc, char** argv) {
     // Under mpirun every process is a rank of one world; a plain process is a world of one.
     std::unique_ptr<trainer::World> world = trainer::make_mpi_world(&argc, &argv);
     try {
-      return *train ? trainer::train(config_path, overrides, *world)
+      return *train ? trainer::train(config_path, overrides, *world, dry_run)
                     : trainer::evaluate(eval, *world);
     } catch (...) {
       // An error that not every rank shares (they agree on set-up errors inside train()):

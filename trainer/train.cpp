@@ -27,6 +27,7 @@
 #include "trainer/batch_schedule.h"
 #include "trainer/blas_setup.h"
 #include "trainer/checkpoint.h"
+#include "trainer/checkpoint_interval.h"
 #include "trainer/checkpoint_writer.h"
 #include "trainer/device.h"
 #include "trainer/hf_format.h"
@@ -309,6 +310,45 @@ void print_start(const Run& run) {
              run.flops_per_token / 1e6);
 }
 
+// --dry-run: what each pipeline stage's ranks would hold (their tensor-parallel ranks and ZeRO
+// pieces hold the same), the largest rank, and how long a step would take at the MFU peak with
+// the 1F1B bubble (communication aside): from the plan the buffers were just allocated by.
+void print_dry_run(const Run& run) {
+  const Config& cfg = run.cfg;
+  const ParallelDims& dims = run.dims;
+  const bool keeps_probs = run.kernels->attention_keeps_probabilities();
+  const int node_ranks = run.groups.intra ? run.groups.intra->size() : 0;
+  const double MB = 1 << 20;
+  std::string stages;
+  double largest = 0;
+  int largest_rank = 0;
+  for (int r = 0; r < dims.world(); r++) {
+    const RankCoords c = dims.coords(r);
+    if (c.dp != 0) continue;  // replicas and ZeRO pieces hold what dp rank 0 does
+    const double total = memory_budget(cfg, dims, c, keeps_probs, node_ranks).total();
+    if (total > largest) largest = total, largest_rank = r;
+    if (c.tp == 0)
+      stages += fmt::format("{}stage {} {:.1f} MB", stages.empty() ? "" : ", ", c.pp, total / MB);
+  }
+  fmt::print("dry run: memory per rank: {}; the largest is rank {} with {:.1f} MB\n", stages,
+             largest_rank, largest / MB);
+  const int accum = run.schedule.accum(0, 0);
+  const double tokens = double(cfg.train.micro_batch) * cfg.model.seq_len * accum * dims.dp();
+  const double flops = run.flops_per_token * tokens;
+  const double peak = run.kernels->peak_flops(compute_dtype(cfg.precision));
+  const double bubble = pipeline_bubble(dims.pp(), accum);
+  if (peak > 0) {
+    const double seconds = flops / (dims.world() * peak) / (1 - bubble);
+    fmt::print(
+        "dry run: a step of {:.0f} tokens is {:.4g} TFLOP of model compute: at least {:.4g} s at "
+        "the MFU peak of {:.1f} GFLOP/s per rank with the {:.1f}% bubble ({:.4g} s at 50% MFU), "
+        "communication not counted\n",
+        tokens, flops / 1e12, seconds, peak / 1e9, 100 * bubble, 2 * seconds);
+  }
+  fmt::print("dry run: set up and allocated on {} rank{}; nothing trained, nothing written\n",
+             dims.world(), dims.world() == 1 ? "" : "s");
+}
+
 // Every rank read the tokenizer's files itself: they must be the same files everywhere (a
 // collective; every rank gets the same answer).
 void check_one_tokenizer(World& world, const Tokenizer& tokenizer, const TokenizerConfig& cfg) {
@@ -340,7 +380,8 @@ void catch_stop_signals() {
   std::signal(SIGXFSZ, SIG_IGN);
 }
 
-int train(const std::string& config_path, const std::vector<std::string>& overrides, World& world) {
+int train(const std::string& config_path, const std::vector<std::string>& overrides, World& world,
+          bool dry_run) {
   catch_stop_signals();
   // A test stands in for a slow start-up (large shards to validate, a checkpoint to verify).
   if (const char* delay = std::getenv("TRAINER_TEST_STARTUP_DELAY"))
@@ -407,6 +448,14 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   }
   if (peak > 0) run.kernels->set_peak_flops(peak);
   world.set_collective_timeout(cfg.faults.collective_timeout_s);  // not over the measurement
+  if (dry_run) {
+    if (leader) {
+      print_start(run);
+      print_dry_run(run);
+    }
+    world.comm().barrier();
+    return 0;
+  }
 
   // A stop signal during start-up (MPI, data, verifying checkpoints): nothing is trained or
   // written yet, so every rank exits 75 at once and a requeue loses nothing.
@@ -488,9 +537,60 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
         "checkpoints: written synchronously, not in the background: a writer thread on several "
         "ranks needs MPI_THREAD_MULTIPLE, which this MPI library did not provide\n");
   // The snapshot buffers are touched now, so that the first periodic checkpoint's stall is a
-  // copy, not the page faults of allocating gigabytes.
-  if (cfg.checkpoint.async && (cfg.checkpoint.every_steps > 0 || cfg.checkpoint.every_minutes > 0))
+  // copy, not the page faults of allocating gigabytes; the second copy is the first estimate of
+  // a checkpoint's stall, for every_steps = "auto".
+  const bool auto_interval = cfg.checkpoint.every_steps == CheckpointConfig::kAutoSteps;
+  CheckpointCosts costs{0, 0, cfg.checkpoint.mtbf_hours * 3600};
+  if ((cfg.checkpoint.async || auto_interval) &&
+      (cfg.checkpoint.every_steps != 0 || cfg.checkpoint.every_minutes > 0)) {
     take_snapshot(run.model, &run.optimizer, run.writes_checkpoint(), run.writer.snapshot());
+    const auto t0 = Clock::now();
+    take_snapshot(run.model, &run.optimizer, run.writes_checkpoint(), run.writer.snapshot());
+    costs.stall_s = seconds_since(t0);
+  }
+  // Rank 0's mean step time (the first step of this process aside: warm-up).
+  double steps_s = 0;
+  int64_t steps_timed = 0;
+  int auto_every = 0;  // every_steps = "auto": the steps between checkpoints, once advised
+  bool advised = false;
+  // Young/Daly's interval from the measured costs (rank 0): printed once (again when "auto"
+  // changes its interval), logged each time.
+  auto advise = [&] {
+    if (!leader || costs.mtbf_s <= 0 || steps_timed == 0) return;
+    const double step_s = steps_s / double(steps_timed);
+    const double optimum = optimum_interval_s(costs);
+    const int optimum_steps = int(std::clamp(std::round(optimum / step_s), 1.0, 1e9));
+    const int every = auto_interval ? optimum_steps : cfg.checkpoint.every_steps;
+    // The configured interval in seconds: every N steps, every M minutes, or only at the end.
+    const double interval = every > 0                          ? every * step_s
+                            : cfg.checkpoint.every_minutes > 0 ? cfg.checkpoint.every_minutes * 60
+                                                               : double(cfg.train.steps) * step_s;
+    const bool changed = auto_interval && optimum_steps != auto_every;
+    auto_every = auto_interval ? optimum_steps : 0;
+    log->event({{"checkpoint_advice",
+                 {{"stall_s", costs.stall_s},
+                  {"write_s", costs.write_s},
+                  {"mtbf_s", costs.mtbf_s},
+                  {"step_s", step_s},
+                  {"optimum_s", optimum},
+                  {"optimum_steps", optimum_steps},
+                  {"interval_s", interval},
+                  {"loss_per_failure_s", expected_loss_s(interval, costs)},
+                  {"waste", expected_waste(interval, costs)}}}});
+    if (advised && !changed) return;
+    advised = true;
+    fmt::print(
+        "checkpoint interval: stall {:.3g} s, write {:.3g} s, steps of {:.3g} s, mtbf {:.4g} h: "
+        "Young/Daly's optimum is every {:.4g} s ({} steps{}); {} a failure loses {:.4g} s on "
+        "average, and stalls and rework take {:.3g}% of the time ({:.3g}% at the optimum)\n",
+        costs.stall_s, costs.write_s, step_s, costs.mtbf_s / 3600, optimum, optimum_steps,
+        auto_interval ? ", every_steps = \"auto\" uses it" : "",
+        every > 0 ? fmt::format("every {} steps ({:.4g} s)", every, interval)
+        : cfg.checkpoint.every_minutes > 0 ? fmt::format("every {:.4g} minutes", interval / 60)
+                                           : std::string("with a checkpoint only at the end,"),
+        expected_loss_s(interval, costs), 100 * expected_waste(interval, costs),
+        100 * expected_waste(optimum, costs));
+  };
   auto evaluate = [&](int64_t at) {
     const double val = validation_loss(run);
     if (!leader) return;
@@ -516,6 +616,8 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
       fmt::print("step {:6d} | checkpoint {} written ({:.0f} ms)\n", r->step, r->dir,
                  r->write_s * 1e3);
       log->event({{"step", r->step}, {"checkpoint", r->dir}, {"write_ms", r->write_s * 1e3}});
+      costs.write_s = r->write_s;
+      if (r->step < cfg.train.steps) advise();  // the final one changes nothing
     } else if (leader) {
       fmt::print(stderr, "trainer: {} (the previous checkpoints are intact)\n", r->error);
       log->event({{"step", r->step}, {"checkpoint_error", r->error}});
@@ -530,6 +632,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     return report(run.writer.wait());
   };
   auto last_checkpoint_time = Clock::now();
+  int64_t last_checkpoint_step = resume.empty() ? -1 : step;  // the newest this run can return to
   // Training pays only for copying its state to host memory (the stall); the writer thread does
   // the rest unless `sync`. Returns false if a synchronous write failed.
   auto checkpoint = [&](int64_t at, bool sync) {
@@ -564,6 +667,8 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     if (!background) ok = await_writer();    // this one decides (an earlier failure was reported)
     const double stall = seconds_since(t0);  // what the step was blocked for
     last_checkpoint_time = Clock::now();
+    last_checkpoint_step = at;
+    costs.stall_s = stall;
     if (leader) {
       fmt::print(
           "step {:6d} | checkpoint: training stalled {:.0f} ms ({:.1f} MB copied on rank 0{})\n",
@@ -625,8 +730,11 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     world.set_step(step);
     if (cfg.train.val_every > 0 && step % cfg.train.val_every == 0) evaluate(step);
     if (cfg.train.sample_every > 0 && step % cfg.train.sample_every == 0) sample(step);
-    const bool time_due = leader && cfg.checkpoint.every_minutes > 0 &&
-                          seconds_since(last_checkpoint_time) >= cfg.checkpoint.every_minutes * 60;
+    // Rank 0's clock and advice, agreed in the step's all-reduce.
+    const bool time_due =
+        leader && ((cfg.checkpoint.every_minutes > 0 &&
+                    seconds_since(last_checkpoint_time) >= cfg.checkpoint.every_minutes * 60) ||
+                   (auto_every > 0 && (step + 1) % auto_every == 0));
     StepStats stats;
     try {
       stats = train_step(run, step, time_due);
@@ -651,6 +759,25 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
       return kExitDiverged;
     }
     if (leader) log->step(stats, step % cfg.train.log_every == 0 || step + 1 == cfg.train.steps);
+    if (step > first_step) {
+      steps_s += stats.total_s;
+      steps_timed++;
+      if (auto_interval && steps_timed == 3) advise();  // the first interval, from the copy
+    }
+    // The first bad step after good ones was skipped: the weights are still the last good
+    // state. A checkpoint of it (unless one is recent) makes a rollback after more bad steps
+    // lose little.
+    if (cfg.checkpoint.protect && !stats.bad.empty() && run.guard.bad_in_a_row() == 1 &&
+        (last_checkpoint_step < 0 ||
+         step - last_checkpoint_step > cfg.checkpoint.protect_min_steps)) {
+      if (leader) {
+        fmt::print(
+            "step {:6d} | a bad step after good ones ({}): protective checkpoint of step {}\n",
+            step, stats.bad, step);
+        log->event({{"step", step}, {"protective_checkpoint", step}});
+      }
+      checkpoint(step, false);
+    }
     if (leader && data_wait.starved(stats.data_s, stats.total_s)) {
       const std::string warning = fmt::format(
           "data loading is on the critical path: rank 0 waited for data more than {:.0f}% of "

@@ -17,7 +17,10 @@ void catch_stop_signals();
 // `world`, in the [parallel] layout. Rank 0 writes config.toml, metrics.jsonl and checkpoints
 // to run.out_dir and prints the log. Set-up errors (config, data, layout) are agreed on: every
 // rank returns exit code 2 and the first failing rank prints the error. Returns the exit code.
-int train(const std::string& config_path, const std::vector<std::string>& overrides, World& world);
+// A dry run sets everything up on every rank (config, layout, data, memory check, allocation),
+// prints the plan of this layout and returns: nothing is trained or written.
+int train(const std::string& config_path, const std::vector<std::string>& overrides, World& world,
+          bool dry_run = false);
 
 struct EvalOptions {
   std::string checkpoint;              // one of our checkpoints (its config gives the model)
