@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -106,7 +107,39 @@ TEST_F(MpiCli, ZeroThreeGathersTheNextUnitAhead) {
   for (const auto& j : step_records(path("zero1"))) EXPECT_FALSE(j.contains("param_gathers"));
 }
 
-// data.prefetch = N: N batches ready ahead of every step (the loader's consumer holds one more).
+// scripts/plot_run.py draws a real run's metrics.jsonl (two runs overlaid, one with a
+// validation loss and checkpoints, whose stalls join the stacked step time) into a 1600 x 900
+// PNG; a directory without metrics.jsonl is one line naming the file, exit 2.
+TEST_F(MpiCli, PlotRunDrawsARunDirectory) {
+  for (const char* name : {"a", "b"}) {
+    const auto r = mpirun(2,
+                          "--set train.steps=12 --set train.val_every=4 "
+                          "--set checkpoint.every_steps=6 --set run.out_dir=" +
+                              quoted(path(name)));
+    ASSERT_EQ(r.code, 0) << r.output;
+  }
+  const std::string script = "/usr/bin/python3 " + test::source_dir() + "/scripts/plot_run.py ";
+  const std::string png = path("dashboard.png");
+  auto r = test::run_command(script + path("a") + " " + path("b") + " --out " + png);
+  ASSERT_EQ(r.code, 0) << r.output;
+  std::ifstream in(png, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_GT(bytes.size(), 20000u);  // drawn, not an empty canvas
+  ASSERT_EQ(bytes.substr(1, 3), "PNG");
+  auto be32 = [&](size_t at) {
+    return (uint32_t(uint8_t(bytes[at])) << 24) | (uint32_t(uint8_t(bytes[at + 1])) << 16) |
+           (uint32_t(uint8_t(bytes[at + 2])) << 8) | uint32_t(uint8_t(bytes[at + 3]));
+  };
+  EXPECT_EQ(be32(16), 1600u);  // IHDR: width, height
+  EXPECT_EQ(be32(20), 900u);
+  r = test::run_command(script + path("nowhere"));
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_EQ(count(r.output, path("nowhere") + "/metrics.jsonl: no such file"), 1) << r.output;
+  EXPECT_EQ(count(r.output, "\n"), 1) << r.output;
+}
+
+// data.prefetch = N: N batches ready ahead of every step// data.prefetch = N: N batches ready ahead
+// of every step (the loader's consumer holds one more).
 TEST_F(MpiCli, PrefetchKeepsThatManyBatchesReady) {
   for (int prefetch : {1, 3}) {
     const std::string out = path("prefetch" + std::to_string(prefetch));
