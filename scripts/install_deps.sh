@@ -3,12 +3,12 @@
 set -euo pipefail
 
 packages=(
-  build-essential cmake pkg-config git procps
+  build-essential cmake pkg-config git procps ccache
   libtomlplusplus-dev libcli11-dev libfmt-dev nlohmann-json3-dev
   libopenblas-openmp-dev libopenblas0-openmp
   libopenmpi-dev openmpi-bin libhdf5-openmpi-dev
   libgtest-dev googletest
-  python3 python3-numpy python3-torch python3-h5py libjemalloc2
+  python3 python3-numpy python3-torch python3-h5py python3-matplotlib libjemalloc2
   zstd debootstrap
   libpcre2-dev libsentencepiece-dev sentencepiece python3-sentencepiece nodejs
   zlib1g-dev libzstd-dev libxxhash-dev gzip
