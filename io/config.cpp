@@ -529,7 +529,14 @@ Config parse_config(const std::string& text, const std::string& origin,
     r.field("overlap", p.overlap);
     r.field("allreduce", p.allreduce, one_of({"flat", "hierarchical"}));
     r.field("ranks_per_node", p.ranks_per_node, in_range(0, 1 << 20));
+    r.field("sequence_parallel", p.sequence_parallel);
     r.finish();
+    // Sequence parallelism splits each micro-batch's B x T rows over the tensor-parallel ranks.
+    if (p.sequence_parallel && p.tp > 1 && int64_t(c.train.micro_batch) * c.model.seq_len % p.tp)
+      throw ConfigError(fmt::format(
+          "{}: [parallel] sequence_parallel splits the micro-batch's rows over tp = {}: "
+          "train.micro_batch x model.seq_len = {} x {} is not a multiple of it",
+          r.origin("sequence_parallel"), p.tp, c.train.micro_batch, c.model.seq_len));
     // One knob for the micro-batches of a step: the pipeline's micro_batches and gradient
     // accumulation are the same thing, so setting both differently is a contradiction.
     if (p.micro_batches > 0 && !c.train.batch_ramp.empty())
@@ -778,7 +785,8 @@ std::string config_to_toml(const Config& c) {
                                {"bucket_mb", c.parallel.bucket_mb},
                                {"overlap", c.parallel.overlap},
                                {"allreduce", c.parallel.allreduce},
-                               {"ranks_per_node", c.parallel.ranks_per_node}}},
+                               {"ranks_per_node", c.parallel.ranks_per_node},
+                               {"sequence_parallel", c.parallel.sequence_parallel}}},
       {"memory", toml::table{{"recompute", c.memory.recompute},
                              {"recompute_layers", c.memory.recompute_layers}}},
       {"precision", toml::table{{"compute", c.precision.compute},

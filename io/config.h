@@ -114,6 +114,9 @@ struct ParallelConfig {
   bool overlap = true;             // reduce buckets while backward goes on
   std::string allreduce = "flat";  // flat | hierarchical (inside nodes first)
   int ranks_per_node = 0;          // hierarchical node grouping; 0 = detect
+  // Megatron's sequence parallelism with tp > 1: norms, dropout and the residual stream hold
+  // 1/tp of the rows; all-gather / reduce-scatter instead of the all-reduces
+  bool sequence_parallel = false;
 };
 
 // Mixed precision: weights (the compute copy), activations and, optionally, gradients stored in

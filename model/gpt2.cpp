@@ -8,6 +8,8 @@
 // Tensor parallelism (Megatron): QKV and the MLP's up-projection split by output rows (each rank
 // holds whole heads), the two projections back into the residual stream by input columns, the
 // embedding by vocabulary rows; norms and the biases added after a reduction are replicated.
+// With sequence parallelism the norms, dropout and residual adds work on this rank's rows of the
+// stream, and the norms' parameter gradients are summed over the group.
 #include <cmath>
 #include <string>
 
@@ -58,71 +60,87 @@ class Gpt2 final : public ModelDefinition {
     fch,
     fch_gelu
   };
+  // The norms' outputs are whole (they enter a tensor-parallel region); their statistics and
+  // res2 are this rank's rows of the residual stream (stream_rows()).
   std::vector<ActSpec> layer_activations(int64_t B, int64_t T, bool keeps_probs) const override {
-    const int64_t BT = B * T;
+    const int64_t BT = B * T, R = stream_rows(B, T);
     return {{BT * C_},
-            {BT, true},
-            {BT, true},
+            {R, true},
+            {R, true},
             {.elems = BT * 3 * Cl_, .kv_cache = true},
             attention_keeps(B, NHl_, T, keeps_probs),
             {BT * Cl_},
+            {R * C_},
             {BT * C_},
-            {BT * C_},
-            {BT, true},
-            {BT, true},
+            {R, true},
+            {R, true},
             {BT * 4 * Cl_},
             {.elems = BT * 4 * Cl_, .selective = true}};
   }
   enum HeadAct { lnf, lnf_mean, lnf_rstd };
   std::vector<ActSpec> head_activations(int64_t B, int64_t T) const override {
-    return {{B * T * C_}, {B * T, true}, {B * T, true}};
+    const int64_t R = stream_rows(B, T);
+    return {{B * T * C_}, {R, true}, {R, true}};
   }
-  // d_drop: the gradient of a dropped projection output (with dropout only).
-  enum Scratch { d_ln, d_qkv, d_att, d_atty, d_fch, d_drop };
+  // d_drop: the gradient of a dropped projection output (with dropout only). With sequence
+  // parallelism, d_full: a whole (B T, C) gradient gathered from the ranks' rows (or in forward
+  // a projection's partial output), and d_local: this rank's rows of a reduce-scattered one.
+  enum Scratch { d_ln, d_qkv, d_att, d_atty, d_fch, d_drop, d_full, d_local };
   std::vector<ActSpec> backward_scratch(int64_t B, int64_t T, bool keeps_probs) const override {
     const int64_t BT = B * T;
-    return {{BT * C_},  {BT * 3 * Cl_}, {keeps_probs ? B * NHl_ * T * T : 0},
-            {BT * Cl_}, {BT * 4 * Cl_}, {cfg_.dropout > 0 ? BT * C_ : 0}};
+    const bool sp = shard_.sequence_parallel;
+    return {{BT * C_},
+            {BT * 3 * Cl_},
+            {keeps_probs ? B * NHl_ * T * T : 0},
+            {BT * Cl_},
+            {BT * 4 * Cl_},
+            {cfg_.dropout > 0 ? BT * C_ : 0},
+            {sp ? BT * C_ : 0},
+            {sp ? stream_rows(B, T) * C_ : 0}};
   }
 
   void embed_forward(const LayerCall& c, DPtr x, const int32_t* tokens) const override {
     // The position embedding is added on one tensor-parallel rank: the sum adds it once.
     const DPtr wpe = c.tp.rank() == 0 ? P(c, wpe_) + int64_t(c.pos0) * C_ : DPtr{};
-    c.k.encoder_forward(x, tokens, P(c, wte_), wpe, c.B, c.T, C_, vocab_);
-    c.tp.reduce_forward(x, int64_t(c.B) * c.T * C_);
-    dropout(c, x, int64_t(c.B) * c.T * C_, kEmbedSite);
+    const DPtr partial = leave_target(c, x, c.scratch[d_full]);
+    c.k.encoder_forward(partial, tokens, P(c, wte_), wpe, c.B, c.T, C_, vocab_);
+    leave_forward(c, partial, x, C_);
+    dropout(c, x, c.rows() * C_, kEmbedSite, c.row0() * C_);
   }
   void embed_backward(const LayerCall& c, DPtr dx, const int32_t* tokens) const override {
-    dropout(c, dx, int64_t(c.B) * c.T * C_, kEmbedSite);
-    c.tp.reduce_backward(dx, int64_t(c.B) * c.T * C_);
-    c.k.encoder_backward(G(c, wte_), G(c, wpe_), dx, tokens, c.B, c.T, C_, vocab_);
+    dropout(c, dx, c.rows() * C_, kEmbedSite, c.row0() * C_);
+    const DPtr d = leave_backward(c, dx, c.scratch[d_full], C_);
+    c.k.encoder_backward(G(c, wte_), G(c, wpe_), d, tokens, c.B, c.T, C_, vocab_);
   }
 
   void layer_forward(const LayerCall& c, int l, DPtr x, DPtr out) const override {
     const Block& w = blocks_[l - shard_.first_layer];
-    const DPtr* a = c.acts;
-    const int64_t BT = int64_t(c.B) * c.T;
+    const DPtr *a = c.acts, *s = c.scratch;
+    const int64_t BT = int64_t(c.B) * c.T, R = c.rows(), first = c.row0() * C_;
     Kernels& k = c.k;
     // In inference the new tokens' q, k, v go to their positions in the cache.
     const DPtr qkv_rows = c.inference ? a[qkv] + int64_t(c.pos0) * 3 * Cl_ : a[qkv];
-    k.layernorm_forward(a[ln1], a[ln1_mean], a[ln1_rstd], x, P(c, w.ln1_w), P(c, w.ln1_b), BT, C_);
-    c.tp.copy_forward(a[ln1], BT * C_);
+    k.layernorm_forward(own_rows(c, a[ln1], C_), a[ln1_mean], a[ln1_rstd], x, P(c, w.ln1_w),
+                        P(c, w.ln1_b), R, C_);
+    enter_forward(c, a[ln1], C_);
     k.matmul_forward(qkv_rows, a[ln1], P(c, w.qkv_w), P(c, w.qkv_b), BT, C_, 3 * Cl_);
     c.tick();  // collectives in flight (ZeRO-3's next unit) progress between kernels
     attention(c, a[atty], a[att], a[qkv], Cl_, NHl_, NHl_);
     c.tick();
-    k.matmul_forward(a[res2], a[atty], P(c, w.proj_w), row_bias(c, w.proj_b), BT, Cl_, C_);
-    c.tp.reduce_forward(a[res2], BT * C_);
-    dropout(c, a[res2], BT * C_, attn_site(l));
-    k.residual_layernorm_forward(a[res2], a[ln2], a[ln2_mean], a[ln2_rstd], a[res2], x,
-                                 P(c, w.ln2_w), P(c, w.ln2_b), BT, C_);
-    c.tp.copy_forward(a[ln2], BT * C_);
+    const DPtr proj = leave_target(c, a[res2], s[d_full]);
+    k.matmul_forward(proj, a[atty], P(c, w.proj_w), row_bias(c, w.proj_b), BT, Cl_, C_);
+    leave_forward(c, proj, a[res2], C_);
+    dropout(c, a[res2], R * C_, attn_site(l), first);
+    k.residual_layernorm_forward(a[res2], own_rows(c, a[ln2], C_), a[ln2_mean], a[ln2_rstd],
+                                 a[res2], x, P(c, w.ln2_w), P(c, w.ln2_b), R, C_);
+    enter_forward(c, a[ln2], C_);
     k.matmul_gelu_forward(a[fch], a[fch_gelu], a[ln2], P(c, w.fc_w), P(c, w.fc_b), BT, C_, 4 * Cl_);
     c.tick();
-    k.matmul_forward(out, a[fch_gelu], P(c, w.fcproj_w), row_bias(c, w.fcproj_b), BT, 4 * Cl_, C_);
-    c.tp.reduce_forward(out, BT * C_);
-    dropout(c, out, BT * C_, mlp_site(l));
-    k.residual_forward(out, out, a[res2], BT * C_);
+    const DPtr mlp = leave_target(c, out, s[d_full]);
+    k.matmul_forward(mlp, a[fch_gelu], P(c, w.fcproj_w), row_bias(c, w.fcproj_b), BT, 4 * Cl_, C_);
+    leave_forward(c, mlp, out, C_);
+    dropout(c, out, R * C_, mlp_site(l), first);
+    k.residual_forward(out, out, a[res2], R * C_);
   }
 
   void layer_recompute(const LayerCall& c, int) const override {
@@ -134,24 +152,25 @@ class Gpt2 final : public ModelDefinition {
   void layer_backward(const LayerCall& c, int l, DPtr x, DPtr d_res) const override {
     const Block& w = blocks_[l - shard_.first_layer];
     const DPtr *a = c.acts, *s = c.scratch;
-    const int64_t BT = int64_t(c.B) * c.T;
+    const int64_t BT = int64_t(c.B) * c.T, R = c.rows();
     Kernels& k = c.k;
-    // out = res2 + dropout(proj(gelu(fc(ln2(res2))))): d_res is the gradient w.r.t. out and
-    // res2.
-    c.tp.reduce_backward(d_res, BT * C_);
-    const DPtr d_mlp = dropped_grad(c, d_res, s[d_drop], BT * C_, mlp_site(l));
+    // out = res2 + dropout(proj(gelu(fc(ln2(res2))))): d_res (this rank's rows) is the gradient
+    // w.r.t. out and res2.
+    const DPtr d_out = leave_backward(c, d_res, s[d_full], C_);
+    const DPtr d_mlp = dropped_grad(c, d_out, s[d_drop], BT * C_, mlp_site(l));
     k.matmul_backward_gelu(s[d_fch], G(c, w.fcproj_w), G(c, w.fcproj_b), d_mlp, a[fch_gelu],
                            P(c, w.fcproj_w), a[fch], BT, 4 * Cl_, C_);
     c.tick();
     k.matmul_backward(s[d_ln], G(c, w.fc_w), G(c, w.fc_b), s[d_fch], a[ln2], P(c, w.fc_w), BT, C_,
                       4 * Cl_);
-    c.tp.copy_backward(s[d_ln], BT * C_);
+    const DPtr d_ln2 = enter_backward(c, s[d_ln], s[d_local], C_);
     c.tick();
-    k.layernorm_backward(d_res, G(c, w.ln2_w), G(c, w.ln2_b), s[d_ln], a[res2], P(c, w.ln2_w),
-                         a[ln2_mean], a[ln2_rstd], BT, C_);
+    k.layernorm_backward(d_res, norm_grad(c, w.ln2_w, 0), norm_grad(c, w.ln2_b, 1), d_ln2, a[res2],
+                         P(c, w.ln2_w), a[ln2_mean], a[ln2_rstd], R, C_);
+    finish_norm_grads(c, w.ln2_w, w.ln2_b);
     // res2 = x + dropout(proj(attention(qkv(ln1(x))))).
-    c.tp.reduce_backward(d_res, BT * C_);
-    const DPtr d_attn = dropped_grad(c, d_res, s[d_drop], BT * C_, attn_site(l));
+    const DPtr d_res2 = leave_backward(c, d_res, s[d_full], C_);
+    const DPtr d_attn = dropped_grad(c, d_res2, s[d_drop], BT * C_, attn_site(l));
     k.matmul_backward(s[d_atty], G(c, w.proj_w), G(c, w.proj_b), d_attn, a[atty], P(c, w.proj_w),
                       BT, Cl_, C_);
     c.tick();
@@ -160,24 +179,25 @@ class Gpt2 final : public ModelDefinition {
     c.tick();
     k.matmul_backward(s[d_ln], G(c, w.qkv_w), G(c, w.qkv_b), s[d_qkv], a[ln1], P(c, w.qkv_w), BT,
                       C_, 3 * Cl_);
-    c.tp.copy_backward(s[d_ln], BT * C_);
-    k.layernorm_backward(d_res, G(c, w.ln1_w), G(c, w.ln1_b), s[d_ln], x, P(c, w.ln1_w),
-                         a[ln1_mean], a[ln1_rstd], BT, C_);
+    const DPtr d_ln1 = enter_backward(c, s[d_ln], s[d_local], C_);
+    k.layernorm_backward(d_res, norm_grad(c, w.ln1_w, 0), norm_grad(c, w.ln1_b, 1), d_ln1, x,
+                         P(c, w.ln1_w), a[ln1_mean], a[ln1_rstd], R, C_);
+    finish_norm_grads(c, w.ln1_w, w.ln1_b);
   }
 
   void head_forward(const LayerCall& c, DPtr x, DPtr logits) const override {
     const DPtr* h = c.acts;
-    c.k.layernorm_forward(h[lnf], h[lnf_mean], h[lnf_rstd], x, P(c, lnf_w_), P(c, lnf_b_),
-                          int64_t(c.B) * c.T, C_);
+    c.k.layernorm_forward(own_rows(c, h[lnf], C_), h[lnf_mean], h[lnf_rstd], x, P(c, lnf_w_),
+                          P(c, lnf_b_), c.rows(), C_);
     lm_head_forward(c, head_, h[lnf], logits);
   }
   void head_backward(const LayerCall& c, DPtr x, DPtr dlogits, DPtr dx) const override {
     const DPtr *h = c.acts, *s = c.scratch;
-    const int64_t BT = int64_t(c.B) * c.T;
-    lm_head_backward(c, head_, h[lnf], dlogits, s[d_ln]);
-    c.k.zero(dx, BT * C_);
-    c.k.layernorm_backward(dx, G(c, lnf_w_), G(c, lnf_b_), s[d_ln], x, P(c, lnf_w_), h[lnf_mean],
-                           h[lnf_rstd], BT, C_);
+    const DPtr d_lnf = lm_head_backward(c, head_, h[lnf], dlogits, s[d_ln], s[d_local]);
+    c.k.zero(dx, c.rows() * C_);
+    c.k.layernorm_backward(dx, norm_grad(c, lnf_w_, 0), norm_grad(c, lnf_b_, 1), d_lnf, x,
+                           P(c, lnf_w_), h[lnf_mean], h[lnf_rstd], c.rows(), C_);
+    finish_norm_grads(c, lnf_w_, lnf_b_);
   }
 
  private:

@@ -11,6 +11,8 @@
 // Tensor parallelism (Megatron): wq, wk, wv, w1 and w3 split by output rows (each rank holds
 // whole query and key/value heads: tp divides n_kv_head, KV heads are split, never replicated),
 // wo and w2 by input columns, the embedding and the head by vocabulary rows; norms replicated.
+// With sequence parallelism the norms and residual adds work on this rank's rows of the stream,
+// and the norms' weight gradients are summed over the group.
 #include <cmath>
 #include <numbers>
 #include <string>
@@ -48,28 +50,40 @@ class Llama final : public ModelDefinition {
   }
 
   enum Act { attn_norm, attn_rstd, qkv, att, atty, res2, ffn_norm, ffn_rstd, gate_up, swi };
+  // The norms' outputs are whole (they enter a tensor-parallel region); their statistics and
+  // res2 are this rank's rows of the residual stream (stream_rows()).
   std::vector<ActSpec> layer_activations(int64_t B, int64_t T, bool keeps_probs) const override {
-    const int64_t BT = B * T;
+    const int64_t BT = B * T, R = stream_rows(B, T);
     return {{BT * C_},
-            {BT, true},
+            {R, true},
             {.elems = BT * QKVl_, .kv_cache = true},
             attention_keeps(B, NHl_, T, keeps_probs),
             {BT * Cl_},
+            {R * C_},
             {BT * C_},
-            {BT * C_},
-            {BT, true},
+            {R, true},
             {BT * 2 * Fl_},
             {.elems = BT * Fl_, .selective = true}};
   }
   enum HeadAct { final_norm, final_rstd };
   std::vector<ActSpec> head_activations(int64_t B, int64_t T) const override {
-    return {{B * T * C_}, {B * T, true}};
+    return {{B * T * C_}, {stream_rows(B, T), true}};
   }
-  enum Scratch { d_norm, d_qkv, d_att, d_atty, d_gate_up, d_swi };
+  // With sequence parallelism, d_full: a whole (B T, C) gradient gathered from the ranks' rows
+  // (or in forward a projection's partial output), and d_local: this rank's rows of a
+  // reduce-scattered one.
+  enum Scratch { d_norm, d_qkv, d_att, d_atty, d_gate_up, d_swi, d_full, d_local };
   std::vector<ActSpec> backward_scratch(int64_t B, int64_t T, bool keeps_probs) const override {
     const int64_t BT = B * T;
-    return {{BT * C_},  {BT * QKVl_},   {keeps_probs ? B * NHl_ * T * T : 0},
-            {BT * Cl_}, {BT * 2 * Fl_}, {BT * Fl_}};
+    const bool sp = shard_.sequence_parallel;
+    return {{BT * C_},
+            {BT * QKVl_},
+            {keeps_probs ? B * NHl_ * T * T : 0},
+            {BT * Cl_},
+            {BT * 2 * Fl_},
+            {BT * Fl_},
+            {sp ? BT * C_ : 0},
+            {sp ? stream_rows(B, T) * C_ : 0}};
   }
 
   // The rotary table: cos and sin of every position x frequency, fp32, on the backend.
@@ -84,39 +98,43 @@ class Llama final : public ModelDefinition {
   }
 
   void embed_forward(const LayerCall& c, DPtr x, const int32_t* tokens) const override {
-    c.k.encoder_forward(x, tokens, P(c, tok_), DPtr{}, c.B, c.T, C_, vocab_);
-    c.tp.reduce_forward(x, int64_t(c.B) * c.T * C_);
+    const DPtr partial = leave_target(c, x, c.scratch[d_full]);
+    c.k.encoder_forward(partial, tokens, P(c, tok_), DPtr{}, c.B, c.T, C_, vocab_);
+    leave_forward(c, partial, x, C_);
   }
   void embed_backward(const LayerCall& c, DPtr dx, const int32_t* tokens) const override {
-    c.tp.reduce_backward(dx, int64_t(c.B) * c.T * C_);
-    c.k.encoder_backward(G(c, tok_), DPtr{}, dx, tokens, c.B, c.T, C_, vocab_);
+    const DPtr d = leave_backward(c, dx, c.scratch[d_full], C_);
+    c.k.encoder_backward(G(c, tok_), DPtr{}, d, tokens, c.B, c.T, C_, vocab_);
   }
 
   void layer_forward(const LayerCall& c, int l, DPtr x, DPtr out) const override {
     const Block& w = blocks_[l - shard_.first_layer];
-    const DPtr* a = c.acts;
-    const int64_t BT = int64_t(c.B) * c.T;
+    const DPtr *a = c.acts, *s = c.scratch;
+    const int64_t BT = int64_t(c.B) * c.T, R = c.rows();
     Kernels& k = c.k;
     // In inference the new tokens' q, k, v go to their positions in the cache.
     const DPtr qkv_rows = c.inference ? a[qkv] + int64_t(c.pos0) * QKVl_ : a[qkv];
-    k.rmsnorm_forward(a[attn_norm], a[attn_rstd], x, P(c, w.attn_norm), BT, C_, eps_);
-    c.tp.copy_forward(a[attn_norm], BT * C_);
+    k.rmsnorm_forward(own_rows(c, a[attn_norm], C_), a[attn_rstd], x, P(c, w.attn_norm), R, C_,
+                      eps_);
+    enter_forward(c, a[attn_norm], C_);
     k.matmul_forward(qkv_rows, a[attn_norm], P(c, w.wqkv), DPtr{}, BT, C_, QKVl_);
     c.tick();  // collectives in flight (ZeRO-3's next unit) progress between kernels
     k.rope_forward(qkv_rows, rope_, c.B, c.T, NHl_, NKVl_, hs_, c.pos0);
     attention(c, a[atty], a[att], a[qkv], Cl_, NHl_, NKVl_);
     c.tick();
-    k.matmul_forward(a[res2], a[atty], P(c, w.wo), DPtr{}, BT, Cl_, C_);
-    c.tp.reduce_forward(a[res2], BT * C_);
-    k.residual_rmsnorm_forward(a[res2], a[ffn_norm], a[ffn_rstd], a[res2], x, P(c, w.ffn_norm), BT,
-                               C_, eps_);
-    c.tp.copy_forward(a[ffn_norm], BT * C_);
+    const DPtr wo = leave_target(c, a[res2], s[d_full]);
+    k.matmul_forward(wo, a[atty], P(c, w.wo), DPtr{}, BT, Cl_, C_);
+    leave_forward(c, wo, a[res2], C_);
+    k.residual_rmsnorm_forward(a[res2], own_rows(c, a[ffn_norm], C_), a[ffn_rstd], a[res2], x,
+                               P(c, w.ffn_norm), R, C_, eps_);
+    enter_forward(c, a[ffn_norm], C_);
     k.matmul_forward(a[gate_up], a[ffn_norm], P(c, w.w13), DPtr{}, BT, C_, 2 * Fl_);
     k.swiglu_forward(a[swi], a[gate_up], BT, Fl_);
     c.tick();
-    k.matmul_forward(out, a[swi], P(c, w.w2), DPtr{}, BT, Fl_, C_);
-    c.tp.reduce_forward(out, BT * C_);
-    k.residual_forward(out, out, a[res2], BT * C_);
+    const DPtr w2 = leave_target(c, out, s[d_full]);
+    k.matmul_forward(w2, a[swi], P(c, w.w2), DPtr{}, BT, Fl_, C_);
+    leave_forward(c, w2, out, C_);
+    k.residual_forward(out, out, a[res2], R * C_);
   }
 
   void layer_recompute(const LayerCall& c, int) const override {
@@ -128,22 +146,24 @@ class Llama final : public ModelDefinition {
   void layer_backward(const LayerCall& c, int l, DPtr x, DPtr d_res) const override {
     const Block& w = blocks_[l - shard_.first_layer];
     const DPtr *a = c.acts, *s = c.scratch;
-    const int64_t BT = int64_t(c.B) * c.T;
+    const int64_t BT = int64_t(c.B) * c.T, R = c.rows();
     Kernels& k = c.k;
-    // out = res2 + w2(swiglu(w13(ffn_norm(res2)))): d_res is the gradient w.r.t. out and res2.
-    c.tp.reduce_backward(d_res, BT * C_);
-    k.matmul_backward(s[d_swi], G(c, w.w2), DPtr{}, d_res, a[swi], P(c, w.w2), BT, Fl_, C_);
+    // out = res2 + w2(swiglu(w13(ffn_norm(res2)))): d_res (this rank's rows) is the gradient
+    // w.r.t. out and res2.
+    const DPtr d_out = leave_backward(c, d_res, s[d_full], C_);
+    k.matmul_backward(s[d_swi], G(c, w.w2), DPtr{}, d_out, a[swi], P(c, w.w2), BT, Fl_, C_);
     c.tick();
     k.swiglu_backward(s[d_gate_up], s[d_swi], a[gate_up], BT, Fl_);
     k.matmul_backward(s[d_norm], G(c, w.w13), DPtr{}, s[d_gate_up], a[ffn_norm], P(c, w.w13), BT,
                       C_, 2 * Fl_);
-    c.tp.copy_backward(s[d_norm], BT * C_);
+    const DPtr d_ffn_norm = enter_backward(c, s[d_norm], s[d_local], C_);
     c.tick();
-    k.rmsnorm_backward(d_res, G(c, w.ffn_norm), s[d_norm], a[res2], P(c, w.ffn_norm), a[ffn_rstd],
-                       BT, C_);
+    k.rmsnorm_backward(d_res, norm_grad(c, w.ffn_norm, 0), d_ffn_norm, a[res2], P(c, w.ffn_norm),
+                       a[ffn_rstd], R, C_);
+    finish_norm_grads(c, w.ffn_norm, nullptr);
     // res2 = x + wo(attention(rope(wqkv(attention_norm(x))))).
-    c.tp.reduce_backward(d_res, BT * C_);
-    k.matmul_backward(s[d_atty], G(c, w.wo), DPtr{}, d_res, a[atty], P(c, w.wo), BT, Cl_, C_);
+    const DPtr d_res2 = leave_backward(c, d_res, s[d_full], C_);
+    k.matmul_backward(s[d_atty], G(c, w.wo), DPtr{}, d_res2, a[atty], P(c, w.wo), BT, Cl_, C_);
     c.tick();
     k.attention_backward(s[d_qkv], s[d_att], s[d_atty], a[qkv], a[atty], a[att], c.B, c.T, Cl_,
                          NHl_, NKVl_);
@@ -152,22 +172,26 @@ class Llama final : public ModelDefinition {
     k.rope_backward(s[d_qkv], rope_, c.B, c.T, NHl_, NKVl_, hs_, 0);
     k.matmul_backward(s[d_norm], G(c, w.wqkv), DPtr{}, s[d_qkv], a[attn_norm], P(c, w.wqkv), BT, C_,
                       QKVl_);
-    c.tp.copy_backward(s[d_norm], BT * C_);
-    k.rmsnorm_backward(d_res, G(c, w.attn_norm), s[d_norm], x, P(c, w.attn_norm), a[attn_rstd], BT,
-                       C_);
+    const DPtr d_attn_norm = enter_backward(c, s[d_norm], s[d_local], C_);
+    k.rmsnorm_backward(d_res, norm_grad(c, w.attn_norm, 0), d_attn_norm, x, P(c, w.attn_norm),
+                       a[attn_rstd], R, C_);
+    finish_norm_grads(c, w.attn_norm, nullptr);
   }
 
   void head_forward(const LayerCall& c, DPtr x, DPtr logits) const override {
     const DPtr* h = c.acts;
-    c.k.rmsnorm_forward(h[final_norm], h[final_rstd], x, P(c, norm_), int64_t(c.B) * c.T, C_, eps_);
+    c.k.rmsnorm_forward(own_rows(c, h[final_norm], C_), h[final_rstd], x, P(c, norm_), c.rows(), C_,
+                        eps_);
     lm_head_forward(c, head_, h[final_norm], logits);
   }
   void head_backward(const LayerCall& c, DPtr x, DPtr dlogits, DPtr dx) const override {
     const DPtr *h = c.acts, *s = c.scratch;
-    const int64_t BT = int64_t(c.B) * c.T;
-    lm_head_backward(c, head_, h[final_norm], dlogits, s[d_norm]);
-    c.k.zero(dx, BT * C_);
-    c.k.rmsnorm_backward(dx, G(c, norm_), s[d_norm], x, P(c, norm_), h[final_rstd], BT, C_);
+    const DPtr d_norm_out =
+        lm_head_backward(c, head_, h[final_norm], dlogits, s[d_norm], s[d_local]);
+    c.k.zero(dx, c.rows() * C_);
+    c.k.rmsnorm_backward(dx, norm_grad(c, norm_, 0), d_norm_out, x, P(c, norm_), h[final_rstd],
+                         c.rows(), C_);
+    finish_norm_grads(c, norm_, nullptr);
   }
 
  private:

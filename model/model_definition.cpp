@@ -38,15 +38,15 @@ void ModelDefinition::recompute_attention(const LayerCall& c, DPtr out, DPtr att
 void ModelDefinition::lm_head_forward(const LayerCall& c, const ParamInfo* w, DPtr x,
                                       DPtr logits) const {
   const int64_t BT = int64_t(c.B) * c.T;
-  c.tp.copy_forward(x, BT * cfg_.d_model);
+  enter_forward(c, x, cfg_.d_model);
   c.k.matmul_forward(logits, x, P(c, w), DPtr{}, BT, cfg_.d_model, vocab_.width);
 }
 
-void ModelDefinition::lm_head_backward(const LayerCall& c, const ParamInfo* w, DPtr x, DPtr dlogits,
-                                       DPtr d_x) const {
+DPtr ModelDefinition::lm_head_backward(const LayerCall& c, const ParamInfo* w, DPtr x, DPtr dlogits,
+                                       DPtr d_x, DPtr local) const {
   const int64_t BT = int64_t(c.B) * c.T;
   c.k.matmul_backward(d_x, G(c, w), DPtr{}, dlogits, x, P(c, w), BT, cfg_.d_model, vocab_.width);
-  c.tp.copy_backward(d_x, BT * cfg_.d_model);
+  return enter_backward(c, d_x, local, cfg_.d_model);
 }
 
 void add_token_embedding(ParamTableBuilder& b, const ModelConfig& cfg, const ModelShard& shard,
@@ -59,8 +59,57 @@ void add_token_embedding(ParamTableBuilder& b, const ModelConfig& cfg, const Mod
   p.tied_copy = !shard.first_stage();
 }
 
-void ModelDefinition::dropout(const LayerCall& c, DPtr x, int64_t n, uint64_t site) {
-  if (c.dropout > 0) c.k.dropout(x, n, c.dropout, mix64(c.dropout_key ^ mix64(site)), 0);
+void ModelDefinition::dropout(const LayerCall& c, DPtr x, int64_t n, uint64_t site, int64_t first) {
+  if (c.dropout > 0) c.k.dropout(x, n, c.dropout, mix64(c.dropout_key ^ mix64(site)), first);
+}
+
+void ModelDefinition::enter_forward(const LayerCall& c, DPtr full, int C) {
+  if (c.sp)
+    c.tp.gather_rows(own_rows(c, full, C), full, c.rows() * C);
+  else
+    c.tp.copy_forward(full, c.rows() * C);
+}
+
+DPtr ModelDefinition::enter_backward(const LayerCall& c, DPtr dfull, DPtr local, int C) {
+  if (!c.sp) {
+    c.tp.copy_backward(dfull, c.rows() * C);
+    return dfull;
+  }
+  c.tp.scatter_rows(dfull, local, c.rows() * C);
+  return local;
+}
+
+void ModelDefinition::leave_forward(const LayerCall& c, DPtr target, DPtr local, int C) {
+  if (c.sp)
+    c.tp.scatter_rows(target, local, c.rows() * C);
+  else
+    c.tp.reduce_forward(local, c.rows() * C);
+}
+
+DPtr ModelDefinition::leave_backward(const LayerCall& c, DPtr dlocal, DPtr dfull, int C) {
+  if (!c.sp) {
+    c.tp.reduce_backward(dlocal, c.rows() * C);
+    return dlocal;
+  }
+  c.tp.gather_rows(dlocal, dfull, c.rows() * C);
+  return dfull;
+}
+
+DPtr ModelDefinition::norm_grad(const LayerCall& c, const ParamInfo* p, int slot) const {
+  if (!p) return {};
+  if (!c.sp) return G(c, p);
+  const DPtr part = c.norm_grad_scratch + int64_t(slot) * cfg_.d_model;
+  c.k.zero(part, cfg_.d_model);
+  return part;
+}
+
+void ModelDefinition::finish_norm_grads(const LayerCall& c, const ParamInfo* weight,
+                                        const ParamInfo* bias) const {
+  if (!c.sp) return;
+  const int64_t C = cfg_.d_model;
+  c.tp.sum_norm_grads(c.norm_grad_scratch, bias ? 2 * C : C);  // one reduction for both
+  c.k.residual_forward(G(c, weight), G(c, weight), c.norm_grad_scratch, C);
+  if (bias) c.k.residual_forward(G(c, bias), G(c, bias), c.norm_grad_scratch + C, C);
 }
 
 std::unique_ptr<ModelDefinition> make_model_definition(const ModelConfig& cfg,

@@ -8,6 +8,7 @@
 //
 // Shapes below: B sequences of T tokens, C = d_model; a layer's input and output are the
 // residual stream, (B, T, C) and replicated over the tensor-parallel group.
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -67,6 +68,14 @@ struct LayerCall {
     return FlatSpan::find(grads, held, offset, "a gradient written outside its unit's window");
   }
   int B = 0, T = 0;
+  // Sequence parallelism in this call (model/tensor_parallel.h; forwards with or without
+  // targets and backwards, never inference): the residual stream between the tensor-parallel
+  // regions holds this rank's rows() of the B x T, from row0(); and a buffer (in the gradients'
+  // dtype) for a norm's parameter gradients from them, before they are summed over the group.
+  bool sp = false;
+  DPtr norm_grad_scratch = {};
+  int64_t rows() const { return int64_t(B) * T / (sp ? tp.size() : 1); }
+  int64_t row0() const { return sp ? rows() * tp.rank() : 0; }
   // Inference with a key/value cache (one sequence): the T tokens are at positions
   // [pos0, pos0 + T), and every earlier position's keys and values are in the layers' attention
   // activations from earlier calls. Nothing is kept for a backward.
@@ -97,6 +106,11 @@ class ModelDefinition {
   const ModelShard& shard() const { return shard_; }
   const ParamTable& table() const { return table_; }
   VocabSlice vocab() const { return vocab_; }  // the vocabulary rows this rank holds
+  // The rows of the residual stream a buffer holds for a (B, T) batch: all B T, or with sequence
+  // parallelism this rank's share (and at least T: inference does not split rows).
+  int64_t stream_rows(int64_t B, int64_t T) const {
+    return shard_.sequence_parallel ? std::max(B * T / shard_.tp_size, T) : B * T;
+  }
 
   // --- the plan, from shapes alone (keeps_probs: Kernels::attention_keeps_probabilities()) ----
   // What one block keeps from its forward for its backward (its output aside: the executor's).
@@ -147,14 +161,45 @@ class ModelDefinition {
   static void recompute_attention(const LayerCall& c, DPtr out, DPtr att, DPtr qkv, int C, int NH,
                                   int NKV);
   // The vocab-parallel LM head w (this rank's vocabulary rows; the token embedding when tied):
-  // logits(BT, vocab().width) = x @ w^T, x (the final norm's output) entering the tensor-parallel
-  // region. Backward: d_x = the gradient of x; w's gradient accumulates.
+  // logits(BT, vocab().width) = x @ w^T, x (B T, C: the final norm's output, this rank's rows
+  // written) entering the tensor-parallel region. Backward: d_x (B T, C) = this rank's part of
+  // x's gradient; returns the summed gradient of this rank's rows (enter_backward(), `local`
+  // with SP); w's gradient accumulates.
   void lm_head_forward(const LayerCall& c, const ParamInfo* w, DPtr x, DPtr logits) const;
-  void lm_head_backward(const LayerCall& c, const ParamInfo* w, DPtr x, DPtr dlogits,
-                        DPtr d_x) const;
-  // x(n) through dropout at `site` (a number unique within the model): counter-based, so the
+  DPtr lm_head_backward(const LayerCall& c, const ParamInfo* w, DPtr x, DPtr dlogits, DPtr d_x,
+                        DPtr local) const;
+  // x(n) through dropout at `site` (a number unique within the model), x's first element being
+  // element `first` of the whole tensor (a sequence-parallel rank's rows): counter-based, so the
   // backward applies the same call to the gradient. Nothing when c.dropout is 0.
-  static void dropout(const LayerCall& c, DPtr x, int64_t n, uint64_t site);
+  static void dropout(const LayerCall& c, DPtr x, int64_t n, uint64_t site, int64_t first = 0);
+
+  // --- the residual stream in and out of the tensor-parallel regions --------------------------
+  // Without sequence parallelism these are Megatron's plain pairs (model/tensor_parallel.h) on
+  // whole (B T, C) buffers; with it, on this rank's rows of them.
+  // Where a norm writes this rank's rows of a region's input `full` (B T, C).
+  static DPtr own_rows(const LayerCall& c, DPtr full, int C) { return full + c.row0() * C; }
+  // Entering a column-parallel region with `full`, whose own rows are written: SP all-gathers the
+  // others (else nothing).
+  static void enter_forward(const LayerCall& c, DPtr full, int C);
+  // Its backward: `dfull` holds this rank's partial gradient of the region's input. Returns the
+  // summed gradient of this rank's rows: SP reduce-scatters it into `local`; else all-reduces
+  // dfull in place and returns it.
+  static DPtr enter_backward(const LayerCall& c, DPtr dfull, DPtr local, int C);
+  // Where a row-parallel GEMM leaving a region writes its partial output: this rank's rows'
+  // buffer `local` itself (all-reduced in place), or with SP the (B T, C) `partial`.
+  static DPtr leave_target(const LayerCall& c, DPtr local, DPtr partial) {
+    return c.sp ? partial : local;
+  }
+  // Sums leave_target()'s partial outputs into this rank's rows, `local`.
+  static void leave_forward(const LayerCall& c, DPtr target, DPtr local, int C);
+  // Its backward: the gradient of the region's output, every row: SP all-gathers this rank's
+  // rows `dlocal` into `dfull`; else dlocal is all of it.
+  static DPtr leave_backward(const LayerCall& c, DPtr dlocal, DPtr dfull, int C);
+  // Where a norm's parameter gradient (`slot` 0: its weight, 1: its bias) accumulates: with SP a
+  // zeroed part of c.norm_grad_scratch (this rank's rows give a part of the sum), else the
+  // gradient itself. finish_norm_grads() sums the parts over the group into the gradients.
+  DPtr norm_grad(const LayerCall& c, const ParamInfo* p, int slot) const;
+  void finish_norm_grads(const LayerCall& c, const ParamInfo* weight, const ParamInfo* bias) const;
 
   ModelConfig cfg_;
   ModelShard shard_;

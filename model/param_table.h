@@ -27,6 +27,9 @@ struct ModelShard {
   int tp_rank = 0, tp_size = 1;
   int stage = 0, stages = 1;
   int first_layer = 0, end_layer = 0;  // this stage's blocks: [first_layer, end_layer)
+  // Sequence parallelism (model/tensor_parallel.h): between the tensor-parallel regions, each
+  // of the tp_size ranks holds 1/tp_size of the residual stream's rows.
+  bool sequence_parallel = false;
 
   // The whole model on one rank.
   static ModelShard whole(const ModelConfig& cfg) { return make(cfg, 0, 1, 0, 1); }

@@ -77,6 +77,7 @@ StageExecutor::Plan StageExecutor::plan(const ModelDefinition& def, int max_B, i
                                         const StageOptions& o, bool keeps_probs) {
   const ModelShard& shard = def.shard();
   const int64_t BT = int64_t(max_B) * max_T, C = def.config().d_model;
+  const int64_t stream = def.stream_rows(max_B, max_T) * C;  // the residual stream's rows here
   const std::vector<ActSpec> layer = def.layer_activations(max_B, max_T, keeps_probs);
   const int recomputed = recomputed_layers(o, shard.end_layer - shard.first_layer);
   Plan p;
@@ -86,7 +87,7 @@ StageExecutor::Plan StageExecutor::plan(const ModelDefinition& def, int max_B, i
     if (o.recompute == Recompute::full || layer[i].selective)
       shared[i] = p.take(layer[i].elems, layer[i].stats);
   if (recomputed > 0 && o.recompute == Recompute::full) {
-    p.recompute_out = p.take(BT * C);
+    p.recompute_out = p.take(stream);
     const std::vector<ActSpec> one = def.layer_activations(1, max_T, keeps_probs);
     for (int l = 0; l < recomputed; l++) {
       std::vector<std::optional<Loc>> caches(one.size());
@@ -97,9 +98,9 @@ StageExecutor::Plan StageExecutor::plan(const ModelDefinition& def, int max_B, i
   }
   for (int s = 0; s < o.slots; s++) {
     Plan::Slot slot;
-    slot.input = p.take(BT * C);
+    slot.input = p.take(stream);
     for (int l = shard.first_layer; l < shard.end_layer; l++) {
-      slot.outputs.push_back(p.take(BT * C));
+      slot.outputs.push_back(p.take(stream));
       std::vector<Loc> acts;
       for (size_t i = 0; i < layer.size(); i++)
         acts.push_back(l - shard.first_layer < recomputed && shared[i]
@@ -117,7 +118,7 @@ StageExecutor::Plan StageExecutor::plan(const ModelDefinition& def, int max_B, i
     p.slots.push_back(std::move(slot));
   }
   // Backward scratch, shared by the slots.
-  p.d_res = p.take(BT * C);
+  p.d_res = p.take(stream);
   p.scratch = p.take(def.backward_scratch(max_B, max_T, keeps_probs));
   return p;
 }
@@ -155,6 +156,9 @@ StageExecutor::StageExecutor(const ModelConfig& cfg, Kernels& kernels, DType dty
   if (o.tp.size() != shard().tp_size)
     throw std::invalid_argument("the tensor-parallel group does not match the shard");
   tp_ = o.tp;
+  sp_ = shard().sequence_parallel;
+  if (sp_ && !tp_.splits_rows())
+    throw std::invalid_argument("sequence parallelism needs a tensor-parallel group that gathers");
   recompute_layers_ = recomputed_layers(o, layers_);
   units_ = trainer::grad_units(table());
   windowed_params_ = o.windowed_params;
@@ -164,6 +168,7 @@ StageExecutor::StageExecutor(const ModelConfig& cfg, Kernels& kernels, DType dty
   grads_elems_ = windowed_ ? held_end(units_) : table().total;
   grads_ = grads_elems_ > 0 ? k_.alloc(grads_elems_, grad_dtype_)
                             : DPtr{nullptr, grad_dtype_, params_.device};  // typed, holding none
+  if (sp_) norm_grad_scratch_ = k_.alloc(2 * int64_t(cfg.d_model), grad_dtype_);
   if (windowed_params_)
     forward_progress_ = [this] {
       if (param_windows_) param_windows_->progress();
@@ -215,6 +220,7 @@ StageExecutor::StageExecutor(const ModelConfig& cfg, Kernels& kernels, DType dty
 StageExecutor::~StageExecutor() {
   def_->release(k_);
   if (params_) k_.free(params_);
+  if (norm_grad_scratch_) k_.free(norm_grad_scratch_);
   if (grads_) k_.free(grads_);
   k_.free(acts_);
   k_.free(stats_);
@@ -312,6 +318,8 @@ LayerCall StageExecutor::call(int slot, int B, int T, const DPtr* acts) const {
               B,
               T};
   if (windowed_params_) c.progress = &forward_progress_;  // backward sets its own
+  c.sp = sp_ && !inference_;
+  c.norm_grad_scratch = norm_grad_scratch_;
   c.inference = inference_;
   c.pos0 = pos0_;
   c.dropout_key = dropout_keys_[slot];
@@ -372,6 +380,10 @@ double StageExecutor::forward(int slot, const int32_t* tokens, const int32_t* ta
                               int T) {
   if (slot < 0 || slot >= slots_) throw std::out_of_range("activation slot out of range");
   if (B > max_B_ || T > max_T_) throw std::invalid_argument("batch larger than planned");
+  if (sp_ && int64_t(B) * T % tp_.size())
+    throw std::invalid_argument(
+        "sequence parallelism splits the B x T rows over tp: " + std::to_string(B) + " x " +
+        std::to_string(T) + " is not a multiple of tp = " + std::to_string(tp_.size()));
   B_ = B;
   T_ = T;
   const int64_t BT = int64_t(B) * T;

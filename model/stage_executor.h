@@ -171,6 +171,11 @@ class StageExecutor {
   void train_mode(uint64_t step_key, int first, int stride);
   void eval_mode() { training_ = false; }
 
+  // What a stage receives and sends for a (B, T) micro-batch: its rows of the residual stream
+  // (all B T, or with sequence parallelism this rank's share), times d_model.
+  int64_t io_elems(int B, int T) const {
+    return int64_t(B) * T / (sp_ ? tp_.size() : 1) * config().d_model;
+  }
   DPtr input(int slot) const;       // (B, T, C): where a later stage receives its input
   DPtr output(int slot) const;      // (B, T, C): what a stage sends on
   DPtr grad_io() const;             // (B, T, C): gradient received from the next / sent back
@@ -227,6 +232,8 @@ class StageExecutor {
   Recompute recompute_;
   int recompute_layers_;  // local blocks [0, recompute_layers_) are recomputed
   TensorParallel tp_;
+  bool sp_ = false;         // sequence parallelism: the residual stream holds this rank's rows
+  DPtr norm_grad_scratch_;  // sp_: a norm's parameter gradients before the group's sum
   int slots_, layers_;
   int max_B_, max_T_;
   int B_ = 0, T_ = 0;  // shape of the last forward

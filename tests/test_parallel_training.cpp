@@ -251,6 +251,11 @@ std::vector<Layout> layouts() {
   all.push_back({"dp2_zero2_no_overlap", 2,
                  base[0].settings + " --set parallel.zero=2 --set parallel.overlap=false"});
   all.push_back({"dp2_no_overlap", 2, base[0].settings + " --set parallel.overlap=false"});
+  // Sequence parallelism: the residual stream split by rows over the tp group.
+  const std::string sp = " --set parallel.sequence_parallel=true";
+  all.push_back({"tp2_sp", 2, base[1].settings + sp});
+  all.push_back({"tp2_pp2_sp", 4, base[4].settings + sp});
+  all.push_back({"dp2_tp2_zero2_sp", 4, base[3].settings + " --set parallel.zero=2" + sp});
   all.push_back({"pp4_zero1_order_dp_first", 8,
                  "--set parallel.pp=4 --set parallel.dp=2 --set parallel.micro_batches=2 "
                  "--set parallel.order=\\\"dp-tp-pp\\\" --set parallel.zero=1"});
@@ -263,6 +268,7 @@ std::vector<Layout> layouts() {
   for (int i : {3, 6})
     all.push_back(
         {"dropout_" + base[i].name, base[i].ranks, base[i].settings, Model::gpt2_dropout});
+  all.push_back({"dropout_tp2_pp2_sp", 4, base[4].settings + sp, Model::gpt2_dropout});
   return all;
 }
 
@@ -431,6 +437,49 @@ TEST_F(MpiCli, ZeroTwoAndThreeSaveThePlannedMemory) {
         "planned, %.1f MB measured\n",
         z, z + 1, planned[z - 1], planned[z], measured[z - 1], measured[z], want, got);
   }
+}
+
+// Sequence parallelism holds 1/tp of the residual stream's rows between the tensor-parallel
+// regions: at tp 2 the planned activations fall (the stream, res2 and the norm statistics halve;
+// the gathered norm outputs and a gather buffer stay), the measured peak RSS falls by what the
+// plan says within 10%, and the tensor-parallel group sends what the all-reduces sent (an
+// all-reduce is a reduce-scatter and an all-gather: Megatron's equal communication volume).
+TEST_F(MpiCli, SequenceParallelHoldsATpthOfTheStream) {
+  auto megabytes_after = [](const std::string& output, const std::string& what) {
+    const size_t at = output.find(what);
+    return at == std::string::npos ? -1.0 : std::stod(output.substr(at + what.size()));
+  };
+  std::vector<double> planned, activations, measured, tp_bytes;
+  for (bool sp : {false, true}) {
+    const std::string out = path(sp ? "sp" : "plain");
+    const auto r = mpirun(
+        2, std::string("--set parallel.tp=2 --set model.seq_len=256 --set model.d_model=256 "
+                       "--set model.n_head=4 --set model.n_layer=8 --set train.micro_batch=16 "
+                       "--set train.steps=2 --set checkpoint.every_steps=0 "
+                       "--set parallel.sequence_parallel=") +
+               (sp ? "true" : "false") + " --set run.out_dir=" + quoted(out));
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_EQ(count(r.output, "(sequence parallel: 1/tp of the rows"), sp ? 1 : 0);
+    planned.push_back(megabytes_after(r.output, "rank 0 expects "));
+    activations.push_back(megabytes_after(r.output, "activations "));
+    measured.push_back(megabytes_after(r.output, "peak memory: "));
+    std::ifstream in(out + "/metrics.jsonl");
+    double bytes = 0;
+    for (std::string line; std::getline(in, line);) {
+      auto j = nlohmann::json::parse(line);
+      if (j.contains("bytes_sent_groups")) bytes = j["bytes_sent_groups"]["tp"];
+    }
+    tp_bytes.push_back(bytes);
+  }
+  const double want = planned[0] - planned[1], got = measured[0] - measured[1];
+  EXPECT_GT(activations[0] - activations[1], 20) << activations[0] << " -> " << activations[1];
+  EXPECT_NEAR(got, want, 0.1 * want);
+  EXPECT_NEAR(tp_bytes[1], tp_bytes[0], 0.05 * tp_bytes[0]);
+  std::printf(
+      "[ tp 2, sp off -> on ] activations %.1f -> %.1f MB, planned %.1f -> %.1f MB, peak RSS "
+      "%.0f -> %.0f MB (saves %.1f planned, %.1f measured); tp bytes per step %.0f -> %.0f\n",
+      activations[0], activations[1], planned[0], planned[1], measured[0], measured[1], want, got,
+      tp_bytes[0], tp_bytes[1]);
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 // Activation recomputation end to end, under a real mpirun: 20 steps of GPT-2 with dropout and
-// of Llama, one process and tp 2 x pp 2 (four micro-batches in flight on the first stage),
+// of Llama, one process and tp 2 x pp 2 (four micro-batches in flight on the first stage; and
+// with sequence parallelism),
 // with recompute = none, selective and full. Recomputation changes what is kept, never what is
 // computed: the losses, final weights and Adam moments are bitwise those of
 // none in the same layout. (The unit tests in test_models.cpp show that a recomputation that
@@ -40,14 +41,20 @@ TEST_F(MpiCli, RecomputationIsBitwiseInEveryLayout) {
        llama}};
   const std::vector<std::pair<int, std::string>> layouts = {
       {1, "--set train.grad_accum=4"},
-      {4, "--set parallel.tp=2 --set parallel.pp=2 --set parallel.micro_batches=4"}};
+      {4, "--set parallel.tp=2 --set parallel.pp=2 --set parallel.micro_batches=4"},
+      // Sequence parallelism: the re-run forward's gathers and scatters, in backward's scratch.
+      {4,
+       "--set parallel.tp=2 --set parallel.pp=2 --set parallel.micro_batches=4 "
+       "--set parallel.sequence_parallel=true"}};
   for (const Model& m : models)
     for (const auto& [ranks, layout] : layouts) {
       std::vector<std::vector<double>> traces;
       std::vector<std::vector<float>> finals;
       std::vector<double> activations;
       for (const char* mode : {"none", "selective", "full"}) {
-        const std::string out = path(m.name + std::to_string(ranks) + mode);
+        const std::string out =
+            path(m.name + std::to_string(ranks) +
+                 (layout.find("sequence") != std::string::npos ? "sp" : "") + mode);
         const auto r = mpirun(ranks, m.settings + " " + layout +
                                          " --set train.steps=20 --set train.log_every=5 "
                                          "--set memory.recompute=" +
@@ -74,7 +81,8 @@ TEST_F(MpiCli, RecomputationIsBitwiseInEveryLayout) {
           }
         finals.push_back(std::move(all));
       }
-      const std::string where = m.name + " on " + std::to_string(ranks) + " ranks";
+      const std::string where = m.name + " on " + std::to_string(ranks) + " ranks" +
+                                (layout.find("sequence") != std::string::npos ? " (sp)" : "");
       for (int i : {1, 2}) {
         EXPECT_EQ(traces[i], traces[0]) << where << (i == 1 ? ", selective" : ", full");
         EXPECT_TRUE(finals[i] == finals[0]) << where << (i == 1 ? ", selective" : ", full");

@@ -48,7 +48,7 @@ double Pipeline::step(int micro_batches, const std::function<const Batch&()>& ne
     micro_batches_ = micro_batches;
     actions_ = one_f_one_b(pp_.rank(), pp_.size(), micro_batches);
   }
-  const int64_t activation = int64_t(B_) * T_ * model_.config().d_model;
+  const int64_t activation = model_.io_elems(B_, T_);
   double loss = 0;
   times.timed = time_phases_;
   auto phase_done = [&] {  // a GPU's kernels run after the call returns
@@ -85,7 +85,7 @@ double Pipeline::step(int micro_batches, const std::function<const Batch&()>& ne
 }
 
 double Pipeline::evaluate(const int32_t* tokens, const int32_t* targets, int B, int T) {
-  const int64_t activation = int64_t(B) * T * model_.config().d_model;
+  const int64_t activation = model_.io_elems(B, T);
   const int stage = pp_.rank(), last = pp_.size() - 1;
   if (stage > 0) pp_.recv(model_.input(0), activation, stage - 1, 0);
   double loss = model_.forward(0, tokens, targets, B, T);

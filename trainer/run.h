@@ -120,10 +120,15 @@ struct Run {
                                     Communicator* tp) {
     StageOptions o;
     o.shard = ModelShard::make(c.model, me.tp, dims.tp(), me.pp, dims.pp());
+    o.shard->sequence_parallel = c.parallel.sequence_parallel && dims.tp() > 1;
     if (tp)
-      o.tp = TensorParallel(tp->rank(), tp->size(), [tp](DPtr buf, int64_t n, bool max) {
-        tp->all_reduce(buf, n, max ? ReduceOp::max : ReduceOp::sum);
-      });
+      o.tp = TensorParallel(
+          tp->rank(), tp->size(),
+          [tp](DPtr buf, int64_t n, bool max) {
+            tp->all_reduce(buf, n, max ? ReduceOp::max : ReduceOp::sum);
+          },
+          [tp](DPtr send, DPtr recv, int64_t count) { tp->all_gather(send, recv, count); },
+          [tp](DPtr send, DPtr recv, int64_t count) { tp->reduce_scatter(send, recv, count); });
     const BatchSchedule schedule(c.train, c.model.seq_len, dims.dp(), "");
     o.slots = Pipeline::slots(me.pp, dims.pp(), schedule.max_accum());
     o.total_multiple = 16 * int64_t(dims.dp());

@@ -232,10 +232,14 @@ void print_start(const Run& run) {
     fmt::print("batch ramp: {} (global batches in sequences, through accumulation)\n",
                run.schedule.describe());
   fmt::print(
-      "parallel: dp {} x tp {} x pp {} (order {}), zero {}, {} all-reduce, {} buckets {}, "
+      "parallel: dp {} x tp {}{} x pp {} (order {}), zero {}, {} all-reduce, {} buckets {}, "
       "overlap {}, 1F1B bubble {:.1f}% ({} stages, {} micro-batches)\n",
-      dims.dp(), dims.tp(), dims.pp(), cfg.parallel.order, cfg.parallel.zero,
-      cfg.parallel.allreduce, run.reducer.buckets(),
+      dims.dp(), dims.tp(),
+      run.model.shard().sequence_parallel ? " (sequence parallel: 1/tp of the rows between "
+                                            "the tensor-parallel regions)"
+                                          : "",
+      dims.pp(), cfg.parallel.order, cfg.parallel.zero, cfg.parallel.allreduce,
+      run.reducer.buckets(),
       cfg.parallel.zero >= 2
           ? fmt::format(
                 "(the gradient units, reduced in every micro-batch; {} windows of {:.3g} MB{})",
