@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Memory against speed, in one run: W-M and W-L (one process, fp32, 2 threads) under each
 # activation recomputation mode; and W-M at dp = 4 (four ranks under mpirun, one thread each)
-# under ZeRO 0, 1, 2 and 3.
+# under ZeRO 0, 1, 2 and 3; and W-M at tp = 2 (two ranks) without and with sequence parallelism.
 #
-#   bench/memory.sh [W-M] [W-L] [zero] [--steps N]
+#   bench/memory.sh [W-M] [W-L] [zero] [sp] [--steps N]
 #
 # Prints a JSON line per run, then a table each: tokens/s, the planned memory against the
 # measured peak RSS, and their ratio. Recomputation: trainer_bench's plan (the model's weights,
@@ -22,14 +22,14 @@ workloads=()
 steps=2
 while (($#)); do
   case "$1" in
-    W-M | W-L | zero) workloads+=("$1") ;;
+    W-M | W-L | zero | sp) workloads+=("$1") ;;
     --steps) steps="$2"; shift ;;
     -h | --help) sed -n '2,13s/^# \{0,1\}//p' "$0"; exit 0 ;;
     *) echo "memory.sh: unknown argument '$1'" >&2; exit 2 ;;
   esac
   shift
 done
-((${#workloads[@]})) || workloads=(W-M W-L zero)
+((${#workloads[@]})) || workloads=(W-M W-L zero sp)
 
 cmake --build "$BUILD" --target trainer_bench -j2 >&2
 export OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2
@@ -37,22 +37,34 @@ export OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2
 lines=()
 zero_lines=()
 for w in "${workloads[@]}"; do
-  if [[ "$w" == zero ]]; then
+  if [[ "$w" == zero || "$w" == sp ]]; then
     # shellcheck source=bench/lib.sh
     source "$ROOT/bench/lib.sh"
     cmake --build "$BUILD" --target trainer -j2 >&2
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-    work="$(mktemp -d)"
-    # shellcheck disable=SC2064  # the directory is known now
-    trap "rm -rf '$work'" EXIT
-    wm_config "$work/wm.toml" "$(bench_data "$ROOT" "$BUILD" "$work")" $((steps + 1))
-    for zero in 0 1 2 3; do
-      echo "memory.sh: W-M dp 4 zero $zero" >&2
-      dir="$work/zero$zero"
-      mpirun -q --oversubscribe --bind-to none -np 4 "$BUILD/trainer" train "$work/wm.toml" \
-        --set run.out_dir="\"$dir\"" --set run.threads=1 --set parallel.dp=4 \
-        --set parallel.zero="$zero" >"$dir.log"
-      line="$(summarize "zero$zero" 4 "$dir/metrics.jsonl" 1 | "$PYTHON" -c '
+    if [[ -z "${work:-}" ]]; then  # once for both parts
+      work="$(mktemp -d)"
+      # shellcheck disable=SC2064  # the directory is known now
+      trap "rm -rf '$work'" EXIT
+      wm_config "$work/wm.toml" "$(bench_data "$ROOT" "$BUILD" "$work")" $((steps + 1))
+    fi
+    if [[ "$w" == zero ]]; then
+      runs=("zero0 4 --set parallel.dp=4 --set parallel.zero=0"
+        "zero1 4 --set parallel.dp=4 --set parallel.zero=1"
+        "zero2 4 --set parallel.dp=4 --set parallel.zero=2"
+        "zero3 4 --set parallel.dp=4 --set parallel.zero=3")
+    else
+      runs=("tp2 2 --set parallel.tp=2 --set parallel.sequence_parallel=false"
+        "tp2_sp 2 --set parallel.tp=2 --set parallel.sequence_parallel=true")
+    fi
+    for run in "${runs[@]}"; do
+      read -r name ranks settings <<<"$run"
+      echo "memory.sh: W-M $name" >&2
+      dir="$work/$name"
+      # shellcheck disable=SC2086  # the settings are words
+      mpirun -q --oversubscribe --bind-to none -np "$ranks" "$BUILD/trainer" train \
+        "$work/wm.toml" --set run.out_dir="\"$dir\"" --set run.threads=1 $settings >"$dir.log"
+      line="$(summarize "$name" "$ranks" "$dir/metrics.jsonl" 1 | "$PYTHON" -c '
 import json, re, sys
 d = json.loads(sys.stdin.read())
 log = open(sys.argv[1]).read()
@@ -91,7 +103,7 @@ if ((${#zero_lines[@]})); then
   printf '%s\n' "${zero_lines[@]}" | "$PYTHON" -c '
 import json, sys
 print()
-print("| W-M, dp 4 | tokens/s (all ranks) | MB sent per step (rank 0) | planned MB rank 0 | of which checkpoint copy | peak RSS MB rank 0 (training) | RSS / planned without the copy |")
+print("| W-M | tokens/s (all ranks) | MB sent per step (rank 0) | planned MB rank 0 | of which checkpoint copy | peak RSS MB rank 0 (training) | RSS / planned without the copy |")
 print("|---|---|---|---|---|---|---|")
 for line in sys.stdin:
     d = json.loads(line)

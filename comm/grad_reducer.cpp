@@ -25,7 +25,7 @@ int64_t GradReducer::window_buffer_elems(const std::vector<GradUnit>& units, int
 
 GradReducer::GradReducer(Kernels& k, DPtr grads, DPtr params, int64_t total, Communicator& dp,
                          Communicator* intra, Communicator* inter, const ReducerOptions& options)
-    : k_(k), opts_(options), dp_(dp), grads_(grads) {
+    : k_(k), opts_(options), dp_(dp), gathers_params_(bool(params)), grads_(grads) {
   const int64_t P = dp.size(), unit = 16 * P;
   if (total % unit) throw std::invalid_argument("GradReducer: total must be a multiple of 16 dp");
   const bool hier = intra && inter;
@@ -324,6 +324,10 @@ void GradReducer::finish() {
 
 void GradReducer::gather_params() {
   if (!opts_.shard) return;
+  if (!gathers_params_)
+    throw std::logic_error(
+        "GradReducer: no parameter buffer to gather into (ZeRO-3 gathers its "
+        "own, comm/param_gatherer.h)");
   for (Bucket& b : buckets_) {
     b.gathered = 1;
     b.gathering = b.gather[0]();

@@ -52,7 +52,8 @@ struct ReducerOptions {
 class GradReducer : public GradientWindows {
  public:
   // grads and params: the flat buffers, `total` elements, a multiple of 16 x dp.size() (with
-  // units, grads holds only the held units' gradients, from offset 0; null when none is held).
+  // units, grads holds only the held units' gradients, from offset 0; null when none is held;
+  // params null under ZeRO-3, whose parameters the ParamGatherer gathers).
   // intra and inter: the data-parallel group split by node (both or neither).
   GradReducer(Kernels& k, DPtr grads, DPtr params, int64_t total, Communicator& dp,
               Communicator* intra, Communicator* inter, const ReducerOptions& options);
@@ -182,6 +183,7 @@ class GradReducer : public GradientWindows {
   std::vector<Piece> pieces_;
   Communicator& dp_;
   bool windowed_ = false;  // ZeRO-2
+  bool gathers_params_;    // a parameter buffer was given (not under ZeRO-3)
   DPtr grads_, scratch_, shard_;
   bool compressing_ = false;
   CompressionStats compression_stats_;

@@ -24,14 +24,14 @@ ParamGatherer::ParamGatherer(Kernels& k, DPtr held, DType dtype, const std::vect
   for (const GradUnit& u : units)
     if (u.begin % (16 * P_) || u.end % (16 * P_))
       throw std::invalid_argument("ParamGatherer: units must be aligned to 16 dp");
-  // This rank's piece of every unit, as the gradient reducer cuts it.
+  // This rank's piece of every unit is where the gradient reducer cuts it: the piece index
+  // intra rank x nodes + inter rank hierarchically (the chains below put it there), else the dp
+  // rank.
   if (hier) {
     L_ = intra->size();
-    piece_index_ = intra->rank() * inter->size() + inter->rank();
     intra_ = intra->dup();
     inter_ = inter->dup();
   } else {
-    piece_index_ = dp.rank();
     flat_ = dp.dup();
   }
   shard_elems_ = units.back().end / P_;
@@ -43,7 +43,7 @@ ParamGatherer::ParamGatherer(Kernels& k, DPtr held, DType dtype, const std::vect
 }
 
 ParamGatherer::~ParamGatherer() {
-  flights_.clear();  // each waited for
+  while (!flights_.empty()) retire_front();  // every chain to its end, as on the other ranks
   for (Window& w : windows_) k_.free(w.at);
   k_.free(shard_);
 }
@@ -68,20 +68,29 @@ int ParamGatherer::find(int u) const {
   return -1;
 }
 
+// The least recently used window not open (started or opened), whether its gather has finished
+// or not: a choice that depends on the order of calls alone, which every rank shares, never on
+// when a collective completed.
 int ParamGatherer::free_window() const {
   int best = -1;
   for (size_t w = 0; w < windows_.size(); w++) {
     const Window& x = windows_[w];
-    if (x.open || (x.unit >= 0 && !x.ready)) continue;
+    if (x.open) continue;
     if (best < 0 || x.last_use < windows_[best].last_use) best = int(w);
   }
   return best;
 }
 
+void ParamGatherer::finish_gather(int w) {
+  while (windows_[w].unit >= 0 && !windows_[w].ready) retire_front();
+}
+
 void ParamGatherer::start(int u, int w) {
   if (units_.at(u).held) throw std::logic_error("ParamGatherer: a held unit has no window");
+  finish_gather(w);  // a window still receiving finishes first
   windows_[w].unit = u;
   windows_[w].ready = false;
+  windows_[w].last_use = ++clock_;
   Flight& f = flights_.emplace_back();
   f.window = w;
   f.next = 1;
@@ -122,13 +131,10 @@ DPtr ParamGatherer::open(int u) {
     stats_.ready++;
   } else {
     stats_.waited++;
-    while ((w = free_window()) < 0) {
-      if (flights_.empty()) throw std::logic_error("ParamGatherer: every window is open");
-      retire_front();
-    }
+    if ((w = free_window()) < 0) throw std::logic_error("ParamGatherer: every window is open");
     start(u, w);
   }
-  while (!windows_[w].ready) retire_front();
+  finish_gather(w);
   windows_[w].open++;
   windows_[w].last_use = ++clock_;
   return windows_[w].at;

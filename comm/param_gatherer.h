@@ -74,7 +74,7 @@ class ParamGatherer : public ParamWindows {
     int unit = -1;         // whose parameters it holds or receives; -1: none
     bool ready = false;    // the gather has finished
     int open = 0;          // opens not yet closed
-    int64_t last_use = 0;  // for choosing the least recently used free window
+    int64_t last_use = 0;  // when last started or opened: the least recently used is reused
   };
   struct Flight {
     int window;
@@ -84,7 +84,8 @@ class ParamGatherer : public ParamWindows {
   using Step = std::function<Request(DPtr into)>;
   std::vector<Step> make_chain(int u) const;  // unit u's gather into a buffer of its size
   int find(int u) const;                      // the window holding (or receiving) unit u, or -1
-  int free_window() const;                    // a window no one uses (least recently used), or -1
+  int free_window() const;                    // the least recently used window not open, or -1
+  void finish_gather(int w);                  // waits until window w's gather (if any) is done
   void start(int u, int w);
   void retire_front();
 
@@ -92,7 +93,7 @@ class ParamGatherer : public ParamWindows {
   std::vector<GradUnit> units_;
   DPtr held_, shard_;
   int64_t shard_elems_ = 0, window_elems_ = 0;
-  int P_ = 1, piece_index_ = 0, L_ = 1;
+  int P_ = 1, L_ = 1;
   std::unique_ptr<Communicator> flat_, intra_, inter_;
   std::vector<std::vector<Step>> chains_;  // by unit
   std::vector<Window> windows_;

@@ -7,7 +7,8 @@
 // Tensor-parallel communication goes through the conjugate pairs of model/tensor_parallel.h.
 //
 // Shapes below: B sequences of T tokens, C = d_model; a layer's input and output are the
-// residual stream, (B, T, C) and replicated over the tensor-parallel group.
+// residual stream, (B, T, C) and replicated over the tensor-parallel group, or with sequence
+// parallelism this rank's rows() of it.
 #include <algorithm>
 #include <cstdint>
 #include <functional>

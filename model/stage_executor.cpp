@@ -163,7 +163,8 @@ StageExecutor::StageExecutor(const ModelConfig& cfg, Kernels& kernels, DType dty
   units_ = trainer::grad_units(table());
   windowed_params_ = o.windowed_params;
   params_elems_ = windowed_params_ ? held_end(units_) : table().total;
-  params_ = params_elems_ > 0 ? k_.alloc(params_elems_, dtype) : DPtr{nullptr, dtype, false};
+  // Never null (a windowed shard without held units holds none): the backend's own pointer.
+  params_ = k_.alloc(std::max<int64_t>(params_elems_, 16), dtype);
   windowed_ = o.windowed_grads;
   grads_elems_ = windowed_ ? held_end(units_) : table().total;
   grads_ = grads_elems_ > 0 ? k_.alloc(grads_elems_, grad_dtype_)
@@ -219,7 +220,7 @@ StageExecutor::StageExecutor(const ModelConfig& cfg, Kernels& kernels, DType dty
 
 StageExecutor::~StageExecutor() {
   def_->release(k_);
-  if (params_) k_.free(params_);
+  k_.free(params_);
   if (norm_grad_scratch_) k_.free(norm_grad_scratch_);
   if (grads_) k_.free(grads_);
   k_.free(acts_);
@@ -318,7 +319,7 @@ LayerCall StageExecutor::call(int slot, int B, int T, const DPtr* acts) const {
               B,
               T};
   if (windowed_params_) c.progress = &forward_progress_;  // backward sets its own
-  c.sp = sp_ && !inference_;
+  c.sp = !inference_ && splits_rows(B, T);
   c.norm_grad_scratch = norm_grad_scratch_;
   c.inference = inference_;
   c.pos0 = pos0_;
@@ -380,7 +381,7 @@ double StageExecutor::forward(int slot, const int32_t* tokens, const int32_t* ta
                               int T) {
   if (slot < 0 || slot >= slots_) throw std::out_of_range("activation slot out of range");
   if (B > max_B_ || T > max_T_) throw std::invalid_argument("batch larger than planned");
-  if (sp_ && int64_t(B) * T % tp_.size())
+  if (sp_ && !splits_rows(B, T) && B > 1)
     throw std::invalid_argument(
         "sequence parallelism splits the B x T rows over tp: " + std::to_string(B) + " x " +
         std::to_string(T) + " is not a multiple of tp = " + std::to_string(tp_.size()));

@@ -171,14 +171,19 @@ class StageExecutor {
   void train_mode(uint64_t step_key, int first, int stride);
   void eval_mode() { training_ = false; }
 
+  // Whether a (B, T) batch's rows are split over the tensor-parallel group (training and
+  // evaluation forwards with sequence parallelism): when they divide evenly. One sequence of
+  // another length runs whole (a multiple-choice ending's; the stream buffers hold T rows).
+  bool splits_rows(int B, int T) const { return sp_ && int64_t(B) * T % tp_.size() == 0; }
   // What a stage receives and sends for a (B, T) micro-batch: its rows of the residual stream
-  // (all B T, or with sequence parallelism this rank's share), times d_model.
+  // (all B T, or split, this rank's share), times d_model.
   int64_t io_elems(int B, int T) const {
-    return int64_t(B) * T / (sp_ ? tp_.size() : 1) * config().d_model;
+    return int64_t(B) * T / (splits_rows(B, T) ? tp_.size() : 1) * config().d_model;
   }
-  DPtr input(int slot) const;       // (B, T, C): where a later stage receives its input
-  DPtr output(int slot) const;      // (B, T, C): what a stage sends on
-  DPtr grad_io() const;             // (B, T, C): gradient received from the next / sent back
+  // The residual stream, (B, T, C) (with sequence parallelism this rank's rows: io_elems()):
+  DPtr input(int slot) const;       // where a later stage receives its input
+  DPtr output(int slot) const;      // what a stage sends on
+  DPtr grad_io() const;             // the gradient received from the next / sent back
   DPtr logits(int slot = 0) const;  // (B, T, vocab().width)
   DPtr losses(int slot = 0) const;  // (B, T) per-token losses of the last forward with targets
 

@@ -5,8 +5,10 @@
 
 Panels: train and validation loss against tokens; learning rate; gradient norm; loss scale;
 tokens/s; MFU; and the step time broken down as the log reports it (data, forward, backward,
-exposed communication, optimizer, pipeline wait, checkpoint stall, and the rest), stacked, for
-the first run, with the other runs' step times as lines. Several runs are overlaid, each in its
+optimizer, pipeline wait, checkpoint stall, and the rest), stacked, for the first run, with its
+exposed communication as a line (time blocked in collectives, which falls inside the phases)
+and the other runs' step times as lines. Non-finite values (a skipped step's norm, logged as
+null) are left out of the lines. Several runs are overlaid, each in its
 own colour. The image goes to --out (default: RUN_DIR/dashboard.png of the first run).
 
 Bad input (a directory without metrics.jsonl, a line that is not JSON, a run without steps) is
@@ -14,6 +16,7 @@ one line on stderr naming the file (and line), exit 2.
 """
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -25,7 +28,6 @@ PHASES = [
     ("data_ms", "data"),
     ("forward_ms", "forward"),
     ("backward_ms", "backward"),
-    ("comm_exposed_ms", "exposed communication"),
     ("optimizer_ms", "optimizer"),
     ("pipe_wait_ms", "pipeline wait"),
     ("checkpoint_stall_ms", "checkpoint stall"),
@@ -52,6 +54,8 @@ def read_run(run_dir):
                 raise BadInput(f"{path}:{number}: not a JSON record ({e.msg})") from None
             if not isinstance(record, dict) or "step" not in record:
                 continue
+            # metrics.jsonl writes NaN and the infinities as null: not a number to draw.
+            record = {k: (math.nan if v is None else v) for k, v in record.items()}
             if "loss" in record and "ms" in record:
                 steps[record["step"]] = record  # a rolled-back step's second try replaces it
             elif "val_loss" in record:
@@ -105,6 +109,8 @@ def plot(runs, out):
             layers.append(rest)
             labels.append("rest")
             time_ax.stackplot(x, layers, labels=labels, alpha=0.8)
+            time_ax.plot(x, [r.get("comm_exposed_ms", 0) for r in steps], color="black", lw=1,
+                         ls="--", label="exposed communication (within the phases)")
         else:
             time_ax.plot(x, total, color=c, lw=1, label=f"{run['name']} total")
     for ax, title, ylabel in [
@@ -118,7 +124,8 @@ def plot(runs, out):
         ax.set_xlabel("tokens" if ax is loss_ax else "step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    if any(r["grad_norm"] > 0 for run in runs for r in run["steps"]):
+    if any(math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0
+           for run in runs for r in run["steps"]):
         norm_ax.set_yscale("log")
     scale_ax.set_yscale("log")
     spare_ax.axis("off")
@@ -135,7 +142,9 @@ def summary(run):
     steps = run["steps"]
     last = steps[-1]
     tail = steps[len(steps) // 2:]  # the second half: past the warm-up
-    mean = lambda key: sum(r.get(key, 0) for r in tail) / len(tail)  # noqa: E731
+    def mean(key):
+        values = [r.get(key, 0) for r in tail if math.isfinite(r.get(key, 0))]
+        return sum(values) / len(values) if values else math.nan
     lines = [f"{run['name']}: {len(steps)} steps, {last['tokens']} tokens",
              f"  last loss {last['loss']:.4f}"
              + (f", val {run['val'][-1][1]:.4f}" if run["val"] else ""),

@@ -301,7 +301,7 @@ TEST_F(MpiCli, DryRunPlansEveryRankAndWritesNothing) {
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_FALSE(fs::exists(out));
   EXPECT_EQ(count(r.output, "| loss "), 0) << r.output;
-  EXPECT_EQ(count(r.output, "nothing trained, nothing written"), 1) << r.output;
+  EXPECT_EQ(count(r.output, "nothing trained, no run files written"), 1) << r.output;
   const std::string memory = line(r.output, "dry run: memory per rank: ");
   EXPECT_NE(memory.find("stage 0 "), std::string::npos) << r.output;
   EXPECT_NE(memory.find(", stage 1 "), std::string::npos) << r.output;

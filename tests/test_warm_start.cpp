@@ -442,7 +442,11 @@ TEST_F(MpiCli, EvalScoresMultipleChoiceAsTheIndependentModel) {
   std::cout << "the independent model's scores: " << r.output;
   for (const auto& [ranks, layout] : {std::pair{1, std::string()},
                                       {2, "--set parallel.dp=2"},
-                                      {4, "--set parallel.tp=2 --set parallel.pp=2"}}) {
+                                      {4, "--set parallel.tp=2 --set parallel.pp=2"},
+                                      // Endings of any length: one sequence runs whole.
+                                      {2,
+                                       "--set parallel.tp=2 --set "
+                                       "parallel.sequence_parallel=true"}}) {
     SCOPED_TRACE(layout);
     r = test::run_command("timeout 60 " + test::mpiexec() +
                           " -q --allow-run-as-root --oversubscribe -np " + std::to_string(ranks) +

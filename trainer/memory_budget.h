@@ -19,7 +19,7 @@ namespace trainer {
 struct MemoryBudget {
   StageExecutor::Memory model;
   double optimizer = 0;     // AdamW's moments and (16-bit models) fp32 master weights
-  double grad_shard = 0;    // ZeRO-1 and -2: the reduced gradients of this rank's piece
+  double grad_shard = 0;    // ZeRO-1, -2 and -3: the reduced gradients of this rank's piece
   double grad_windows = 0;  // ZeRO-2 and -3: the windows backward writes gradients into
   // ZeRO-3: this rank's pieces of the compute weights (model.params holds only the held
   // units'), and the windows each unit's are gathered into.

@@ -137,12 +137,11 @@ int64_t restore(Run& run, const std::string& file, bool report, int64_t samples)
       load_checkpoint(file, run.model, &run.optimizer, &comm_state, run.world.rank());
   run.scaler.set_state(ts.scaler);
   run.guard.restore(ts.recent_losses, ts.recent_norms);
-  if (run.optimizer.master() && run.cfg.precision.stochastic_rounding) {
-    run.optimizer.round_master(ts.step);  // the last update's rounding, not nearest-even
-    run.gather_params();                  // ZeRO: the other ranks' pieces
-  } else if (run.gatherer) {
-    run.gatherer->refresh();  // the held units, and windows gathered afresh (after a rollback)
-  }
+  const bool rounded = run.optimizer.master() && run.cfg.precision.stochastic_rounding;
+  if (rounded) run.optimizer.round_master(ts.step);  // the last update's rounding, not nearest-even
+  // ZeRO: the other ranks' pieces; ZeRO-3: the held units, and windows gathered afresh (after a
+  // rollback they hold the abandoned weights).
+  if (rounded || run.gatherer) run.gather_params();
   const Config& cfg = run.cfg;
   if (cfg.comm.compression.method != "none") {
     const Config saved = checkpoint_config(file);

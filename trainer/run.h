@@ -259,8 +259,9 @@ struct Run {
                  decompressor),
         model(c.model, *kernels, compute_dtype(c.precision), c.train.micro_batch, c.model.seq_len,
               model_options(c, me, dims, groups.tp.get())),
-        reducer(*kernels, model.grads(), model.params(), model.table().total, *groups.dp,
-                groups.intra.get(), groups.inter.get(), reducer_options(c, model)),
+        reducer(*kernels, model.grads(), c.parallel.zero == 3 ? DPtr{} : model.params(),
+                model.table().total, *groups.dp, groups.intra.get(), groups.inter.get(),
+                reducer_options(c, model)),
         gatherer(c.parallel.zero == 3
                      ? std::make_unique<ParamGatherer>(*kernels, model.params(), model.dtype(),
                                                        model.grad_units(), *groups.dp,

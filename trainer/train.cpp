@@ -349,7 +349,7 @@ void print_dry_run(const Run& run) {
         "communication not counted\n",
         tokens, flops / 1e12, seconds, peak / 1e9, 100 * bubble, 2 * seconds);
   }
-  fmt::print("dry run: set up and allocated on {} rank{}; nothing trained, nothing written\n",
+  fmt::print("dry run: set up and allocated on {} rank{}; nothing trained, no run files written\n",
              dims.world(), dims.world() == 1 ? "" : "s");
 }
 
@@ -481,7 +481,6 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
 
   if (run.gatherer) {  // ZeRO-3: this rank's pieces only
     run.optimizer.init_shard(cfg.run.seed);
-    if (cfg.precision.stochastic_rounding) run.optimizer.set_stochastic_rounding(cfg.run.seed);
   } else if (run.optimizer.master()) {  // exact fp32 values for the master, rounded for the model
     Kernels& k = *run.kernels;
     const int64_t total = run.model.table().total;
@@ -490,14 +489,15 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     run.optimizer.init_master(full);
     k.convert(run.model.params(), full, total, 0);
     k.free(full);
-    if (cfg.precision.stochastic_rounding) run.optimizer.set_stochastic_rounding(cfg.run.seed);
   } else {
     run.model.init_parameters(cfg.run.seed);
   }
+  if (run.optimizer.master() && cfg.precision.stochastic_rounding)
+    run.optimizer.set_stochastic_rounding(cfg.run.seed);
   int64_t step = 0;
   if (!init.empty())  // a warm start: the weights only, checked by rank 0 above
     load_weights(init, run.model, &run.optimizer);
-  if (run.gatherer) run.gatherer->refresh();  // ZeRO-3: the held units whole
+  if (run.gatherer) run.gather_params();  // ZeRO-3: the held units whole
   if (!init.empty()) {
     if (leader) {
       fmt::print(
@@ -548,9 +548,11 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   if ((cfg.checkpoint.async || auto_interval) &&
       (cfg.checkpoint.every_steps != 0 || cfg.checkpoint.every_minutes > 0)) {
     take_snapshot(run.model, &run.optimizer, run.writes_checkpoint(), run.writer.snapshot());
-    const auto t0 = Clock::now();
-    take_snapshot(run.model, &run.optimizer, run.writes_checkpoint(), run.writer.snapshot());
-    costs.stall_s = seconds_since(t0);
+    if (costs.mtbf_s > 0) {
+      const auto t0 = Clock::now();
+      take_snapshot(run.model, &run.optimizer, run.writes_checkpoint(), run.writer.snapshot());
+      costs.stall_s = seconds_since(t0);
+    }
   }
   // Rank 0's mean step time (the first step of this process aside: warm-up).
   double steps_s = 0;
@@ -614,19 +616,29 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     log->event({{"step", at}, {"sample", text}});
   };
   // A finished write, as every rank saw it: logged by rank 0; false if it failed.
+  // The newest checkpoint a rollback could return to: the run's start, or one written or being
+  // written (a failed write falls back to the last one written).
+  int64_t last_checkpoint_step = resume.empty() ? -1 : step,
+          last_written_step = last_checkpoint_step;
   auto report = [&](const std::optional<CheckpointWriter::Result>& r) {
     if (!r) return true;
-    if (leader && r->error.empty()) {
+    if (!r->error.empty()) {
+      last_checkpoint_step = last_written_step;
+      if (leader) {
+        fmt::print(stderr, "trainer: {} (the previous checkpoints are intact)\n", r->error);
+        log->event({{"step", r->step}, {"checkpoint_error", r->error}});
+      }
+      return false;
+    }
+    last_written_step = r->step;
+    if (leader) {
       fmt::print("step {:6d} | checkpoint {} written ({:.0f} ms)\n", r->step, r->dir,
                  r->write_s * 1e3);
       log->event({{"step", r->step}, {"checkpoint", r->dir}, {"write_ms", r->write_s * 1e3}});
       costs.write_s = r->write_s;
       if (r->step < cfg.train.steps) advise();  // the final one changes nothing
-    } else if (leader) {
-      fmt::print(stderr, "trainer: {} (the previous checkpoints are intact)\n", r->error);
-      log->event({{"step", r->step}, {"checkpoint_error", r->error}});
     }
-    return r->error.empty();
+    return true;
   };
   // Waits for the write in flight and reports it. A write that hangs (a dead peer inside a
   // parallel HDF5 collective, a stuck file system) ends the job like a hung collective.
@@ -636,10 +648,11 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     return report(run.writer.wait());
   };
   auto last_checkpoint_time = Clock::now();
-  int64_t last_checkpoint_step = resume.empty() ? -1 : step;  // the newest this run can return to
   // Training pays only for copying its state to host memory (the stall); the writer thread does
   // the rest unless `sync`. Returns false if a synchronous write failed.
-  auto checkpoint = [&](int64_t at, bool sync) {
+  // protective: written after a bad step, whose gradients the compressors' error-feedback
+  // residuals already hold: the checkpoint leaves them out (a resume from it starts them at zero).
+  auto checkpoint = [&](int64_t at, bool sync, bool protective = false) {
     const auto t0 = Clock::now();
     bool ok = await_writer();  // one write at a time
     Snapshot& snap = run.writer.snapshot();
@@ -658,7 +671,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     snap.config_text = config_to_toml(cfg);
     snap.tokenizer = run.tokenizer->serialize();
     snap.seed = cfg.run.seed;
-    snap.comm_state = run.reducer.compression_state();
+    snap.comm_state = protective ? std::vector<float>{} : run.reducer.compression_state();
     double size = double(snap.comm_state.size());
     std::vector<double> sizes(world.size());
     world.comm().all_gather(host_ptr(&size), host_ptr(sizes.data()), 1);
@@ -780,7 +793,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
             step, stats.bad, step);
         log->event({{"step", step}, {"protective_checkpoint", step}});
       }
-      checkpoint(step, false);
+      checkpoint(step, false, true);
     }
     if (leader && data_wait.starved(stats.data_s, stats.total_s)) {
       const std::string warning = fmt::format(
