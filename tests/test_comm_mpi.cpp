@@ -226,19 +226,33 @@ TEST(Mpi, GradReducerMatchesTheSumInEveryMode) {
 // over ranks and micro-batches, flat and hierarchical, with random delays between units (so
 // that reductions finish in a different order on every rank) and two windows for five lent
 // units (so that open() waits for reductions to retire).
+// Four ranks split into two "nodes" of two (intra: 0 1 | 2 3; inter: 0 2 | 1 3), and a shard's
+// gradient units aligned to U = 16 x 4: a held embedding, four blocks of different sizes, a head.
+struct TwoNodeUnits {
+  std::unique_ptr<Communicator> intra, inter;
+  std::vector<GradUnit> units;
+  int64_t total;
+};
+TwoNodeUnits two_node_units(World& w, int64_t U) {
+  const int r = w.comm().rank();
+  return {w.group(r < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3}),
+          w.group(r % 2 == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3}),
+          {{0, 4 * U, true},
+           {4 * U, 7 * U, false},
+           {7 * U, 9 * U, false},
+           {9 * U, 14 * U, false},
+           {14 * U, 15 * U, false},
+           {15 * U, 18 * U, false}},
+          18 * U};
+}
+
 TEST(Mpi, ZeroTwoReducesEachWindowIntoTheShard) {
   World& w = *g_world;
   Communicator& c = w.comm();
   const int r = c.rank(), P = c.size();
   const int64_t U = 16 * P;
   auto k = make_cpu_kernels();
-  auto intra = w.group(r < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3});
-  auto inter = w.group(r % 2 == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3});
-  // A held embedding, four blocks of different sizes, a head.
-  const std::vector<GradUnit> units = {{0, 4 * U, true},        {4 * U, 7 * U, false},
-                                       {7 * U, 9 * U, false},   {9 * U, 14 * U, false},
-                                       {14 * U, 15 * U, false}, {15 * U, 18 * U, false}};
-  const int64_t total = 18 * U;
+  const auto [intra, inter, units, total] = two_node_units(w, U);
   const int micro_batches = 3;
   auto value = [](int m, int q, int64_t i) { return float((i * 7 + q * 13 + m * 5) % 17); };
   for (bool hierarchical : {false, true}) {
@@ -306,15 +320,10 @@ TEST(Mpi, ZeroTwoReducesEachWindowIntoTheShard) {
 TEST(Mpi, ZeroThreeGathersEachUnitIntoItsWindow) {
   World& w = *g_world;
   Communicator& c = w.comm();
-  const int r = c.rank(), P = c.size();
+  const int P = c.size();
   const int64_t U = 16 * P;
   auto k = make_cpu_kernels();
-  auto intra = w.group(r < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3});
-  auto inter = w.group(r % 2 == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3});
-  const std::vector<GradUnit> units = {{0, 4 * U, true},        {4 * U, 7 * U, false},
-                                       {7 * U, 9 * U, false},   {9 * U, 14 * U, false},
-                                       {14 * U, 15 * U, false}, {15 * U, 18 * U, false}};
-  const int64_t total = 18 * U;
+  const auto [intra, inter, units, total] = two_node_units(w, U);
   for (bool hierarchical : {false, true}) {
     SCOPED_TRACE(testing::Message() << "hierarchical " << hierarchical);
     DPtr held = k->alloc(4 * U, DType::f32);
