@@ -108,9 +108,10 @@ class ModelDefinition {
   const ParamTable& table() const { return table_; }
   VocabSlice vocab() const { return vocab_; }  // the vocabulary rows this rank holds
   // The rows of the residual stream a buffer holds for a (B, T) batch: all B T, or with sequence
-  // parallelism this rank's share (and at least T: inference does not split rows).
+  // parallelism this rank's share. (Inference, which does not split rows, runs a long prompt in
+  // chunks of at most that many tokens.)
   int64_t stream_rows(int64_t B, int64_t T) const {
-    return shard_.sequence_parallel ? std::max(B * T / shard_.tp_size, T) : B * T;
+    return shard_.sequence_parallel ? B * T / shard_.tp_size : B * T;
   }
 
   // --- the plan, from shapes alone (keeps_probs: Kernels::attention_keeps_probabilities()) ----

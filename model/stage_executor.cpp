@@ -319,7 +319,7 @@ LayerCall StageExecutor::call(int slot, int B, int T, const DPtr* acts) const {
               B,
               T};
   if (windowed_params_) c.progress = &forward_progress_;  // backward sets its own
-  c.sp = !inference_ && splits_rows(B, T);
+  c.sp = sp_ && !inference_;
   c.norm_grad_scratch = norm_grad_scratch_;
   c.inference = inference_;
   c.pos0 = pos0_;
@@ -381,7 +381,7 @@ double StageExecutor::forward(int slot, const int32_t* tokens, const int32_t* ta
                               int T) {
   if (slot < 0 || slot >= slots_) throw std::out_of_range("activation slot out of range");
   if (B > max_B_ || T > max_T_) throw std::invalid_argument("batch larger than planned");
-  if (sp_ && !splits_rows(B, T) && B > 1)
+  if (sp_ && int64_t(B) * T % tp_.size())
     throw std::invalid_argument(
         "sequence parallelism splits the B x T rows over tp: " + std::to_string(B) + " x " +
         std::to_string(T) + " is not a multiple of tp = " + std::to_string(tp_.size()));
@@ -405,6 +405,7 @@ double StageExecutor::forward(int slot, const int32_t* tokens, const int32_t* ta
 void StageExecutor::infer(const int32_t* tokens, int T, int pos0) {
   if (pos0 < 0 || pos0 + T > max_T_)
     throw std::invalid_argument("inference past the planned context");
+  if (T > inference_rows()) throw std::invalid_argument("more tokens than infer() takes at once");
   if (shard().first_stage()) std::copy(tokens, tokens + T, tokens_[0].begin());
   have_probs_[0] = false;
   dropout_keys_[0] = 0;

@@ -13,6 +13,7 @@
 // leaves its output in output(slot); backward reads the output's gradient from grad_io() and
 // leaves the input's gradient there. Each of `slots` micro-batches in flight has its own
 // activations.
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -171,14 +172,15 @@ class StageExecutor {
   void train_mode(uint64_t step_key, int first, int stride);
   void eval_mode() { training_ = false; }
 
-  // Whether a (B, T) batch's rows are split over the tensor-parallel group (training and
-  // evaluation forwards with sequence parallelism): when they divide evenly. One sequence of
-  // another length runs whole (a multiple-choice ending's; the stream buffers hold T rows).
-  bool splits_rows(int B, int T) const { return sp_ && int64_t(B) * T % tp_.size() == 0; }
   // What a stage receives and sends for a (B, T) micro-batch: its rows of the residual stream
-  // (all B T, or split, this rank's share), times d_model.
+  // (all B T, or with sequence parallelism this rank's share), times d_model.
   int64_t io_elems(int B, int T) const {
-    return int64_t(B) * T / (splits_rows(B, T) ? tp_.size() : 1) * config().d_model;
+    return int64_t(B) * T / (sp_ ? tp_.size() : 1) * config().d_model;
+  }
+  // The most tokens one infer() call takes: the rows the stream buffers hold (a longer prompt
+  // goes in chunks, each attending to the ones before through the key/value cache).
+  int inference_rows() const {
+    return int(std::min<int64_t>(def_->stream_rows(max_B_, max_T_), max_T_));
   }
   // The residual stream, (B, T, C) (with sequence parallelism this rank's rows: io_elems()):
   DPtr input(int slot) const;       // where a later stage receives its input

@@ -475,6 +475,32 @@ TEST_F(MpiCli, SequenceParallelHoldsATpthOfTheStream) {
   EXPECT_GT(activations[0] - activations[1], 20) << activations[0] << " -> " << activations[1];
   EXPECT_NEAR(got, want, 0.1 * want);
   EXPECT_NEAR(tp_bytes[1], tp_bytes[0], 0.05 * tp_bytes[0]);
+  // One sequence a micro-batch: the stream holds T / 2 = 8 rows, so the 22-byte prompt (as much
+  // of it as the 16-token context holds) is inferred in chunks of 8 through the key/value cache. The step-0 sample (the same initial weights)
+  // and validation loss are those of the unsplit run.
+  std::vector<std::string> samples;
+  std::vector<double> val;
+  for (bool sp : {false, true}) {
+    const std::string out = path(sp ? "sp1" : "plain1");
+    const auto r =
+        mpirun(2, std::string("--set parallel.tp=2 --set train.micro_batch=1 --set train.steps=1 "
+                              "--set train.val_every=1 --set train.sample_every=1 "
+                              "--set train.sample_tokens=12 --set train.sample_prompt=") +
+                      quoted("Itisatruth,universally") + " --set parallel.sequence_parallel=" +
+                      (sp ? "true" : "false") + " --set run.out_dir=" + quoted(out));
+    ASSERT_EQ(r.code, 0) << r.output;
+    std::ifstream in(out + "/metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      auto j = nlohmann::json::parse(line);
+      if (j.contains("sample") && j["step"] == 0) samples.push_back(j["sample"]);
+      if (j.contains("val_loss") && j["step"] == 0) val.push_back(j["val_loss"]);
+    }
+  }
+  ASSERT_EQ(samples.size(), 2u);
+  ASSERT_EQ(val.size(), 2u);
+  EXPECT_FALSE(samples[0].empty());
+  EXPECT_EQ(samples[1], samples[0]);
+  EXPECT_NEAR(val[1], val[0], 1e-6 * val[0]);
   std::printf(
       "[ tp 2, sp off -> on ] activations %.1f -> %.1f MB, planned %.1f -> %.1f MB, peak RSS "
       "%.0f -> %.0f MB (saves %.1f planned, %.1f measured); tp bytes per step %.0f -> %.0f\n",

@@ -81,6 +81,11 @@ int score_choices(Run& run, const std::string& file, const std::string& state) {
   broadcast_string(run.world.comm(), text, 0);
   if (text == "\x01") throw DataError(fmt::format("{}: cannot read", file));
   const std::vector<Choice> choices = read_choices(file, text, *run.tokenizer, T);
+  // Sequence parallelism splits a batch's rows over tp: each sequence is padded at its end to a
+  // multiple of it (attention is causal: padding changes no earlier position's loss), its
+  // context cut from the front where that would pass the longest multiple in T.
+  const int multiple = run.model.shard().sequence_parallel ? run.dims.tp() : 1;
+  const int limit = T / multiple * multiple;
   const auto t0 = Clock::now();
   double counts[3] = {0, 0, 0};  // right by mean loss, right by total loss, examples
   for (size_t i = size_t(run.me.dp); i < choices.size(); i += size_t(run.dims.dp())) {
@@ -90,9 +95,14 @@ int score_choices(Run& run, const std::string& file, const std::string& state) {
     for (size_t e = 0; e < c.endings.size(); e++) {
       std::vector<int32_t> seq = c.context;
       seq.insert(seq.end(), c.endings[e].begin(), c.endings[e].end());
-      if (int(seq.size()) > T + 1) seq.erase(seq.begin(), seq.end() - (T + 1));
+      if (int(seq.size()) > limit + 1) seq.erase(seq.begin(), seq.end() - (limit + 1));
       const int n = int(seq.size()) - 1, first = n - int(c.endings[e].size());
-      const std::vector<float> losses = run.pipe.token_losses(seq.data(), seq.data() + 1, 1, n);
+      const int padded = (n + multiple - 1) / multiple * multiple;
+      std::vector<int32_t> inputs(seq.begin(), seq.end() - 1), targets(seq.begin() + 1, seq.end());
+      inputs.resize(size_t(padded), 0);
+      targets.resize(size_t(padded), 0);
+      const std::vector<float> losses =
+          run.pipe.token_losses(inputs.data(), targets.data(), 1, padded);
       double sum = 0;
       for (int t = first; t < n; t++) sum += losses[t];
       const double mean = sum / (n - first);

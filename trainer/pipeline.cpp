@@ -105,17 +105,23 @@ std::vector<float> Pipeline::token_losses(const int32_t* tokens, const int32_t* 
 }
 
 void Pipeline::next_logits(const int32_t* tokens, int T, int pos0, std::vector<float>& out) {
-  const int64_t activation = int64_t(T) * model_.config().d_model;
   const int stage = pp_.rank(), last = pp_.size() - 1;
   const VocabSlice vocab = model_.vocab();
   out.resize(size_t(vocab.width) * (tp_ ? tp_->size() : 1));
-  if (stage > 0) pp_.recv(model_.input(0), activation, stage - 1, 0);
-  model_.infer(tokens, T, pos0);
-  if (stage < last) pp_.send(model_.output(0), activation, stage + 1, 0);
+  // In chunks of the rows the stream holds (a sequence-parallel stage holds 1/tp of a batch's).
+  const int chunk = model_.inference_rows();
+  int n = 0;
+  for (int at = 0; at < T; at += n) {
+    n = std::min(chunk, T - at);
+    const int64_t activation = int64_t(n) * model_.config().d_model;
+    if (stage > 0) pp_.recv(model_.input(0), activation, stage - 1, 0);
+    model_.infer(tokens + at, n, pos0 + at);
+    if (stage < last) pp_.send(model_.output(0), activation, stage + 1, 0);
+  }
   if (stage == last) {
     std::vector<float> mine(vocab.width);
     model_.kernels().download_f32(  // the logits may be 16-bit
-        mine.data(), model_.logits(0) + int64_t(T - 1) * vocab.width, vocab.width);
+        mine.data(), model_.logits(0) + int64_t(n - 1) * vocab.width, vocab.width);
     if (tp_)
       tp_->all_gather(host_ptr(mine.data()), host_ptr(out.data()), vocab.width);
     else
