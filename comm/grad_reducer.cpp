@@ -8,13 +8,6 @@
 
 namespace trainer {
 
-int64_t GradReducer::largest_lent_unit(const std::vector<GradUnit>& units) {
-  int64_t n = 0;
-  for (const GradUnit& u : units)
-    if (!u.held) n = std::max(n, u.elems());
-  return n;
-}
-
 int64_t GradReducer::window_buffer_elems(const std::vector<GradUnit>& units, int dp, int node_ranks,
                                          int windows) {
   const int64_t n = largest_lent_unit(units);

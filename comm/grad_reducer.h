@@ -81,8 +81,6 @@ class GradReducer : public GradientWindows {
   void close(int unit, int layers_left) override;
   int64_t window_elems() const { return window_elems_; }  // 0 without ZeRO-2
   int windows() const { return int(windows_.size()); }
-  // The largest unit not held: the size of a window.
-  static int64_t largest_lent_unit(const std::vector<GradUnit>& units);
   // What ZeRO-2's windows and their reduction buffers hold, in gradient elements: `windows`
   // windows of the largest unit not held, each with its piece (1/dp) and, hierarchically
   // (node_ranks > 0), its part summed inside the node (1/node_ranks), with the held units'

@@ -7,10 +7,7 @@
 namespace trainer {
 
 int64_t ParamGatherer::window_buffer_elems(const std::vector<GradUnit>& units, int windows) {
-  int64_t n = 0;
-  for (const GradUnit& u : units)
-    if (!u.held) n = std::max(n, u.elems());
-  return windows * n;
+  return windows * largest_lent_unit(units);
 }
 
 ParamGatherer::ParamGatherer(Kernels& k, DPtr held, DType dtype, const std::vector<GradUnit>& units,
@@ -36,7 +33,7 @@ ParamGatherer::ParamGatherer(Kernels& k, DPtr held, DType dtype, const std::vect
   }
   shard_elems_ = units.back().end / P_;
   shard_ = k.alloc(shard_elems_, dtype);
-  window_elems_ = window_buffer_elems(units, 1);
+  window_elems_ = largest_lent_unit(units);
   for (int w = 0; w < (window_elems_ > 0 ? windows : 0); w++)
     windows_.push_back({k.alloc(window_elems_, dtype)});
   for (size_t u = 0; u < units.size(); u++) chains_.push_back(make_chain(int(u)));

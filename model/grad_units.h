@@ -34,6 +34,9 @@ struct GradUnit {
 std::vector<GradUnit> grad_units(const ParamTable& table);
 // Where the held units end (they come first): the flat gradients a windowed shard keeps.
 int64_t held_end(const std::vector<GradUnit>& units);
+// The largest unit not held: the size of a window (of gradients under ZeRO-2, of parameters
+// under ZeRO-3).
+int64_t largest_lent_unit(const std::vector<GradUnit>& units);
 
 // What the executor asks of whoever lends windows (the reducer).
 class GradientWindows {

@@ -174,4 +174,11 @@ int64_t held_end(const std::vector<GradUnit>& units) {
   return end;
 }
 
+int64_t largest_lent_unit(const std::vector<GradUnit>& units) {
+  int64_t n = 0;
+  for (const GradUnit& u : units)
+    if (!u.held) n = std::max(n, u.elems());
+  return n;
+}
+
 }  // namespace trainer

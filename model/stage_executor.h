@@ -174,9 +174,7 @@ class StageExecutor {
 
   // What a stage receives and sends for a (B, T) micro-batch: its rows of the residual stream
   // (all B T, or with sequence parallelism this rank's share), times d_model.
-  int64_t io_elems(int B, int T) const {
-    return int64_t(B) * T / (sp_ ? tp_.size() : 1) * config().d_model;
-  }
+  int64_t io_elems(int B, int T) const { return def_->stream_rows(B, T) * config().d_model; }
   // The most tokens one infer() call takes: the rows the stream buffers hold (a longer prompt
   // goes in chunks, each attending to the ones before through the key/value cache).
   int inference_rows() const {

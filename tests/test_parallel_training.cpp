@@ -476,8 +476,8 @@ TEST_F(MpiCli, SequenceParallelHoldsATpthOfTheStream) {
   EXPECT_NEAR(got, want, 0.1 * want);
   EXPECT_NEAR(tp_bytes[1], tp_bytes[0], 0.05 * tp_bytes[0]);
   // One sequence a micro-batch: the stream holds T / 2 = 8 rows, so the 22-byte prompt (as much
-  // of it as the 16-token context holds) is inferred in chunks of 8 through the key/value cache. The step-0 sample (the same initial weights)
-  // and validation loss are those of the unsplit run.
+  // of it as the 16-token context holds) is inferred in chunks of 8 through the key/value cache.
+  // The step-0 sample (the same initial weights) and validation loss are those of the unsplit run.
   std::vector<std::string> samples;
   std::vector<double> val;
   for (bool sp : {false, true}) {

@@ -48,7 +48,7 @@ MemoryBudget memory_budget(const Config& cfg, const ParallelDims& dims, const Ra
     // while the last backward's windows may still be in flight).
     int64_t in_flight = table.total;
     if (o.windowed_grads) {
-      in_flight = windows * GradReducer::largest_lent_unit(units);
+      in_flight = windows * largest_lent_unit(units);
       for (const GradUnit& u : units) in_flight += u.held ? u.elems() : 0;
     }
     b.collectives = double(in_flight) * dtype_size(*o.grad_dtype);
