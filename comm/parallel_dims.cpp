@@ -8,7 +8,18 @@ namespace trainer {
 namespace {
 
 const char* axis_name(Axis a) {
-  return a == Axis::dp ? "dp" : a == Axis::tp ? "tp" : "pp";
+  return a == Axis::dp ? "dp" : a == Axis::tp ? "tp" : a == Axis::pp ? "pp" : "cp";
+}
+
+// The configured order of tp, pp and dp, with cp right after tp.
+std::array<Axis, 4> with_cp(const std::array<Axis, 3>& order) {
+  std::array<Axis, 4> axes{};
+  int n = 0;
+  for (Axis a : order) {
+    axes[n++] = a;
+    if (a == Axis::tp) axes[n++] = Axis::cp;
+  }
+  return axes;
 }
 
 std::array<Axis, 3> parse_order(const std::string& order) {
@@ -43,22 +54,31 @@ std::array<Axis, 3> parse_order(const std::string& order) {
 }  // namespace
 
 ParallelDims ParallelDims::make(int world, int dp, int tp, int pp, const std::string& order,
-                                const ModelConfig& model) {
-  if (world < 1 || dp < 0 || tp < 1 || pp < 1)
-    throw ConfigError(fmt::format("[parallel] invalid degrees: world {}, dp {}, tp {}, pp {}",
-                                  world, dp, tp, pp));
+                                const ModelConfig& model, int cp) {
+  if (world < 1 || dp < 0 || tp < 1 || pp < 1 || cp < 1)
+    throw ConfigError(fmt::format(
+        "[parallel] invalid degrees: world {}, dp {}, cp {}, tp {}, pp {}", world, dp, cp, tp, pp));
+  const int model_ranks = tp * pp * cp;  // one data-parallel replica's
+  // cp is named only where it is used.
+  const std::string names = cp > 1 ? "cp x tp x pp" : "tp x pp";
+  const std::string values =
+      cp > 1 ? fmt::format("{} x {} x {}", cp, tp, pp) : fmt::format("{} x {}", tp, pp);
   if (dp == 0) {
-    if (world % (tp * pp) != 0)
+    if (world % model_ranks != 0)
       throw ConfigError(fmt::format(
-          "[parallel] world size {} is not divisible by tp x pp = {} x {} = {}, so dp cannot be "
-          "derived",
-          world, tp, pp, tp * pp));
-    dp = world / (tp * pp);
+          "[parallel] world size {} is not divisible by {} = {} = {}, so dp cannot be derived",
+          world, names, values, model_ranks));
+    dp = world / model_ranks;
   }
-  if (dp * tp * pp != world)
+  if (int64_t(dp) * model_ranks != world)
     throw ConfigError(
-        fmt::format("[parallel] dp x tp x pp = {} x {} x {} = {} does not match the world size {}",
-                    dp, tp, pp, dp * tp * pp, world));
+        fmt::format("[parallel] dp x {} = {} x {} = {} does not match the world size {}", names, dp,
+                    values, int64_t(dp) * model_ranks, world));
+  if (cp > 1 && model.seq_len % (2 * cp) != 0)
+    throw ConfigError(fmt::format(
+        "[parallel] cp = {} cuts each sequence into 2 x cp = {} chunks: model.seq_len = {} is not "
+        "a multiple of it",
+        cp, 2 * cp, model.seq_len));
   if (model.n_head % tp != 0)
     throw ConfigError(fmt::format("[parallel] tp = {} must divide n_head = {}", tp, model.n_head));
   if (model.kv_heads() % tp != 0)
@@ -81,8 +101,8 @@ ParallelDims ParallelDims::make(int world, int dp, int tp, int pp, const std::st
 
   ParallelDims d;
   d.world_ = world;
-  d.size_ = {dp, tp, pp};
-  d.order_ = parse_order(order);
+  d.size_ = {dp, tp, pp, cp};
+  d.order_ = with_cp(parse_order(order));
   int stride = 1;
   for (Axis a : d.order_) {
     d.stride_[int(a)] = stride;
@@ -93,12 +113,20 @@ ParallelDims ParallelDims::make(int world, int dp, int tp, int pp, const std::st
 
 RankCoords ParallelDims::coords(int rank) const {
   auto at = [&](Axis a) { return rank / stride_[int(a)] % size_[int(a)]; };
-  return {at(Axis::dp), at(Axis::tp), at(Axis::pp)};
+  return {at(Axis::dp), at(Axis::tp), at(Axis::pp), at(Axis::cp)};
 }
 
 int ParallelDims::rank_of(const RankCoords& c) const {
   return c.dp * stride_[int(Axis::dp)] + c.tp * stride_[int(Axis::tp)] +
-         c.pp * stride_[int(Axis::pp)];
+         c.pp * stride_[int(Axis::pp)] + c.cp * stride_[int(Axis::cp)];
+}
+
+std::vector<int> ParallelDims::replica_group(int rank) const {
+  RankCoords c = coords(rank);
+  std::vector<int> ranks;
+  for (c.dp = 0; c.dp < dp(); c.dp++)
+    for (c.cp = 0; c.cp < cp(); c.cp++) ranks.push_back(rank_of(c));
+  return ranks;
 }
 
 std::vector<int> ParallelDims::group(Axis axis, int rank) const {
@@ -110,10 +138,14 @@ std::vector<int> ParallelDims::group(Axis axis, int rank) const {
 }
 
 std::string ParallelDims::describe() const {
-  std::string out =
-      fmt::format("layout: world {} = dp {} x tp {} x pp {}, order {}-{}-{}\n", world_, dp(), tp(),
-                  pp(), axis_name(order_[0]), axis_name(order_[1]), axis_name(order_[2]));
-  for (Axis a : {Axis::tp, Axis::pp, Axis::dp}) {
+  std::string out = fmt::format("layout: world {} = dp {}{} x tp {} x pp {}, order ", world_, dp(),
+                                cp() > 1 ? fmt::format(" x cp {}", cp()) : "", tp(), pp());
+  for (Axis a : order_)
+    if (a != Axis::cp || cp() > 1)
+      out += fmt::format("{}{}", a == order_[0] ? "" : "-", axis_name(a));
+  out += "\n";
+  for (Axis a : {Axis::tp, Axis::cp, Axis::pp, Axis::dp}) {
+    if (a == Axis::cp && cp() == 1) continue;
     out += fmt::format("  {} groups:", axis_name(a));
     for (int r = 0; r < world_; r++) {
       if (coords(r)[a] != 0) continue;  // list each group once, from its first member

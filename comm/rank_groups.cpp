@@ -46,7 +46,8 @@ Groups make_groups(World& world, const ParallelDims& dims, const ParallelConfig&
     return wrap ? wrap(std::move(c)) : std::move(c);
   };
   Groups g;
-  g.dp = group(dims.group(Axis::dp, rank));
+  g.dp = group(dims.replica_group(rank));
+  g.cp = group(dims.group(Axis::cp, rank));
   g.tp = group(dims.group(Axis::tp, rank));
   g.pp = group(dims.group(Axis::pp, rank));
   const std::vector<int> stages = dims.group(Axis::pp, rank);
@@ -58,7 +59,7 @@ Groups make_groups(World& world, const ParallelDims& dims, const ParallelConfig&
     auto node = [&](int r) {
       return pc.ranks_per_node > 0 ? r / pc.ranks_per_node : world.node_of(r);
     };
-    auto [intra, inter] = split_by_node(dims.group(Axis::dp, rank), rank, node);
+    auto [intra, inter] = split_by_node(dims.replica_group(rank), rank, node);
     g.intra = group(intra);
     g.inter = group(inter);
   }

@@ -1,7 +1,7 @@
 #pragma once
-// The communicators of one rank: its data-, tensor- and pipeline-parallel groups, the tied
-// embedding's pair of stages and, for the hierarchical all-reduce, its data-parallel peers split
-// by node. Collective over the world.
+// The communicators of one rank: its data-, context-, tensor- and pipeline-parallel groups, the
+// tied embedding's pair of stages and, for the hierarchical all-reduce, its data-parallel peers
+// split by node. Collective over the world.
 #include <functional>
 #include <memory>
 
@@ -13,7 +13,10 @@ namespace trainer {
 
 // This rank's communicators, one per group it belongs to.
 struct Groups {
-  std::unique_ptr<Communicator> dp, tp, pp;
+  // dp: every rank holding the same parameters (ParallelDims::replica_group: the data-parallel
+  // ranks and, with context parallelism, their context-parallel peers): gradients, ZeRO shards.
+  // cp: the context-parallel ring.
+  std::unique_ptr<Communicator> dp, cp, tp, pp;
   std::unique_ptr<Communicator> emb;           // first and last stage: the tied embedding
   std::unique_ptr<Communicator> intra, inter;  // hierarchical reduction: dp split by node
 };

@@ -530,13 +530,28 @@ Config parse_config(const std::string& text, const std::string& origin,
     r.field("allreduce", p.allreduce, one_of({"flat", "hierarchical"}));
     r.field("ranks_per_node", p.ranks_per_node, in_range(0, 1 << 20));
     r.field("sequence_parallel", p.sequence_parallel);
+    r.field("cp", p.cp, in_range(1, 1 << 16));
     r.finish();
-    // Sequence parallelism splits each micro-batch's B x T rows over the tensor-parallel ranks.
-    if (p.sequence_parallel && p.tp > 1 && int64_t(c.train.micro_batch) * c.model.seq_len % p.tp)
+    // Context parallelism cuts each sequence into 2 cp chunks, two to a rank.
+    if (p.cp > 1 && c.model.seq_len % (2 * p.cp))
+      throw ConfigError(fmt::format(
+          "{}: [parallel] cp = {} cuts each sequence into 2 x cp = {} chunks: model.seq_len = {} "
+          "is not a multiple of it",
+          r.origin("cp"), p.cp, 2 * p.cp, c.model.seq_len));
+    if (p.cp > 1 && c.run.device != "cpu")
+      throw ConfigError(fmt::format(
+          "{}: [parallel] cp = {}: context parallelism (ring attention) runs on the CPU backend "
+          "only; the CUDA backend has no ring-attention kernels yet",
+          r.origin("cp"), p.cp));
+    // Sequence parallelism splits each micro-batch's B x T rows (T / cp of each sequence with
+    // context parallelism) over the tensor-parallel ranks.
+    if (p.sequence_parallel && p.tp > 1 &&
+        int64_t(c.train.micro_batch) * (c.model.seq_len / p.cp) % p.tp)
       throw ConfigError(fmt::format(
           "{}: [parallel] sequence_parallel splits the micro-batch's rows over tp = {}: "
-          "train.micro_batch x model.seq_len = {} x {} is not a multiple of it",
-          r.origin("sequence_parallel"), p.tp, c.train.micro_batch, c.model.seq_len));
+          "train.micro_batch x model.seq_len{} = {} x {} is not a multiple of it",
+          r.origin("sequence_parallel"), p.tp, p.cp > 1 ? " / cp" : "", c.train.micro_batch,
+          c.model.seq_len / p.cp));
     // One knob for the micro-batches of a step: the pipeline's micro_batches and gradient
     // accumulation are the same thing, so setting both differently is a contradiction.
     if (p.micro_batches > 0 && !c.train.batch_ramp.empty())
@@ -786,7 +801,8 @@ std::string config_to_toml(const Config& c) {
                                {"overlap", c.parallel.overlap},
                                {"allreduce", c.parallel.allreduce},
                                {"ranks_per_node", c.parallel.ranks_per_node},
-                               {"sequence_parallel", c.parallel.sequence_parallel}}},
+                               {"sequence_parallel", c.parallel.sequence_parallel},
+                               {"cp", c.parallel.cp}}},
       {"memory", toml::table{{"recompute", c.memory.recompute},
                              {"recompute_layers", c.memory.recompute_layers}}},
       {"precision", toml::table{{"compute", c.precision.compute},

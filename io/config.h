@@ -98,8 +98,8 @@ struct OptimConfig {
   bool decay_norms_and_biases = false;
 };
 
-// How the job's processes split the work (see comm/parallel_dims.h). dp x tp x pp must be the
-// world size; dp = 0 derives it.
+// How the job's processes split the work (see comm/parallel_dims.h). dp x cp x tp x pp must be
+// the world size; dp = 0 derives it.
 struct ParallelConfig {
   int dp = 0;
   int tp = 1;
@@ -117,6 +117,9 @@ struct ParallelConfig {
   // Megatron's sequence parallelism with tp > 1: norms, dropout and the residual stream hold
   // 1/tp of the rows; all-gather / reduce-scatter instead of the all-reduces
   bool sequence_parallel = false;
+  // Context parallelism (ring attention, model/context_parallel.h): each sequence's tokens split
+  // over cp ranks, for sequences too long for one rank's memory. CPU backend only for now.
+  int cp = 1;
 };
 
 // Mixed precision: weights (the compute copy), activations and, optionally, gradients stored in

@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,24 @@ struct VocabSlice {
 struct Range {
   int64_t offset = 0, count = 0;
   bool operator==(const Range& o) const { return offset == o.offset && count == o.count; }
+};
+
+// Where a rank's tokens of each sequence sit in the whole sequence under context parallelism:
+// its T tokens are two chunks of T / 2, the first at positions [start0, start0 + T / 2), the
+// second at [start1, ...) (the causal load balancing of Megatron's and torchtitan's context
+// parallelism: rank r of cp holds chunks r and 2 cp - 1 - r of the sequence's 2 cp).
+struct TokenChunks {
+  int chunk = 0, start0 = 0, start1 = 0;
+  TRAINER_HD int position(int t) const { return t < chunk ? start0 + t : start1 + (t - chunk); }
+};
+
+// One part of ring attention (model/context_parallel.h): this rank's queries against the keys
+// and values of one rank of the ring, T tokens of each of B sequences on both sides, at the
+// positions `queries` and `keys`; query i sees key j when keys.position(j) <= queries.position(i).
+struct AttentionPart {
+  int B = 0, T = 0, C = 0, NH = 0, NKV = 0;
+  TokenChunks queries, keys;
+  bool first = false;  // the first part: forward sets out and lse instead of combining
 };
 
 struct AdamWArgs {
@@ -180,6 +199,23 @@ class Kernels {
   // [0, T); the queries of rows [q0, T) attend causally to keys [0, their position].
   // out(T - q0, C). Keeps nothing.
   virtual void attention_inference(DPtr out, DPtr qkv, int T, int q0, int C, int NH, int NKV) = 0;
+
+  // --- attention by parts, for ring attention (context parallelism) ---------------------------
+  // q and kv are (B, T, C + 2 NKV hs) rows as qkv above; a part reads q's query heads and kv's
+  // key and value heads. Forward folds the part into out(B, T, C) and each row's log-sum-exp
+  // lse(B, NH, T) (the statistics' dtype) by the online softmax: the first part sets them, a
+  // later one rescales and adds (a row that sees no key of the part is left as it is). Backward,
+  // from the whole attention's out, lse and dout: dq's query columns += the part's gradient,
+  // dkv's key and value columns += (the other columns untouched). A backend without them throws.
+  virtual void attention_part_forward(DPtr /*out*/, DPtr /*lse*/, DPtr /*q*/, DPtr /*kv*/,
+                                      const AttentionPart&) {
+    throw std::logic_error(name() + " has no ring-attention kernels (context parallelism)");
+  }
+  virtual void attention_part_backward(DPtr /*dq*/, DPtr /*dkv*/, DPtr /*dout*/, DPtr /*q*/,
+                                       DPtr /*kv*/, DPtr /*out*/, DPtr /*lse*/,
+                                       const AttentionPart&) {
+    throw std::logic_error(name() + " has no ring-attention kernels (context parallelism)");
+  }
 
   // --- rotary position embedding (RoPE), in place on the query and key heads of qkv ----------
   // qkv(B,T,(NH + 2 NKV) hs) as above; token t of each sequence is at position pos0 + t.

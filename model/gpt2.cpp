@@ -67,7 +67,7 @@ class Gpt2 final : public ModelDefinition {
     return {{BT * C_},
             {R, true},
             {R, true},
-            {.elems = BT * 3 * Cl_, .kv_cache = true},
+            {.elems = qkv_rows(B, T) * 3 * Cl_, .kv_cache = true},
             attention_keeps(B, NHl_, T, keeps_probs),
             {BT * Cl_},
             {R * C_},
@@ -85,32 +85,35 @@ class Gpt2 final : public ModelDefinition {
   // d_drop: the gradient of a dropped projection output (with dropout only). With sequence
   // parallelism, d_full: a whole (B T, C) gradient gathered from the ranks' rows (or in forward
   // a projection's partial output), and d_local: this rank's rows of a reduce-scattered one.
-  enum Scratch { d_ln, d_qkv, d_att, d_atty, d_fch, d_drop, d_full, d_local };
+  // ring: ring attention's four buffers (context parallelism).
+  enum Scratch { d_ln, d_qkv, d_att, d_atty, d_fch, d_drop, d_full, d_local, ring };
   std::vector<ActSpec> backward_scratch(int64_t B, int64_t T, bool keeps_probs) const override {
     const int64_t BT = B * T;
     const bool sp = shard_.sequence_parallel;
-    return {{BT * C_},
-            {BT * 3 * Cl_},
-            {keeps_probs ? B * NHl_ * T * T : 0},
-            {BT * Cl_},
-            {BT * 4 * Cl_},
-            {cfg_.dropout > 0 ? BT * C_ : 0},
-            {sp ? BT * C_ : 0},
-            {sp ? stream_rows(B, T) * C_ : 0}};
+    std::vector<ActSpec> v = {{BT * C_},
+                              {BT * 3 * Cl_},
+                              {probs_kept(keeps_probs) ? B * NHl_ * T * T : 0},
+                              {BT * Cl_},
+                              {BT * 4 * Cl_},
+                              {cfg_.dropout > 0 ? BT * C_ : 0},
+                              {sp ? BT * C_ : 0},
+                              {sp ? stream_rows(B, T) * C_ : 0}};
+    for (const ActSpec& r : ring_scratch(B, T, 3 * Cl_)) v.push_back(r);
+    return v;
   }
 
   void embed_forward(const LayerCall& c, DPtr x, const int32_t* tokens) const override {
     // The position embedding is added on one tensor-parallel rank: the sum adds it once.
-    const DPtr wpe = c.tp.rank() == 0 ? P(c, wpe_) + int64_t(c.pos0) * C_ : DPtr{};
+    const DPtr wpe = c.tp.rank() == 0 ? P(c, wpe_) : DPtr{};
     const DPtr partial = leave_target(c, x, c.scratch[d_full]);
-    c.k.encoder_forward(partial, tokens, P(c, wte_), wpe, c.B, c.T, C_, vocab_);
+    embed_tokens(c, partial, tokens, P(c, wte_), wpe, C_, vocab_);
     leave_forward(c, partial, x, C_);
     dropout(c, x, c.rows() * C_, kEmbedSite, c.row0() * C_);
   }
   void embed_backward(const LayerCall& c, DPtr dx, const int32_t* tokens) const override {
     dropout(c, dx, c.rows() * C_, kEmbedSite, c.row0() * C_);
     const DPtr d = leave_backward(c, dx, c.scratch[d_full], C_);
-    c.k.encoder_backward(G(c, wte_), G(c, wpe_), d, tokens, c.B, c.T, C_, vocab_);
+    embed_tokens_backward(c, G(c, wte_), G(c, wpe_), d, tokens, C_, vocab_);
   }
 
   void layer_forward(const LayerCall& c, int l, DPtr x, DPtr out) const override {
@@ -125,7 +128,7 @@ class Gpt2 final : public ModelDefinition {
     enter_forward(c, a[ln1], C_);
     k.matmul_forward(qkv_rows, a[ln1], P(c, w.qkv_w), P(c, w.qkv_b), BT, C_, 3 * Cl_);
     c.tick();  // collectives in flight (ZeRO-3's next unit) progress between kernels
-    attention(c, a[atty], a[att], a[qkv], Cl_, NHl_, NHl_);
+    attention(c, a[atty], a[att], a[qkv], Cl_, NHl_, NHl_, s + ring);
     c.tick();
     const DPtr proj = leave_target(c, a[res2], s[d_full]);
     k.matmul_forward(proj, a[atty], P(c, w.proj_w), row_bias(c, w.proj_b), BT, Cl_, C_);
@@ -174,8 +177,8 @@ class Gpt2 final : public ModelDefinition {
     k.matmul_backward(s[d_atty], G(c, w.proj_w), G(c, w.proj_b), d_attn, a[atty], P(c, w.proj_w),
                       BT, Cl_, C_);
     c.tick();
-    k.attention_backward(s[d_qkv], s[d_att], s[d_atty], a[qkv], a[atty], a[att], c.B, c.T, Cl_,
-                         NHl_);
+    attention_backward(c, s[d_qkv], s[d_att], s[d_atty], a[qkv], a[atty], a[att], Cl_, NHl_, NHl_,
+                       s + ring);
     c.tick();
     k.matmul_backward(s[d_ln], G(c, w.qkv_w), G(c, w.qkv_b), s[d_qkv], a[ln1], P(c, w.qkv_w), BT,
                       C_, 3 * Cl_);
@@ -211,7 +214,7 @@ class Gpt2 final : public ModelDefinition {
   static uint64_t mlp_site(int l) { return 2 + 2 * uint64_t(l); }
   // The gradient of a dropped output whose result's gradient is d (which flows on unchanged
   // through the residual): d itself without dropout, else d dropped into `scratch`.
-  static DPtr dropped_grad(const LayerCall& c, DPtr d, DPtr scratch, int64_t n, uint64_t site) {
+  DPtr dropped_grad(const LayerCall& c, DPtr d, DPtr scratch, int64_t n, uint64_t site) const {
     if (c.dropout <= 0) return d;
     c.k.convert(scratch, d, n, 0);
     dropout(c, scratch, n, site);

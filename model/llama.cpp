@@ -56,7 +56,7 @@ class Llama final : public ModelDefinition {
     const int64_t BT = B * T, R = stream_rows(B, T);
     return {{BT * C_},
             {R, true},
-            {.elems = BT * QKVl_, .kv_cache = true},
+            {.elems = qkv_rows(B, T) * QKVl_, .kv_cache = true},
             attention_keeps(B, NHl_, T, keeps_probs),
             {BT * Cl_},
             {R * C_},
@@ -72,18 +72,21 @@ class Llama final : public ModelDefinition {
   // With sequence parallelism, d_full: a whole (B T, C) gradient gathered from the ranks' rows
   // (or in forward a projection's partial output), and d_local: this rank's rows of a
   // reduce-scattered one.
-  enum Scratch { d_norm, d_qkv, d_att, d_atty, d_gate_up, d_swi, d_full, d_local };
+  // ring: ring attention's four buffers (context parallelism).
+  enum Scratch { d_norm, d_qkv, d_att, d_atty, d_gate_up, d_swi, d_full, d_local, ring };
   std::vector<ActSpec> backward_scratch(int64_t B, int64_t T, bool keeps_probs) const override {
     const int64_t BT = B * T;
     const bool sp = shard_.sequence_parallel;
-    return {{BT * C_},
-            {BT * QKVl_},
-            {keeps_probs ? B * NHl_ * T * T : 0},
-            {BT * Cl_},
-            {BT * 2 * Fl_},
-            {BT * Fl_},
-            {sp ? BT * C_ : 0},
-            {sp ? stream_rows(B, T) * C_ : 0}};
+    std::vector<ActSpec> v = {{BT * C_},
+                              {BT * QKVl_},
+                              {probs_kept(keeps_probs) ? B * NHl_ * T * T : 0},
+                              {BT * Cl_},
+                              {BT * 2 * Fl_},
+                              {BT * Fl_},
+                              {sp ? BT * C_ : 0},
+                              {sp ? stream_rows(B, T) * C_ : 0}};
+    for (const ActSpec& r : ring_scratch(B, T, QKVl_)) v.push_back(r);
+    return v;
   }
 
   // The rotary table: cos and sin of every position x frequency, fp32, on the backend.
@@ -119,8 +122,8 @@ class Llama final : public ModelDefinition {
     enter_forward(c, a[attn_norm], C_);
     k.matmul_forward(qkv_rows, a[attn_norm], P(c, w.wqkv), DPtr{}, BT, C_, QKVl_);
     c.tick();  // collectives in flight (ZeRO-3's next unit) progress between kernels
-    k.rope_forward(qkv_rows, rope_, c.B, c.T, NHl_, NKVl_, hs_, c.pos0);
-    attention(c, a[atty], a[att], a[qkv], Cl_, NHl_, NKVl_);
+    rope(c, qkv_rows, false);
+    attention(c, a[atty], a[att], a[qkv], Cl_, NHl_, NKVl_, s + ring);
     c.tick();
     const DPtr wo = leave_target(c, a[res2], s[d_full]);
     k.matmul_forward(wo, a[atty], P(c, w.wo), DPtr{}, BT, Cl_, C_);
@@ -165,11 +168,11 @@ class Llama final : public ModelDefinition {
     const DPtr d_res2 = leave_backward(c, d_res, s[d_full], C_);
     k.matmul_backward(s[d_atty], G(c, w.wo), DPtr{}, d_res2, a[atty], P(c, w.wo), BT, Cl_, C_);
     c.tick();
-    k.attention_backward(s[d_qkv], s[d_att], s[d_atty], a[qkv], a[atty], a[att], c.B, c.T, Cl_,
-                         NHl_, NKVl_);
+    attention_backward(c, s[d_qkv], s[d_att], s[d_atty], a[qkv], a[atty], a[att], Cl_, NHl_, NKVl_,
+                       s + ring);
     c.tick();
     // The gradient of the rotated q and k, rotated back (qkv holds them rotated).
-    k.rope_backward(s[d_qkv], rope_, c.B, c.T, NHl_, NKVl_, hs_, 0);
+    rope(c, s[d_qkv], true);
     k.matmul_backward(s[d_norm], G(c, w.wqkv), DPtr{}, s[d_qkv], a[attn_norm], P(c, w.wqkv), BT, C_,
                       QKVl_);
     const DPtr d_attn_norm = enter_backward(c, s[d_norm], s[d_local], C_);
@@ -195,6 +198,22 @@ class Llama final : public ModelDefinition {
   }
 
  private:
+  // RoPE on (B, T) qkv rows at their positions: from pos0, or with context parallelism each
+  // sequence's two chunks at theirs. Backward rotates a gradient back.
+  void rope(const LayerCall& c, DPtr rows, bool backward) const {
+    auto run = [&](DPtr at, int B, int T, int pos0) {
+      if (backward)
+        c.k.rope_backward(at, rope_, B, T, NHl_, NKVl_, hs_, pos0);
+      else
+        c.k.rope_forward(at, rope_, B, T, NHl_, NKVl_, hs_, pos0);
+    };
+    if (!c.split()) return run(rows, c.B, c.T, c.pos0);
+    const TokenChunks ch = c.cp->chunks(c.T);
+    for (int b = 0; b < c.B; b++)
+      for (int t0 : {0, ch.chunk})
+        run(rows + (int64_t(b) * c.T + t0) * QKVl_, 1, ch.chunk, ch.position(t0));
+  }
+
   struct Block {
     const ParamInfo *attn_norm, *wqkv, *wo, *ffn_norm, *w13, *w2;  // wqkv: wq, packed with wk, wv
   };

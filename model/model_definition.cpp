@@ -17,22 +17,103 @@ ModelDefinition::ModelDefinition(const ModelConfig& cfg, const ModelShard& shard
   vocab_ = {start, std::clamp(cfg.vocab_size - start, 0, width), width};
 }
 
+namespace {
+// Ring attention's messages: keys and values, and their gradients (model/context_parallel.h).
+constexpr int kKeysValues = 0, kKeyValueGrads = 1;
+}  // namespace
+
 void ModelDefinition::attention(const LayerCall& c, DPtr out, DPtr att, DPtr qkv, int C, int NH,
-                                int NKV) {
-  if (c.inference)
-    c.k.attention_inference(out, qkv, c.pos0 + c.T, c.pos0, C, NH, NKV);
-  else
-    c.k.attention_forward(out, att, qkv, c.B, c.T, C, NH, NKV);
+                                int NKV, const DPtr* ring) {
+  if (c.inference) return c.k.attention_inference(out, qkv, c.pos0 + c.T, c.pos0, C, NH, NKV);
+  if (!c.split()) return c.k.attention_forward(out, att, qkv, c.B, c.T, C, NH, NKV);
+  // Ring attention: att holds the log-sum-exps. At step s this rank holds the keys and values of
+  // rank holder(s), and passes them on to the next while it attends to them.
+  const ContextParallel& cp = *c.cp;
+  const int64_t n = int64_t(c.B) * c.T * (C + 2 * int64_t(NKV) * (C / NH));
+  AttentionPart part{c.B, c.T, C, NH, NKV, cp.chunks(c.T), {}, true};
+  DPtr held = qkv;
+  for (int s = 0; s < cp.size(); s++) {
+    const DPtr next = ring[s % 2];
+    std::function<void()> wait;
+    if (s + 1 < cp.size()) wait = cp.exchange(held, next, n, kKeysValues);
+    part.keys = cp.chunks_of(cp.holder(s), c.T);
+    part.first = s == 0;
+    c.k.attention_part_forward(out, att, qkv, held, part);
+    c.tick();
+    if (wait) wait();
+    held = next;
+  }
 }
 
-ActSpec ModelDefinition::attention_keeps(int64_t B, int NH, int64_t T, bool keeps_probs) {
-  return keeps_probs ? ActSpec{.elems = B * NH * T * T, .selective = true}
-                     : ActSpec{.elems = B * NH * T, .stats = true};
+void ModelDefinition::attention_backward(const LayerCall& c, DPtr dqkv, DPtr datt, DPtr dout,
+                                         DPtr qkv, DPtr out, DPtr att, int C, int NH, int NKV,
+                                         const DPtr* ring) {
+  if (!c.split())
+    return c.k.attention_backward(dqkv, datt, dout, qkv, out, att, c.B, c.T, C, NH, NKV);
+  // The keys and values go round again, each with its gradient so far (ring[2] and ring[3] in
+  // turn); after the last step every rank has received its own keys' and values' gradient.
+  const ContextParallel& cp = *c.cp;
+  const int64_t n = int64_t(c.B) * c.T * (C + 2 * int64_t(NKV) * (C / NH));
+  AttentionPart part{c.B, c.T, C, NH, NKV, cp.chunks(c.T), {}, false};
+  c.k.zero(dqkv, n);
+  DPtr held = qkv;
+  c.k.zero(ring[2], n);
+  for (int s = 0; s < cp.size(); s++) {
+    const DPtr next = ring[s % 2];
+    std::function<void()> wait;
+    if (s + 1 < cp.size()) wait = cp.exchange(held, next, n, kKeysValues);
+    part.keys = cp.chunks_of(cp.holder(s), c.T);
+    const DPtr grad = ring[2 + s % 2], arrived = ring[2 + (s + 1) % 2];
+    c.k.attention_part_backward(dqkv, grad, dout, qkv, held, out, att, part);
+    c.tick();
+    cp.exchange(grad, arrived, n, kKeyValueGrads)();
+    if (wait) wait();
+    held = next;
+  }
+  c.k.residual_forward(dqkv, dqkv, ring[2 + cp.size() % 2], n);  // its query columns are zero
+}
+
+ActSpec ModelDefinition::attention_keeps(int64_t B, int NH, int64_t T, bool keeps_probs) const {
+  return probs_kept(keeps_probs) ? ActSpec{.elems = B * NH * T * T, .selective = true}
+                                 : ActSpec{.elems = B * NH * T, .stats = true};
+}
+
+std::vector<ActSpec> ModelDefinition::ring_scratch(int64_t B, int64_t T, int64_t width) const {
+  const int64_t n = shard_.cp_size > 1 ? B * T * width : 0;
+  return {{n}, {n}, {n}, {n}};
 }
 
 void ModelDefinition::recompute_attention(const LayerCall& c, DPtr out, DPtr att, DPtr qkv, int C,
                                           int NH, int NKV) {
-  if (c.k.attention_keeps_probabilities()) attention(c, out, att, qkv, C, NH, NKV);
+  if (c.k.attention_keeps_probabilities() && !c.split())
+    attention(c, out, att, qkv, C, NH, NKV, nullptr);
+}
+
+// With context parallelism, each sequence's two chunks embed at their own positions.
+void ModelDefinition::embed_tokens(const LayerCall& c, DPtr out, const int32_t* tokens, DPtr wte,
+                                   DPtr wpe, int C, VocabSlice vocab) {
+  if (!c.split())
+    return c.k.encoder_forward(out, tokens, wte, wpe ? wpe + int64_t(c.pos0) * C : DPtr{}, c.B, c.T,
+                               C, vocab);
+  const TokenChunks ch = c.cp->chunks(c.T);
+  for (int b = 0; b < c.B; b++)
+    for (int t0 : {0, ch.chunk}) {
+      const int64_t row = int64_t(b) * c.T + t0;
+      c.k.encoder_forward(out + row * C, tokens + row, wte,
+                          wpe ? wpe + int64_t(ch.position(t0)) * C : DPtr{}, 1, ch.chunk, C, vocab);
+    }
+}
+
+void ModelDefinition::embed_tokens_backward(const LayerCall& c, DPtr dwte, DPtr dwpe, DPtr dout,
+                                            const int32_t* tokens, int C, VocabSlice vocab) {
+  if (!c.split()) return c.k.encoder_backward(dwte, dwpe, dout, tokens, c.B, c.T, C, vocab);
+  const TokenChunks ch = c.cp->chunks(c.T);
+  for (int b = 0; b < c.B; b++)
+    for (int t0 : {0, ch.chunk}) {
+      const int64_t row = int64_t(b) * c.T + t0;
+      c.k.encoder_backward(dwte, dwpe ? dwpe + int64_t(ch.position(t0)) * C : DPtr{},
+                           dout + row * C, tokens + row, 1, ch.chunk, C, vocab);
+    }
 }
 
 void ModelDefinition::lm_head_forward(const LayerCall& c, const ParamInfo* w, DPtr x,
@@ -59,8 +140,23 @@ void add_token_embedding(ParamTableBuilder& b, const ModelConfig& cfg, const Mod
   p.tied_copy = !shard.first_stage();
 }
 
-void ModelDefinition::dropout(const LayerCall& c, DPtr x, int64_t n, uint64_t site, int64_t first) {
-  if (c.dropout > 0) c.k.dropout(x, n, c.dropout, mix64(c.dropout_key ^ mix64(site)), first);
+void ModelDefinition::dropout(const LayerCall& c, DPtr x, int64_t n, uint64_t site,
+                              int64_t first) const {
+  if (c.dropout <= 0) return;
+  const uint64_t key = mix64(c.dropout_key ^ mix64(site));
+  if (!c.split()) return c.k.dropout(x, n, c.dropout, key, first);
+  // Element e = (b T + t) C + i here is (b T cp + position(t)) C + i of the whole batch: each run
+  // of one chunk's rows is numbered on from its first element's place.
+  const int64_t C = cfg_.d_model, T_whole = int64_t(c.T) * c.cp->size();
+  const TokenChunks ch = c.cp->chunks(c.T);
+  for (int64_t e = first; e < first + n;) {
+    const int64_t row = e / C, b = row / c.T;
+    const int t = int(row % c.T);
+    const int64_t end = std::min(first + n, (b * c.T + (t < ch.chunk ? ch.chunk : c.T)) * C);
+    c.k.dropout(x + (e - first), end - e, c.dropout, key,
+                (b * T_whole + ch.position(t)) * C + e % C);
+    e = end;
+  }
 }
 
 void ModelDefinition::enter_forward(const LayerCall& c, DPtr full, int C) {

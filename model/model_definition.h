@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "kernels/kernels.h"
+#include "model/context_parallel.h"
 #include "model/model_config.h"
 #include "model/param_table.h"
 #include "model/tensor_parallel.h"
@@ -77,6 +78,12 @@ struct LayerCall {
   DPtr norm_grad_scratch = {};
   int64_t rows() const { return int64_t(B) * T / (sp ? tp.size() : 1); }
   int64_t row0() const { return sp ? rows() * tp.rank() : 0; }
+  // Context parallelism in this call (training forwards and their backwards; null otherwise):
+  // the T tokens of each sequence are this rank's two chunks of the whole (cp->chunks(T)).
+  const ContextParallel* cp = nullptr;
+  bool split() const { return cp && cp->splits(); }
+  // Where token t of a sequence sits in the whole sequence.
+  int position(int t) const { return split() ? cp->chunks(T).position(t) : pos0 + t; }
   // Inference with a key/value cache (one sequence): the T tokens are at positions
   // [pos0, pos0 + T), and every earlier position's keys and values are in the layers' attention
   // activations from earlier calls. Nothing is kept for a backward.
@@ -154,14 +161,38 @@ class ModelDefinition {
   // Causal self-attention of a block, for training or (c.inference) over the key/value cache
   // that `qkv`, the layer's full-length activation, holds: the new tokens' q, k and v are
   // expected at rows [pos0, pos0 + T) then.
-  static void attention(const LayerCall& c, DPtr out, DPtr att, DPtr qkv, int C, int NH, int NKV);
+  // With context parallelism, ring attention over the group (model/context_parallel.h), `ring`
+  // being the four buffers of ring_scratch() in the definition's backward scratch.
+  static void attention(const LayerCall& c, DPtr out, DPtr att, DPtr qkv, int C, int NH, int NKV,
+                        const DPtr* ring);
+  // dqkv = the gradient of qkv, from out's gradient dout (datt: scratch of att's size where the
+  // probabilities are kept).
+  static void attention_backward(const LayerCall& c, DPtr dqkv, DPtr datt, DPtr dout, DPtr qkv,
+                                 DPtr out, DPtr att, int C, int NH, int NKV, const DPtr* ring);
+  // Whether attention keeps its probabilities for backward: where the backend does
+  // (keeps_probs), and the sequence is not split (ring attention keeps log-sum-exps).
+  bool probs_kept(bool keeps_probs) const { return keeps_probs && shard_.cp_size == 1; }
   // What attention keeps for its backward (`att` above): the probabilities (B, NH, T, T), which
   // selective recomputation remakes, or the log-sum-exps (B, NH, T) a backend keeps instead.
-  static ActSpec attention_keeps(int64_t B, int NH, int64_t T, bool keeps_probs);
+  ActSpec attention_keeps(int64_t B, int NH, int64_t T, bool keeps_probs) const;
+  // The rows of the qkv activation, which is also inference's key/value cache: B T, and with
+  // context parallelism at least a whole sequence (inference does not split it).
+  int64_t qkv_rows(int64_t B, int64_t T) const {
+    return std::max(B * T, int64_t(shard_.cp_size) * T);
+  }
+  // Ring attention's buffers (none without context parallelism): the keys and values received
+  // and their gradients, two of each, as qkv rows of `width`.
+  std::vector<ActSpec> ring_scratch(int64_t B, int64_t T, int64_t width) const;
   // Remakes the probabilities for layer_recompute() where the backend keeps them (attention()
   // rewrites `out` with the bits it holds: the same kernel on the same inputs).
   static void recompute_attention(const LayerCall& c, DPtr out, DPtr att, DPtr qkv, int C, int NH,
                                   int NKV);
+  // Token embeddings (and GPT-2's position embedding wpe, else null) of the B x T tokens into
+  // out, and their backward: at each token's position (LayerCall::position()).
+  static void embed_tokens(const LayerCall& c, DPtr out, const int32_t* tokens, DPtr wte, DPtr wpe,
+                           int C, VocabSlice vocab);
+  static void embed_tokens_backward(const LayerCall& c, DPtr dwte, DPtr dwpe, DPtr dout,
+                                    const int32_t* tokens, int C, VocabSlice vocab);
   // The vocab-parallel LM head w (this rank's vocabulary rows; the token embedding when tied):
   // logits(BT, vocab().width) = x @ w^T, x (B T, C: the final norm's output, this rank's rows
   // written) entering the tensor-parallel region. Backward: d_x (B T, C) = this rank's part of
@@ -171,9 +202,10 @@ class ModelDefinition {
   DPtr lm_head_backward(const LayerCall& c, const ParamInfo* w, DPtr x, DPtr dlogits, DPtr d_x,
                         DPtr local) const;
   // x(n) through dropout at `site` (a number unique within the model), x's first element being
-  // element `first` of the whole tensor (a sequence-parallel rank's rows): counter-based, so the
-  // backward applies the same call to the gradient. Nothing when c.dropout is 0.
-  static void dropout(const LayerCall& c, DPtr x, int64_t n, uint64_t site, int64_t first = 0);
+  // element `first` of the (B T, C) tensor (a sequence-parallel rank's rows): counter-based, so
+  // the backward applies the same call to the gradient; with context parallelism numbered by
+  // each token's place in the whole sequence. Nothing when c.dropout is 0.
+  void dropout(const LayerCall& c, DPtr x, int64_t n, uint64_t site, int64_t first = 0) const;
 
   // --- the residual stream in and out of the tensor-parallel regions --------------------------
   // Without sequence parallelism these are Megatron's plain pairs (model/tensor_parallel.h) on

@@ -30,6 +30,9 @@ struct ModelShard {
   // Sequence parallelism (model/tensor_parallel.h): between the tensor-parallel regions, each
   // of the tp_size ranks holds 1/tp_size of the residual stream's rows.
   bool sequence_parallel = false;
+  // Context parallelism (model/context_parallel.h): each sequence's tokens split over cp_size
+  // ranks; a layer sees this rank's T / cp_size of them.
+  int cp_size = 1;
 
   // The whole model on one rank.
   static ModelShard whole(const ModelConfig& cfg) { return make(cfg, 0, 1, 0, 1); }

@@ -24,6 +24,21 @@ int recomputed_layers(const StageOptions& o, int layers) {
   return o.recompute_layers <= 0 ? layers : std::min(o.recompute_layers, layers);
 }
 
+// The shard the options describe, its context-parallel degree that of their group.
+ModelShard shard_of(const ModelConfig& cfg, const StageOptions& o) {
+  ModelShard shard = o.shard ? *o.shard : ModelShard::whole(cfg);
+  shard.cp_size = o.cp.size();
+  return shard;
+}
+
+// A whole sequence's length in tokens, checked to split into context parallelism's chunks.
+void check_splits(int T, const ContextParallel& cp) {
+  if (cp.splits() && T % (2 * cp.size()))
+    throw std::invalid_argument(
+        "context parallelism cuts each sequence into 2 x cp = " + std::to_string(2 * cp.size()) +
+        " chunks: T = " + std::to_string(T) + " is not a multiple");
+}
+
 }  // namespace
 
 Recompute parse_recompute(const std::string& name) {
@@ -126,10 +141,10 @@ StageExecutor::Plan StageExecutor::plan(const ModelDefinition& def, int max_B, i
 StageExecutor::Memory StageExecutor::memory_needed(const ModelConfig& cfg, DType dtype, int max_B,
                                                    int max_T, const StageOptions& o,
                                                    bool keeps_probs) {
-  const ModelShard shard = o.shard ? *o.shard : ModelShard::whole(cfg);
-  const auto def = make_model_definition(cfg, shard, o.total_multiple);
+  check_splits(max_T, o.cp);
+  const auto def = make_model_definition(cfg, shard_of(cfg, o), o.total_multiple);
   const int64_t total = def->table().total;
-  const Plan p = plan(*def, max_B, max_T, o, keeps_probs);
+  const Plan p = plan(*def, max_B, max_T / o.cp.size(), o, keeps_probs);
   const int64_t stats_bytes = dtype_size(is_half(dtype) ? DType::f32 : dtype);
   const int64_t held = held_end(trainer::grad_units(def->table()));
   const int64_t grads = o.windowed_grads ? held : total;
@@ -140,8 +155,7 @@ StageExecutor::Memory StageExecutor::memory_needed(const ModelConfig& cfg, DType
 
 StageExecutor::StageExecutor(const ModelConfig& cfg, Kernels& kernels, DType dtype, int max_B,
                              int max_T, const StageOptions& o)
-    : def_(make_model_definition(cfg, o.shard ? *o.shard : ModelShard::whole(cfg),
-                                 o.total_multiple)),
+    : def_(make_model_definition(cfg, shard_of(cfg, o), o.total_multiple)),
       k_(kernels),
       dtype_(dtype),
       grad_dtype_(o.grad_dtype ? *o.grad_dtype : dtype),
@@ -156,6 +170,8 @@ StageExecutor::StageExecutor(const ModelConfig& cfg, Kernels& kernels, DType dty
   if (o.tp.size() != shard().tp_size)
     throw std::invalid_argument("the tensor-parallel group does not match the shard");
   tp_ = o.tp;
+  cp_ = o.cp;
+  check_splits(max_T, cp_);
   sp_ = shard().sequence_parallel;
   if (sp_ && !tp_.splits_rows())
     throw std::invalid_argument("sequence parallelism needs a tensor-parallel group that gathers");
@@ -174,7 +190,7 @@ StageExecutor::StageExecutor(const ModelConfig& cfg, Kernels& kernels, DType dty
     forward_progress_ = [this] {
       if (param_windows_) param_windows_->progress();
     };
-  const Plan p = plan(*def_, max_B, max_T, o, keeps_probs_);
+  const Plan p = plan(*def_, max_B, local_T(max_T), o, keeps_probs_);
   acts_ = k_.alloc(p.acts, dtype);
   stats_ = k_.alloc(p.stats, stats_dtype_);
   auto at = [&](Loc l) { return (l.stats ? stats_ : acts_) + l.offset; };
@@ -320,6 +336,7 @@ LayerCall StageExecutor::call(int slot, int B, int T, const DPtr* acts) const {
               T};
   if (windowed_params_) c.progress = &forward_progress_;  // backward sets its own
   c.sp = sp_ && !inference_;
+  if (cp_.splits() && !inference_) c.cp = &cp_;
   c.norm_grad_scratch = norm_grad_scratch_;
   c.inference = inference_;
   c.pos0 = pos0_;
@@ -381,6 +398,9 @@ double StageExecutor::forward(int slot, const int32_t* tokens, const int32_t* ta
                               int T) {
   if (slot < 0 || slot >= slots_) throw std::out_of_range("activation slot out of range");
   if (B > max_B_ || T > max_T_) throw std::invalid_argument("batch larger than planned");
+  check_splits(T, cp_);
+  if (shard().first_stage()) take_chunks(tokens, tokens_[slot].data(), B, T);
+  T = local_T(T);  // from here on, this rank's tokens of each sequence
   if (sp_ && int64_t(B) * T % tp_.size())
     throw std::invalid_argument(
         "sequence parallelism splits the B x T rows over tp: " + std::to_string(B) + " x " +
@@ -388,7 +408,6 @@ double StageExecutor::forward(int slot, const int32_t* tokens, const int32_t* ta
   B_ = B;
   T_ = T;
   const int64_t BT = int64_t(B) * T;
-  if (shard().first_stage()) std::copy(tokens, tokens + BT, tokens_[slot].begin());
   have_probs_[slot] = false;
   dropout_keys_[slot] = 0;
   if (training_ && targets && config().dropout > 0) {
@@ -398,7 +417,7 @@ double StageExecutor::forward(int slot, const int32_t* tokens, const int32_t* ta
   run_layers_forward(slot, B, T, false, 0);
   if (!shard().last_stage() || !targets) return 0.0;
   have_probs_[slot] = true;
-  std::copy(targets, targets + BT, targets_[slot].begin());
+  take_chunks(targets, targets_[slot].data(), B, T * cp_.size());
   return cross_entropy(slot, BT);
 }
 
@@ -410,6 +429,15 @@ void StageExecutor::infer(const int32_t* tokens, int T, int pos0) {
   have_probs_[0] = false;
   dropout_keys_[0] = 0;
   run_layers_forward(0, 1, T, true, pos0);
+}
+
+void StageExecutor::take_chunks(const int32_t* whole, int32_t* mine, int B, int T) const {
+  if (!cp_.splits()) return void(std::copy(whole, whole + int64_t(B) * T, mine));
+  const int local = local_T(T);
+  const TokenChunks ch = cp_.chunks(local);
+  for (int b = 0; b < B; b++)
+    for (int t = 0; t < local; t++)
+      mine[int64_t(b) * local + t] = whole[int64_t(b) * T + ch.position(t)];
 }
 
 LayerCall StageExecutor::open_params(LayerCall c, int u, int direction) const {

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "kernels/kernels.h"
+#include "model/context_parallel.h"
 #include "model/grad_units.h"
 #include "model/model_config.h"
 #include "model/model_definition.h"
@@ -52,6 +53,9 @@ struct StageOptions {
   // The tensor-parallel group's reduction (default: one rank). The caller adapts its
   // communicator, so that model code depends on no communication library.
   TensorParallel tp;
+  // The context-parallel group (default: one rank): each sequence's tokens split over it, the
+  // shard's cp_size set from it (model/context_parallel.h).
+  ContextParallel cp;
   int slots = 1;  // micro-batches whose activations are kept at once
   int64_t total_multiple = 16;
   // Gradients' storage; default: the model's dtype. (Mixed precision: bf16/fp16 weights and
@@ -81,7 +85,9 @@ class StageExecutor {
   static Memory memory_needed(const ModelConfig& cfg, DType dtype, int max_B, int max_T,
                               const StageOptions& options, bool keeps_probs);
 
-  // max_B x max_T is the largest batch forward() will be given; max_T <= cfg.seq_len.
+  // max_B x max_T is the largest batch forward() will be given; max_T <= cfg.seq_len. With
+  // context parallelism every T here is a whole sequence's (a multiple of 2 cp): forward() takes
+  // whole sequences and runs this rank's chunks of them.
   StageExecutor(const ModelConfig& cfg, Kernels& kernels, DType dtype, int max_B, int max_T,
                 const StageOptions& options = {});
   ~StageExecutor();
@@ -173,19 +179,26 @@ class StageExecutor {
   void eval_mode() { training_ = false; }
 
   // What a stage receives and sends for a (B, T) micro-batch: its rows of the residual stream
-  // (all B T, or with sequence parallelism this rank's share), times d_model.
-  int64_t io_elems(int B, int T) const { return def_->stream_rows(B, T) * config().d_model; }
+  // (all B T, or this rank's share of them with sequence or context parallelism), times d_model.
+  int64_t io_elems(int B, int T) const {
+    return def_->stream_rows(B, T / cp_.size()) * config().d_model;
+  }
+  // The tokens of each sequence this rank runs (context parallelism: T / cp of them).
+  int local_T(int T) const { return T / cp_.size(); }
   // The most tokens one infer() call takes: the rows the stream buffers hold (a longer prompt
   // goes in chunks, each attending to the ones before through the key/value cache).
   int inference_rows() const {
-    return int(std::min<int64_t>(def_->stream_rows(max_B_, max_T_), max_T_));
+    return int(std::min<int64_t>(def_->stream_rows(max_B_, local_T(max_T_)), max_T_));
   }
   // The residual stream, (B, T, C) (with sequence parallelism this rank's rows: io_elems()):
   DPtr input(int slot) const;       // where a later stage receives its input
   DPtr output(int slot) const;      // what a stage sends on
   DPtr grad_io() const;             // the gradient received from the next / sent back
   DPtr logits(int slot = 0) const;  // (B, T, vocab().width)
-  DPtr losses(int slot = 0) const;  // (B, T) per-token losses of the last forward with targets
+  // (B, T) per-token losses of the last forward with targets (context parallelism: (B, T / cp),
+  // this rank's chunks of each sequence).
+  DPtr losses(int slot = 0) const;
+  const ContextParallel& context_parallel() const { return cp_; }
 
   // Called during backward with an offset into the flat gradient buffer, every gradient at or
   // above which is final for this backward, and the number of this stage's layers whose
@@ -225,6 +238,8 @@ class StageExecutor {
   // Remakes what block `local` did not keep of the forward of the micro-batch `c` is for.
   void recompute(const LayerCall& c, int local, DPtr x);
   double cross_entropy(int slot, int64_t BT);
+  // This rank's tokens of B whole sequences of T (all of them, or its chunks).
+  void take_chunks(const int32_t* whole, int32_t* mine, int B, int T) const;
   void run_layers_forward(int slot, int B, int T, bool inference, int pos0);
 
   std::unique_ptr<ModelDefinition> def_;
@@ -237,11 +252,12 @@ class StageExecutor {
   Recompute recompute_;
   int recompute_layers_;  // local blocks [0, recompute_layers_) are recomputed
   TensorParallel tp_;
+  ContextParallel cp_;
   bool sp_ = false;         // sequence parallelism: the residual stream holds this rank's rows
   DPtr norm_grad_scratch_;  // sp_: a norm's parameter gradients before the group's sum
   int slots_, layers_;
-  int max_B_, max_T_;
-  int B_ = 0, T_ = 0;  // shape of the last forward
+  int max_B_, max_T_;  // max_T_: whole sequences
+  int B_ = 0, T_ = 0;  // shape of the last forward (T_: this rank's tokens of each sequence)
   bool inference_ = false, last_inference_ = false;
   int pos0_ = 0;
   std::vector<char> have_probs_;  // per slot: forward computed probabilities for backward

@@ -40,17 +40,19 @@ namespace {
 // reduction-order tolerance, with the data order continuing at the next unseen batch.
 class Resume : public MpiCli {
  protected:
-  // model: the --set overrides that make run.toml's model cfg; zero: the 4-rank run's stage.
-  void expect_bitwise_and_reshards(const std::string& model, const ModelConfig& cfg, int zero = 1);
+  // model: the --set overrides that make run.toml's model cfg; zero: the 4-rank run's stage;
+  // layout: the 4-rank run's layout (default dp 4), 8 sequences a step.
+  void expect_bitwise_and_reshards(const std::string& model, const ModelConfig& cfg, int zero = 1,
+                                   const std::string& layout = "--set parallel.dp=4 ");
 };
 
-void Resume::expect_bitwise_and_reshards(const std::string& model, const ModelConfig& cfg,
-                                         int zero) {
+void Resume::expect_bitwise_and_reshards(const std::string& model, const ModelConfig& cfg, int zero,
+                                         const std::string& layout) {
   // The step guard's windows travel with the checkpoint (no step here comes near the z-score).
   const std::string common = model +
                              "--set train.steps=12 --set checkpoint.every_steps=6 "
                              "--set faults.spike_zscore=50 --set faults.spike_window=4 ";
-  const std::string dp4 = "--set parallel.dp=4 --set parallel.zero=" + std::to_string(zero) + " ";
+  const std::string dp4 = layout + "--set parallel.zero=" + std::to_string(zero) + " ";
   auto r = mpirun(4, common + dp4 + "--set run.out_dir=" + quoted(path("full")));
   ASSERT_EQ(r.code, 0) << r.output;
   const std::string from =
@@ -79,7 +81,9 @@ void Resume::expect_bitwise_and_reshards(const std::string& model, const ModelCo
       {4, "--set parallel.dp=2 --set parallel.tp=2 --set train.grad_accum=2 "},
       {4, "--set parallel.tp=2 --set parallel.pp=2 --set train.grad_accum=4 "},
       {1, "--set train.grad_accum=4 "},
-      {2, "--set parallel.dp=2 --set parallel.zero=3 --set train.grad_accum=2 "}};
+      {2, "--set parallel.dp=2 --set parallel.zero=3 --set train.grad_accum=2 "},
+      {4,
+       "--set parallel.dp=2 --set parallel.cp=2 --set parallel.zero=1 --set train.grad_accum=2 "}};
   const auto f = steps_of(path("full/metrics.jsonl"));
   int n = 0;
   for (const auto& [ranks, layout] : layouts) {
@@ -106,6 +110,12 @@ TEST_F(Resume, ZeroTwoIsBitwiseAndReshards) {
 // ZeRO-3's (parameters in pieces, gathered unit by unit) too.
 TEST_F(Resume, ZeroThreeIsBitwiseAndReshards) {
   expect_bitwise_and_reshards("", cli_model(), 3);
+}
+
+// Context parallelism: ZeRO-3's pieces over the dp x cp ranks, each sequence split in two.
+TEST_F(Resume, ContextParallelIsBitwiseAndReshards) {
+  expect_bitwise_and_reshards("", cli_model(), 3,
+                              "--set parallel.dp=2 --set parallel.cp=2 --set train.grad_accum=2 ");
 }
 
 // GPT-2 with dropout: its masks are a function of (seed, step, sample), so they resume and

@@ -88,6 +88,12 @@ TEST(Config, OutOfRange) {
   EXPECT_EQ(error_of("[tokenizer]\nkind = \"gpt2\"\npath = \"g\"\npattern = \"cl100k\"\n"),
             "run.toml:4:11: [tokenizer] pattern: applies to kind = \"tiktoken\" only, found kind = "
             "\"gpt2\"");
+  EXPECT_EQ(error_of("[model]\nseq_len = 20\n[parallel]\ncp = 4\n"),
+            "run.toml:4:6: [parallel] cp = 4 cuts each sequence into 2 x cp = 8 chunks: "
+            "model.seq_len = 20 is not a multiple of it");
+  EXPECT_EQ(error_of("[run]\ndevice = \"cuda\"\n[parallel]\ncp = 2\n"),
+            "run.toml:4:6: [parallel] cp = 2: context parallelism (ring attention) runs on the CPU "
+            "backend only; the CUDA backend has no ring-attention kernels yet");
   EXPECT_EQ(error_of("[memory]\nrecompute = \"some\"\n"),
             "run.toml:2:13: [memory] recompute: must be one of \"none\", \"selective\", "
             "\"full\", found \"some\"");

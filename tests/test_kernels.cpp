@@ -4,12 +4,14 @@
 // values that cancel to near zero.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <type_traits>
 
 #include "kernels/half.h"
 #include "model/architectures.h"
+#include "model/context_parallel.h"
 #include "test_util.h"
 
 namespace trainer::test {
@@ -206,6 +208,81 @@ TEST(Kernels, AttentionForwardBackward) {
     EXPECT_TRUE(all_close(d.download<float>(dqkv, B * T * 3 * C), ref.dqkv, kRtol, kAtol))
         << "T=" << T;
   }
+}
+
+// Ring attention by its parts, without the ring: rank r's queries (its two chunks of each
+// sequence, model/context_parallel.h) against every rank's keys and values in ring order, folded
+// by the online softmax, give the whole causal attention's rows; and backward's parts, each
+// rank's key/value gradients summed over the ranks that saw them, its gradient. Double
+// precision, so the sums' order is the only difference: 1e-12. Multi-head, grouped and
+// multi-query, T = 8 per rank with cp = 4 (chunks of 4) and T = 80 with cp = 2 (chunks of 40
+// over the kernel's 64-row blocks).
+TEST(Kernels, RingAttentionPartsAreTheWholeAttention) {
+  Device d;
+  const int B = 2, C = 12, NH = 6, hs = C / NH;
+  for (auto [cp, T] : {std::array{2, 160}, std::array{4, 32}})
+    for (int NKV : {NH, NH / 3, 1}) {
+      SCOPED_TRACE(testing::Message() << "cp " << cp << ", NKV " << NKV);
+      const int W = C + 2 * NKV * hs, Tl = T / cp;
+      const ContextParallel ring(0, cp, {});
+      auto qkv = random_vector<double>(size_t(B) * T * W, 31),
+           dout = random_vector<double>(size_t(B) * T * C, 32);
+      DPtr out = d.upload(std::vector<double>(size_t(B) * T * C));
+      DPtr att = d.upload(std::vector<double>(size_t(B) * NH * T * T));
+      DPtr dqkv = d.upload(std::vector<double>(size_t(B) * T * W));
+      d.k->attention_forward(out, att, d.upload(qkv), B, T, C, NH, NKV);
+      DPtr datt = d.upload(std::vector<double>(size_t(B) * NH * T * T));
+      d.k->attention_backward(dqkv, datt, d.upload(dout), d.upload(qkv), out, att, B, T, C, NH,
+                              NKV);
+      const auto want_out = d.download<double>(out, size_t(B) * T * C);
+      const auto want_dqkv = d.download<double>(dqkv, size_t(B) * T * W);
+      // Rank r's rows of a (B, T, width) tensor.
+      auto rows_of = [&](const std::vector<double>& whole, int r, int width) {
+        const TokenChunks ch = ContextParallel(r, cp, {}).chunks(Tl);
+        std::vector<double> mine(size_t(B) * Tl * width);
+        for (int b = 0; b < B; b++)
+          for (int t = 0; t < Tl; t++)
+            std::copy_n(&whole[(size_t(b) * T + ch.position(t)) * width], width,
+                        &mine[(size_t(b) * Tl + t) * width]);
+        return mine;
+      };
+      std::vector<DPtr> q, o, lse, dq, dkv;
+      for (int r = 0; r < cp; r++) {
+        q.push_back(d.upload(rows_of(qkv, r, W)));
+        o.push_back(d.upload(std::vector<double>(size_t(B) * Tl * C, 5.0)));
+        lse.push_back(d.upload(std::vector<double>(size_t(B) * NH * Tl, 5.0)));
+        dq.push_back(d.upload(std::vector<double>(size_t(B) * Tl * W)));
+        dkv.push_back(d.upload(std::vector<double>(size_t(B) * Tl * W)));
+      }
+      for (int r = 0; r < cp; r++) {
+        const ContextParallel me(r, cp, {});
+        AttentionPart part{B, Tl, C, NH, NKV, me.chunks(Tl), {}, true};
+        for (int s = 0; s < cp; s++) {
+          part.keys = ring.chunks_of(me.holder(s), Tl);
+          part.first = s == 0;
+          d.k->attention_part_forward(o[r], lse[r], q[r], q[me.holder(s)], part);
+        }
+        EXPECT_TRUE(all_close(d.download<double>(o[r], size_t(B) * Tl * C), rows_of(want_out, r, C),
+                              1e-12, 1e-12))
+            << "rank " << r;
+      }
+      for (int r = 0; r < cp; r++) {
+        const ContextParallel me(r, cp, {});
+        const DPtr dout_r = d.upload(rows_of(dout, r, C));
+        AttentionPart part{B, Tl, C, NH, NKV, me.chunks(Tl), {}, false};
+        for (int s = 0; s < cp; s++) {
+          const int h = me.holder(s);
+          part.keys = ring.chunks_of(h, Tl);
+          d.k->attention_part_backward(dq[r], dkv[h], dout_r, q[r], q[h], o[r], lse[r], part);
+        }
+      }
+      for (int r = 0; r < cp; r++) {
+        std::vector<double> got = d.download<double>(dq[r], size_t(B) * Tl * W);
+        const std::vector<double> kv = d.download<double>(dkv[r], size_t(B) * Tl * W);
+        for (size_t i = 0; i < got.size(); i++) got[i] += kv[i];  // disjoint columns
+        EXPECT_TRUE(all_close(got, rows_of(want_dqkv, r, W), 1e-12, 1e-12)) << "rank " << r;
+      }
+    }
 }
 
 TEST(Kernels, GeluForwardBackward) {

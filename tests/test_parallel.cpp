@@ -71,6 +71,43 @@ TEST(ParallelDims, DescribeListsEveryGroupOnce) {
             "  dp groups: [0 4] [1 5] [2 6] [3 7]\n");
 }
 
+// Context-parallel ranks come right after the tensor-parallel ones; the replica group (the
+// reducer's) is every rank with the same tp and pp coordinates, ordered by (dp, cp).
+TEST(ParallelDims, ContextParallelRanksFollowTheTensorParallelOnes) {
+  ModelConfig m = model();
+  m.seq_len = 16;
+  const auto d = ParallelDims::make(16, 2, 2, 2, "tp-pp-dp", m, 2);
+  EXPECT_EQ(d.cp(), 2);
+  EXPECT_EQ(d.replicas(), 4);
+  // Rank 13 = tp 1 + 2 x (cp 0) + 4 x (pp 1) + 8 x (dp 1).
+  EXPECT_EQ(d.coords(13), (RankCoords{1, 1, 1, 0}));
+  EXPECT_EQ(d.group(Axis::cp, 13), (std::vector<int>{13, 15}));
+  EXPECT_EQ(d.group(Axis::tp, 13), (std::vector<int>{12, 13}));
+  EXPECT_EQ(d.group(Axis::dp, 13), (std::vector<int>{5, 13}));
+  EXPECT_EQ(d.replica_group(13), (std::vector<int>{5, 7, 13, 15}));
+  EXPECT_EQ(d.replica_index(d.coords(13)), 2);
+  std::set<int> seen;
+  for (int r = 0; r < 16; r++) seen.insert(d.rank_of(d.coords(r)));
+  EXPECT_EQ(seen.size(), 16u);
+  EXPECT_EQ(ParallelDims::make(4, 0, 1, 1, "tp-pp-dp", m, 2).dp(), 2);
+  EXPECT_EQ(ParallelDims::make(4, 0, 1, 1, "tp-pp-dp", m, 2).describe(),
+            "layout: world 4 = dp 2 x cp 2 x tp 1 x pp 1, order tp-cp-pp-dp\n"
+            "  tp groups: [0] [1] [2] [3]\n"
+            "  cp groups: [0 1] [2 3]\n"
+            "  pp groups: [0] [1] [2] [3]\n"
+            "  dp groups: [0 2] [1 3]\n");
+  try {
+    ParallelDims::make(6, 2, 1, 1, "tp-pp-dp", m, 2);
+    ADD_FAILURE() << "no error";
+  } catch (const ConfigError& e) {
+    EXPECT_STREQ(
+        e.what(),
+        "[parallel] dp x cp x tp x pp = 2 x 2 x 1 x 1 = 4 does not match the world size 6");
+  }
+  m.seq_len = 12;  // 2 x cp = 8 chunks do not divide it
+  EXPECT_THROW(ParallelDims::make(4, 1, 1, 1, "tp-pp-dp", m, 4), ConfigError);
+}
+
 std::string error_of(int world, int dp, int tp, int pp, const std::string& order,
                      const ModelConfig& m) {
   try {

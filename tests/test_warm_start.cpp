@@ -446,6 +446,11 @@ TEST_F(MpiCli, EvalScoresMultipleChoiceAsTheIndependentModel) {
                                       // Endings of any length: one sequence runs whole.
                                       {2,
                                        "--set parallel.tp=2 --set "
+                                       "parallel.sequence_parallel=true"},
+                                      // Each sequence padded to 2 cp chunks, its losses gathered.
+                                      {2, "--set parallel.cp=2"},
+                                      {4,
+                                       "--set parallel.cp=2 --set parallel.tp=2 --set "
                                        "parallel.sequence_parallel=true"}}) {
     SCOPED_TRACE(layout);
     r = test::run_command("timeout 60 " + test::mpiexec() +

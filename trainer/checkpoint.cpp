@@ -217,6 +217,7 @@ std::string meta_text(const Meta& m) {
   add("layout_dp", s.layout.dp);
   add("layout_tp", s.layout.tp);
   add("layout_pp", s.layout.pp);
+  if (s.layout.cp > 1) add("layout_cp", s.layout.cp);
   add("layout_zero", s.layout.zero);
   add("layout_order", s.layout.order);
   add("rng_seed", m.seed);
@@ -308,9 +309,11 @@ Meta read_meta(const H5File& f, const std::string& file) {
   l.dp = int(integer("layout_dp", 1, l.world));
   l.tp = int(integer("layout_tp", 1, l.world));
   l.pp = int(integer("layout_pp", 1, l.world));
-  if (int64_t(l.dp) * l.tp * l.pp != l.world)
+  if (f.exists_attr("layout_cp")) l.cp = int(integer("layout_cp", 2, l.world));
+  if (int64_t(l.dp) * l.cp * l.tp * l.pp != l.world)
     bad("layout_world", std::to_string(l.world),
-        fmt::format("layout_dp x layout_tp x layout_pp = {}", int64_t(l.dp) * l.tp * l.pp));
+        fmt::format("layout_dp x layout_cp x layout_tp x layout_pp = {}",
+                    int64_t(l.dp) * l.cp * l.tp * l.pp));
   l.zero = int(integer("layout_zero", 0, 3));
   l.order = f.attr_string("layout_order");
   {
@@ -495,6 +498,7 @@ std::string write_checkpoint(const Snapshot& snap, const ModelConfig& model, Com
     f.set_attr("layout_dp", int64_t(l.dp));
     f.set_attr("layout_tp", int64_t(l.tp));
     f.set_attr("layout_pp", int64_t(l.pp));
+    if (l.cp > 1) f.set_attr("layout_cp", int64_t(l.cp));
     f.set_attr("layout_zero", int64_t(l.zero));
     f.set_attr("layout_order", l.order);
     f.set_attr("rng_seed", int64_t(snap.seed));

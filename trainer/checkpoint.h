@@ -48,6 +48,7 @@ class CheckpointWriteError : public std::runtime_error {
 // The parallel layout a checkpoint was saved from (a record: any layout loads it).
 struct Layout {
   int world = 1, dp = 1, tp = 1, pp = 1, zero = 0;
+  int cp = 1;  // stored (layout_cp) only when > 1: other checkpoints keep their attributes
   std::string order = "tp-pp-dp";
   bool operator==(const Layout&) const = default;
 };

@@ -81,10 +81,13 @@ int score_choices(Run& run, const std::string& file, const std::string& state) {
   broadcast_string(run.world.comm(), text, 0);
   if (text == "\x01") throw DataError(fmt::format("{}: cannot read", file));
   const std::vector<Choice> choices = read_choices(file, text, *run.tokenizer, T);
-  // Sequence parallelism splits a batch's rows over tp: each sequence is padded at its end to a
-  // multiple of it (attention is causal: padding changes no earlier position's loss), its
-  // context cut from the front where that would pass the longest multiple in T.
-  const int multiple = run.model.shard().sequence_parallel ? run.dims.tp() : 1;
+  // Sequence parallelism splits a batch's rows over tp, context parallelism each sequence into
+  // 2 cp chunks: each sequence is padded at its end to a multiple of both (attention is causal:
+  // padding changes no earlier position's loss), its context cut from the front where that
+  // would pass the longest multiple in T.
+  const int cp = run.dims.cp();
+  const int multiple =
+      (cp > 1 ? 2 * cp : 1) * (run.model.shard().sequence_parallel ? run.dims.tp() : 1);
   const int limit = T / multiple * multiple;
   const auto t0 = Clock::now();
   double counts[3] = {0, 0, 0};  // right by mean loss, right by total loss, examples
@@ -109,7 +112,7 @@ int score_choices(Run& run, const std::string& file, const std::string& state) {
       if (mean < best_mean) best_mean = mean, by_mean = int(e);
       if (sum < best_sum) best_sum = sum, by_sum = int(e);
     }
-    if (run.me.tp == 0 && run.me.pp == 0) {
+    if (run.me.tp == 0 && run.me.pp == 0 && run.me.cp == 0) {
       counts[0] += by_mean == c.label;
       counts[1] += by_sum == c.label;
       counts[2] += 1;

@@ -23,27 +23,27 @@ double peak_rss_mb() {
 MemoryBudget memory_budget(const Config& cfg, const ParallelDims& dims, const RankCoords& me,
                            bool keeps_probs, int node_ranks) {
   const DType dtype = compute_dtype(cfg.precision);
-  const StageOptions o = Run::model_options(cfg, me, dims, nullptr);
+  const StageOptions o = Run::model_options(cfg, me, dims, nullptr, nullptr);
   MemoryBudget b;
   b.model = StageExecutor::memory_needed(cfg.model, dtype, cfg.train.micro_batch, cfg.model.seq_len,
                                          o, keeps_probs);
   const ParamTable table = param_table(cfg.model, *o.shard, o.total_multiple);
   const double elems = double(table.total);
-  const double owned = cfg.parallel.zero ? elems / dims.dp() : elems;
+  const double owned = cfg.parallel.zero ? elems / dims.replicas() : elems;
   b.optimizer = owned * 4 * (is_half(dtype) ? 3 : 2);
   b.grad_shard = cfg.parallel.zero ? owned * dtype_size(*o.grad_dtype) : 0;
   const std::vector<GradUnit> units = grad_units(table);
   const int windows = ReducerOptions().windows;
   if (o.windowed_grads)
     b.grad_windows =
-        double(GradReducer::window_buffer_elems(units, dims.dp(), node_ranks, windows)) *
+        double(GradReducer::window_buffer_elems(units, dims.replicas(), node_ranks, windows)) *
         dtype_size(*o.grad_dtype);
   if (o.windowed_params) {
     b.param_shard = owned * dtype_size(dtype);
     b.param_windows = double(ParamGatherer::window_buffer_elems(units, ParamGatherer::kWindows)) *
                       dtype_size(dtype);
   }
-  if (dims.dp() > 1 && cfg.run.device == "cpu") {
+  if (dims.replicas() > 1 && cfg.run.device == "cpu") {
     // ZeRO-2: the windows' reductions and the held units' (started at the end of the step,
     // while the last backward's windows may still be in flight).
     int64_t in_flight = table.total;

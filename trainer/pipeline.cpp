@@ -25,11 +25,12 @@ int Pipeline::slots(int stage, int stages, int micro_batches) {
   return std::max(1, std::min(stages - stage, micro_batches));
 }
 
-Pipeline::Pipeline(StageExecutor& model, Communicator& pp, Communicator* tp, int micro_batches,
-                   int B, int T, bool time_phases)
+Pipeline::Pipeline(StageExecutor& model, Communicator& pp, Communicator* tp, Communicator* cp,
+                   int micro_batches, int B, int T, bool time_phases)
     : model_(model),
       pp_(pp),
       tp_(tp),
+      cp_(cp && cp->size() > 1 ? cp : nullptr),
       micro_batches_(micro_batches),
       max_micro_batches_(micro_batches),
       B_(B),
@@ -91,16 +92,32 @@ double Pipeline::evaluate(const int32_t* tokens, const int32_t* targets, int B, 
   double loss = model_.forward(0, tokens, targets, B, T);
   if (stage < last) pp_.send(model_.output(0), activation, stage + 1, 0);
   pp_.broadcast(host_ptr(&loss), 1, last);
+  if (cp_) {  // each rank's mean over as many tokens
+    cp_->all_reduce(host_ptr(&loss), 1, ReduceOp::sum);
+    loss /= cp_->size();
+  }
   return loss;
 }
 
 std::vector<float> Pipeline::token_losses(const int32_t* tokens, const int32_t* targets, int B,
                                           int T) {
   evaluate(tokens, targets, B, T);
-  std::vector<float> losses(size_t(B) * T);
+  const int Tl = model_.local_T(T);  // this rank's tokens of each sequence
+  std::vector<float> mine(size_t(B) * Tl);
   if (pp_.rank() == pp_.size() - 1)
-    model_.kernels().download_f32(losses.data(), model_.losses(0), int64_t(losses.size()));
-  pp_.broadcast(host_ptr(losses.data()), int64_t(losses.size()), pp_.size() - 1);
+    model_.kernels().download_f32(mine.data(), model_.losses(0), int64_t(mine.size()));
+  pp_.broadcast(host_ptr(mine.data()), int64_t(mine.size()), pp_.size() - 1);
+  if (!cp_) return mine;
+  // Every context-parallel rank's chunks, put back in their places.
+  std::vector<float> all(mine.size() * cp_->size()), losses(size_t(B) * T);
+  cp_->all_gather(host_ptr(mine.data()), host_ptr(all.data()), int64_t(mine.size()));
+  const ContextParallel& cp = model_.context_parallel();
+  for (int r = 0; r < cp_->size(); r++) {
+    const TokenChunks ch = cp.chunks_of(r, Tl);
+    for (int b = 0; b < B; b++)
+      for (int t = 0; t < Tl; t++)
+        losses[size_t(b) * T + ch.position(t)] = all[(size_t(r) * B + b) * Tl + t];
+  }
   return losses;
 }
 

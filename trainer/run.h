@@ -117,7 +117,7 @@ struct Run {
   }
 
   static StageOptions model_options(const Config& c, const RankCoords& me, const ParallelDims& dims,
-                                    Communicator* tp) {
+                                    Communicator* tp, Communicator* cp) {
     StageOptions o;
     o.shard = ModelShard::make(c.model, me.tp, dims.tp(), me.pp, dims.pp());
     o.shard->sequence_parallel = c.parallel.sequence_parallel && dims.tp() > 1;
@@ -129,9 +129,22 @@ struct Run {
           },
           [tp](DPtr send, DPtr recv, int64_t count) { tp->all_gather(send, recv, count); },
           [tp](DPtr send, DPtr recv, int64_t count) { tp->reduce_scatter(send, recv, count); });
+    // Without the communicator (a memory plan), the group's size alone.
+    if (dims.cp() > 1)
+      o.cp = ContextParallel(
+          me.cp, dims.cp(),
+          !cp ? ContextParallel::Exchange{} : [cp](DPtr send, DPtr recv, int64_t n, int channel) {
+            const int size = cp->size(), me = cp->rank();
+            auto r = std::make_shared<Request>(cp->irecv(recv, n, (me + size - 1) % size, channel));
+            auto s = std::make_shared<Request>(cp->isend(send, n, (me + 1) % size, channel));
+            return std::function<void()>([r, s] {
+              r->wait();
+              s->wait();
+            });
+          });
     const BatchSchedule schedule(c.train, c.model.seq_len, dims.dp(), "");
     o.slots = Pipeline::slots(me.pp, dims.pp(), schedule.max_accum());
-    o.total_multiple = 16 * int64_t(dims.dp());
+    o.total_multiple = 16 * int64_t(dims.replicas());
     o.grad_dtype = c.precision.grads == "fp32" ? DType::f32 : compute_dtype(c.precision);
     o.recompute = parse_recompute(c.memory.recompute);
     o.recompute_layers = c.memory.recompute_layers;
@@ -179,7 +192,7 @@ struct Run {
     const ParallelDims dims = [&] {
       try {
         return ParallelDims::make(world, c.parallel.dp, c.parallel.tp, c.parallel.pp,
-                                  c.parallel.order, c.model);
+                                  c.parallel.order, c.model, c.parallel.cp);
       } catch (const ConfigError& e) {
         throw ConfigError(origin + ": " + e.what());
       }
@@ -258,7 +271,7 @@ struct Run {
         val_data(c.data.val, c.model.vocab_size, c.model.seq_len, c.data.format == "nanogpt",
                  decompressor),
         model(c.model, *kernels, compute_dtype(c.precision), c.train.micro_batch, c.model.seq_len,
-              model_options(c, me, dims, groups.tp.get())),
+              model_options(c, me, dims, groups.tp.get(), groups.cp.get())),
         reducer(*kernels, model.grads(), c.parallel.zero == 3 ? DPtr{} : model.params(),
                 model.table().total, *groups.dp, groups.intra.get(), groups.inter.get(),
                 reducer_options(c, model)),
@@ -274,8 +287,8 @@ struct Run {
                   c.parallel.zero ? reducer.shard_elems() : model.table().total,
                   gatherer ? gatherer->shard() : DPtr{}),
         blend(fresh_blend(c)),
-        pipe(model, *groups.pp, groups.tp.get(), schedule.max_accum(), c.train.micro_batch,
-             c.model.seq_len, c.run.phase_timing),
+        pipe(model, *groups.pp, groups.tp.get(), groups.cp.get(), schedule.max_accum(),
+             c.train.micro_batch, c.model.seq_len, c.run.phase_timing),
         scaler(c.precision),
         guard(c.faults, scaler.dynamic()),
         writer(c.model, writer_comm(w), checkpoint_dir(c), c.checkpoint.keep_last,
@@ -304,12 +317,14 @@ struct Run {
       reducer.gather_params();
   }
 
-  bool replica_leader() const { return me.dp == 0; }
+  // The first of the ranks holding these parameters (data- and context-parallel).
+  bool replica_leader() const { return dims.replica_index(me) == 0; }
   // Whether this rank writes its part of a checkpoint: a data-parallel replica only once, but
   // every ZeRO shard.
   bool writes_checkpoint() const { return cfg.parallel.zero >= 1 || replica_leader(); }
   Layout layout() const {
-    return {world.size(), dims.dp(), dims.tp(), dims.pp(), cfg.parallel.zero, cfg.parallel.order};
+    return {world.size(),      dims.dp(), dims.tp(),         dims.pp(),
+            cfg.parallel.zero, dims.cp(), cfg.parallel.order};
   }
   // Every communicator this rank uses, by group, the pipeline's last: the time blocked in the
   // others is exposed communication, in the pipeline's it is waiting for the neighbouring
@@ -319,8 +334,10 @@ struct Run {
     Communicator* comm;
   };
   std::vector<NamedGroup> traffic_groups() const {
-    std::vector<NamedGroup> v = {
-        {"dp", groups.dp.get()}, {"tp", groups.tp.get()}, {"emb", groups.emb.get()}};
+    std::vector<NamedGroup> v = {{"dp", groups.dp.get()},
+                                 {"cp", groups.cp.get()},
+                                 {"tp", groups.tp.get()},
+                                 {"emb", groups.emb.get()}};
     if (groups.intra)
       v.insert(v.end(), {{"intra", groups.intra.get()}, {"inter", groups.inter.get()}});
     if (reducer.intra_gather()) v.push_back({"intra", reducer.intra_gather()});

@@ -87,6 +87,9 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   const int B = cfg.train.micro_batch, T = cfg.model.seq_len;
   const int M = run.schedule.accum(step, run.samples_at(step));
   const int dp = run.dims.dp();
+  // Ranks whose gradients are averaged: the data-parallel ones, and with context parallelism
+  // their peers, each with its mean over its chunks of the same sequences.
+  const int replicas = run.dims.replicas();
   StepStats s;
   s.step = step;
   s.batch = int64_t(B) * M * dp;
@@ -99,7 +102,7 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   run.reducer.start_step(step);
   if (run.gatherer) run.gatherer->take_stats();  // evaluation's and sampling's gathers aside
   PipeTimes times;
-  // Gradients of loss x scale (fp16), averaged over the micro-batches and data-parallel ranks.
+  // Gradients of loss x scale (fp16), averaged over the micro-batches and replicas.
   const double scale = run.scaler.scale();
   s.loss_scale = scale;
   s.data_queue = run.loader->ready_batches();
@@ -107,7 +110,7 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   // Dropout's masks: a function of (seed, step, micro-batch x dp + dp rank), as the data is.
   run.model.train_mode(mix64(uint64_t(cfg.run.seed) ^ mix64(uint64_t(step))), run.me.dp, dp);
   const double loss_sum = run.pipe.step(
-      M, [&]() -> const Batch& { return run.loader->next(); }, float(scale / (M * dp)),
+      M, [&]() -> const Batch& { return run.loader->next(); }, float(scale / (M * replicas)),
       [&] { run.reducer.arm(); }, times);
   run.model.eval_mode();
   inject_overflow(run, step, false);
@@ -143,7 +146,7 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   // The fifth sum is the world's peak FLOP/s: each rank's, this step's matmuls included.
   double sums[5] = {0, 0, double(stop_requested), double(checkpoint_due),
                     run.kernels->peak_flops(compute_dtype(cfg.precision))};
-  if (run.model.shard().last_stage() && run.me.tp == 0) sums[0] = loss_sum / M / dp;
+  if (run.model.shard().last_stage() && run.me.tp == 0) sums[0] = loss_sum / M / replicas;
   if (auto it = run.inject_nan.find(step); it != run.inject_nan.end()) {
     run.inject_nan.erase(it);
     if (run.world.rank() == 0) sums[0] = NAN;
@@ -232,9 +235,13 @@ void print_start(const Run& run) {
     fmt::print("batch ramp: {} (global batches in sequences, through accumulation)\n",
                run.schedule.describe());
   fmt::print(
-      "parallel: dp {} x tp {}{} x pp {} (order {}), zero {}, {} all-reduce, {} buckets {}, "
+      "parallel: dp {}{} x tp {}{} x pp {} (order {}), zero {}, {} all-reduce, {} buckets {}, "
       "overlap {}, 1F1B bubble {:.1f}% ({} stages, {} micro-batches)\n",
-      dims.dp(), dims.tp(),
+      dims.dp(),
+      dims.cp() > 1 ? fmt::format(" x cp {} (ring attention: {} tokens of each sequence a rank)",
+                                  dims.cp(), cfg.model.seq_len / dims.cp())
+                    : "",
+      dims.tp(),
       run.model.shard().sequence_parallel ? " (sequence parallel: 1/tp of the rows between "
                                             "the tensor-parallel regions)"
                                           : "",
@@ -281,7 +288,7 @@ void print_start(const Run& run) {
       b.optimizer / MB,
       cfg.parallel.zero
           ? fmt::format(" (ZeRO-{}: 1/{} of the whole) + its gradient shard {:.2f}{}",
-                        cfg.parallel.zero, dims.dp(), b.grad_shard / MB,
+                        cfg.parallel.zero, dims.replicas(), b.grad_shard / MB,
                         cfg.parallel.zero >= 2
                             ? fmt::format(" + gradient windows {:.2f}", b.grad_windows / MB)
                             : "")
@@ -298,8 +305,9 @@ void print_start(const Run& run) {
   constexpr int kRanksListed = 64;  // a thousand-rank job lists the first ones
   for (int r = 0; r < std::min(dims.world(), kRanksListed); r++) {
     const RankCoords c = dims.coords(r);
-    fmt::print("  rank {}: dp {} tp {} pp {} on {} (node {})\n", r, c.dp, c.tp, c.pp,
-               run.world.host_of(r), run.world.node_of(r));
+    fmt::print("  rank {}: dp {}{} tp {} pp {} on {} (node {})\n", r, c.dp,
+               dims.cp() > 1 ? fmt::format(" cp {}", c.cp) : "", c.tp, c.pp, run.world.host_of(r),
+               run.world.node_of(r));
   }
   if (dims.world() > kRanksListed)
     fmt::print("  ... {} more ranks on {} nodes in all\n", dims.world() - kRanksListed,
@@ -328,7 +336,7 @@ void print_dry_run(const Run& run) {
   int largest_rank = 0;
   for (int r = 0; r < dims.world(); r++) {
     const RankCoords c = dims.coords(r);
-    if (c.dp != 0) continue;  // replicas and ZeRO pieces hold what dp rank 0 does
+    if (c.dp != 0 || c.cp != 0) continue;  // replicas and ZeRO pieces hold what rank 0 does
     const double total = memory_budget(cfg, dims, c, keeps_probs, node_ranks).total();
     if (total > largest) largest = total, largest_rank = r;
     if (c.tp == 0)

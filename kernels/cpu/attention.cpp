@@ -5,6 +5,7 @@
 // all the query heads of its group and accumulates their dK and dV, so no two threads write one
 // gradient.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <vector>
 
@@ -170,11 +171,201 @@ void attention_inference(T* out, const T* qkv, int T_, int q0, int C, int NH, in
   }
 }
 
+// --- ring attention's parts ----------------------------------------------------------------
+// A part's keys are two runs of consecutive positions (TokenChunks): rows [0, chunk) and
+// [chunk, T). Query i sees a prefix of each run: those at positions up to its own. A block of
+// query rows computes its scores only over the longest such prefix of each run, and masks the
+// rest row by row.
+namespace {
+
+struct KeyRun {
+  int begin, end, start;  // rows [begin, end) of the part's keys, at positions start, start + 1...
+  // How many of the run's keys a query at `position` sees.
+  int visible(int position) const { return std::clamp(position - start + 1, 0, end - begin); }
+};
+
+std::array<KeyRun, 2> key_runs(const AttentionPart& p) {
+  const int split = std::min(p.keys.chunk, p.T);
+  return {KeyRun{0, split, p.keys.start0}, KeyRun{split, p.T, p.keys.start1}};
+}
+
+// For query rows [r0, r1): the widest visible prefix of each run (the columns its GEMMs cover).
+std::array<int, 2> run_widths(const AttentionPart& p, const std::array<KeyRun, 2>& runs, int r0,
+                              int r1) {
+  std::array<int, 2> w{0, 0};
+  for (int i = r0; i < r1; i++)
+    for (int k = 0; k < 2; k++) w[k] = std::max(w[k], runs[k].visible(p.queries.position(i)));
+  return w;
+}
+
+}  // namespace
+
+int64_t attention_part_pairs(const AttentionPart& p) {
+  const auto runs = key_runs(p);
+  int64_t pairs = 0;
+  for (int i = 0; i < p.T; i++)
+    for (const KeyRun& r : runs) pairs += r.visible(p.queries.position(i));
+  return pairs * p.B * p.NH;
+}
+
+template <class T>
+void attention_part_forward(T* out, T* lse, const T* q, const T* kv, const AttentionPart& p) {
+  const QkvLayout l(p.C, p.NH, p.NKV);
+  const int hs = l.hs, T_ = p.T, C = p.C;
+  const int64_t W = l.width;
+  const T scale = T(1) / std::sqrt(T(hs));
+  const auto runs = key_runs(p);
+#pragma omp parallel
+  {
+    std::vector<T> S(size_t(kBlock) * std::max(T_, 1)), O(size_t(kBlock) * hs);
+#pragma omp for schedule(static)
+    for (int bh = 0; bh < p.B * p.NH; bh++) {
+      const int b = bh / p.NH, h = bh % p.NH;
+      const int64_t row0 = int64_t(b) * T_ * W;
+      const T *Q = q + row0 + l.query_column(h), *K = kv + row0 + l.key_column(h),
+              *V = kv + row0 + l.value_column(h);
+      T* Out = out + int64_t(b) * T_ * C + int64_t(h) * hs;
+      T* Lse = lse + int64_t(bh) * T_;
+      for (int r0 = 0; r0 < T_; r0 += kBlock) {
+        const int r1 = std::min(T_, r0 + kBlock), rows = r1 - r0;
+        const std::array<int, 2> width = run_widths(p, runs, r0, r1);
+        for (int k = 0; k < 2; k++)
+          if (width[k] > 0)
+            gemm<T>(false, true, rows, width[k], hs, scale, Q + r0 * W, W, K + runs[k].begin * W, W,
+                    T(0), S.data() + runs[k].begin, T_);
+        // Each row's softmax over its visible keys: probabilities (normalised within the part)
+        // in place of the scores, 0 elsewhere in the GEMMs' columns.
+        std::vector<T> part_lse(size_t(rows), -INFINITY);
+        for (int i = r0; i < r1; i++) {
+          T* s = S.data() + int64_t(i - r0) * T_;
+          const int pos = p.queries.position(i);
+          T mx = -INFINITY;
+          for (const KeyRun& r : runs)
+            for (int j = r.begin; j < r.begin + r.visible(pos); j++) mx = std::max(mx, s[j]);
+          T sum = 0;
+          for (int k = 0; k < 2; k++) {
+            const int seen = runs[k].visible(pos);
+            for (int j = runs[k].begin; j < runs[k].begin + seen; j++)
+              sum += (s[j] = fast_exp(s[j] - mx));
+            std::fill(s + runs[k].begin + seen, s + runs[k].begin + width[k], T(0));
+          }
+          if (sum == 0) continue;  // no key of the part is visible
+          const T inv = T(1) / sum;
+          for (const KeyRun& r : runs)
+            for (int j = r.begin; j < r.begin + r.visible(pos); j++) s[j] *= inv;
+          part_lse[i - r0] = mx + std::log(sum);
+        }
+        bool any = false;
+        for (int k = 0; k < 2; k++)
+          if (width[k] > 0) {
+            gemm<T>(false, false, rows, hs, width[k], T(1), S.data() + runs[k].begin, T_,
+                    V + runs[k].begin * W, W, any ? T(1) : T(0), O.data(), hs);
+            any = true;
+          }
+        // The online softmax: out and lse so far (over earlier parts) and this part's, weighted
+        // by their shares of the combined normaliser.
+        for (int i = r0; i < r1; i++) {
+          const T lp = part_lse[i - r0];
+          T* o = Out + int64_t(i) * C;
+          const T* op = O.data() + int64_t(i - r0) * hs;
+          if (p.first) {
+            Lse[i] = lp;
+            for (int e = 0; e < hs; e++) o[e] = std::isinf(lp) ? T(0) : op[e];
+            continue;
+          }
+          if (std::isinf(lp)) continue;
+          const T lo = Lse[i], hi = std::max(lo, lp);
+          const T combined = hi + std::log(std::exp(lo - hi) + std::exp(lp - hi));
+          const T keep = std::exp(lo - combined), add = std::exp(lp - combined);
+          for (int e = 0; e < hs; e++) o[e] = keep * o[e] + add * op[e];
+          Lse[i] = combined;
+        }
+      }
+    }
+  }
+}
+
+template <class T>
+void attention_part_backward(T* dq, T* dkv, const T* dout, const T* q, const T* kv, const T* out,
+                             const T* lse, const AttentionPart& p) {
+  const QkvLayout l(p.C, p.NH, p.NKV);
+  const int hs = l.hs, T_ = p.T, C = p.C;
+  const int64_t W = l.width;
+  const T scale = T(1) / std::sqrt(T(hs));
+  const auto runs = key_runs(p);
+#pragma omp parallel
+  {
+    std::vector<T> P(size_t(kBlock) * std::max(T_, 1)), dP(P.size());
+    // Threads split over key/value heads: each accumulates its own dK and dV (and its group's
+    // dQ), so no two write one gradient.
+#pragma omp for schedule(static)
+    for (int bkv = 0; bkv < p.B * p.NKV; bkv++) {
+      const int b = bkv / p.NKV, kvh = bkv % p.NKV;
+      const int64_t row0 = int64_t(b) * T_ * W;
+      const T *K = kv + row0 + l.keys + int64_t(kvh) * hs,
+              *V = kv + row0 + l.values + int64_t(kvh) * hs;
+      T *dK = dkv + row0 + l.keys + int64_t(kvh) * hs,
+        *dV = dkv + row0 + l.values + int64_t(kvh) * hs;
+      for (int g = 0; g < l.group; g++) {
+        const int h = kvh * l.group + g;
+        const T* Q = q + row0 + l.query_column(h);
+        T* dQ = dq + row0 + l.query_column(h);
+        const T *O = out + int64_t(b) * T_ * C + int64_t(h) * hs,
+                *dO = dout + int64_t(b) * T_ * C + int64_t(h) * hs;
+        const T* Lse = lse + (int64_t(b) * p.NH + h) * T_;
+        for (int r0 = 0; r0 < T_; r0 += kBlock) {
+          const int r1 = std::min(T_, r0 + kBlock), rows = r1 - r0;
+          const std::array<int, 2> width = run_widths(p, runs, r0, r1);
+          for (int k = 0; k < 2; k++)
+            if (width[k] > 0) {
+              const int64_t j0 = runs[k].begin;
+              gemm<T>(false, true, rows, width[k], hs, scale, Q + r0 * W, W, K + j0 * W, W, T(0),
+                      P.data() + j0, T_);
+              gemm<T>(false, true, rows, width[k], hs, T(1), dO + int64_t(r0) * C, C, V + j0 * W, W,
+                      T(0), dP.data() + j0, T_);
+            }
+          // P = exp(S - lse) over the visible keys (the whole attention's probabilities), and
+          // dS = P (dP - D) with D = dO . O, in place of dP.
+          for (int i = r0; i < r1; i++) {
+            T* pr = P.data() + int64_t(i - r0) * T_;
+            T* d = dP.data() + int64_t(i - r0) * T_;
+            const int pos = p.queries.position(i);
+            T D = 0;
+            for (int e = 0; e < hs; e++) D += dO[int64_t(i) * C + e] * O[int64_t(i) * C + e];
+            for (int k = 0; k < 2; k++) {
+              const int j0 = runs[k].begin, seen = runs[k].visible(pos);
+              for (int j = j0; j < j0 + seen; j++) {
+                pr[j] = fast_exp(pr[j] - Lse[i]);
+                d[j] = pr[j] * (d[j] - D);
+              }
+              std::fill(pr + j0 + seen, pr + j0 + width[k], T(0));
+              std::fill(d + j0 + seen, d + j0 + width[k], T(0));
+            }
+          }
+          for (int k = 0; k < 2; k++)
+            if (width[k] > 0) {
+              const int64_t j0 = runs[k].begin;
+              gemm<T>(false, false, rows, hs, width[k], scale, dP.data() + j0, T_, K + j0 * W, W,
+                      T(1), dQ + r0 * W, W);
+              gemm<T>(true, false, width[k], hs, rows, scale, dP.data() + j0, T_, Q + r0 * W, W,
+                      T(1), dK + j0 * W, W);
+              gemm<T>(true, false, width[k], hs, rows, T(1), P.data() + j0, T_,
+                      dO + int64_t(r0) * C, C, T(1), dV + j0 * W, W);
+            }
+        }
+      }
+    }
+  }
+}
+
 #define INSTANTIATE(T)                                                                          \
   template void attention_forward<T>(T*, T*, const T*, int, int, int, int, int);                \
   template void attention_backward<T>(T*, T*, const T*, const T*, const T*, int, int, int, int, \
                                       int);                                                     \
-  template void attention_inference<T>(T*, const T*, int, int, int, int, int);
+  template void attention_inference<T>(T*, const T*, int, int, int, int, int);                  \
+  template void attention_part_forward<T>(T*, T*, const T*, const T*, const AttentionPart&);    \
+  template void attention_part_backward<T>(T*, T*, const T*, const T*, const T*, const T*,      \
+                                           const T*, const AttentionPart&);
 INSTANTIATE(float)
 INSTANTIATE(double)
 

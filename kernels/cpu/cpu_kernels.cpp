@@ -326,6 +326,37 @@ class CpuKernels final : public Kernels {
       });
     });
   }
+  void attention_part_forward(DPtr out, DPtr lse, DPtr q, DPtr kv,
+                              const AttentionPart& p) override {
+    const int64_t rows = int64_t(p.B) * p.T, width = qkv_width(p.C, p.NH, p.NKV);
+    if (Staging::any_half({out, q, kv})) {
+      Staging s(pool_);
+      return attention_part_forward(s.inout(out, rows * p.C), s.inout(lse, rows * p.NH),
+                                    s.in(q, rows * width), s.in(kv, rows * width), p);
+    }
+    meter_.timed(4.0 * double(cpu::attention_part_pairs(p)) * (p.C / p.NH), [&] {
+      dispatch(out.dtype, [&]<class S>(S) {
+        cpu::attention_part_forward(out.as<S>(), lse.as<S>(), q.as<S>(), kv.as<S>(), p);
+      });
+    });
+  }
+  void attention_part_backward(DPtr dq, DPtr dkv, DPtr dout, DPtr q, DPtr kv, DPtr out, DPtr lse,
+                               const AttentionPart& p) override {
+    const int64_t rows = int64_t(p.B) * p.T, width = qkv_width(p.C, p.NH, p.NKV);
+    if (Staging::any_half({dq, dkv, dout, q, kv, out})) {
+      Staging s(pool_);
+      return attention_part_backward(s.inout(dq, rows * width), s.inout(dkv, rows * width),
+                                     s.in(dout, rows * p.C), s.in(q, rows * width),
+                                     s.in(kv, rows * width), s.in(out, rows * p.C),
+                                     s.in(lse, rows * p.NH), p);
+    }
+    meter_.timed(8.0 * double(cpu::attention_part_pairs(p)) * (p.C / p.NH), [&] {
+      dispatch(out.dtype, [&]<class S>(S) {
+        cpu::attention_part_backward(dq.as<S>(), dkv.as<S>(), dout.as<S>(), q.as<S>(), kv.as<S>(),
+                                     out.as<S>(), lse.as<S>(), p);
+      });
+    });
+  }
   void attention_inference(DPtr out, DPtr qkv, int T, int q0, int C, int NH, int NKV) override {
     if (Staging::any_half({out, qkv})) {
       Staging s(pool_);

@@ -48,6 +48,14 @@ void attention_forward(T* out, T* att, const T* qkv, int B, int T_, int C, int N
 template <class T>
 void attention_backward(T* dqkv, T* datt, const T* dout, const T* qkv, const T* att, int B, int T_,
                         int C, int NH, int NKV);
+// Ring attention's parts (kernels/kernels.h, AttentionPart).
+template <class T>
+void attention_part_forward(T* out, T* lse, const T* q, const T* kv, const AttentionPart& p);
+template <class T>
+void attention_part_backward(T* dq, T* dkv, const T* dout, const T* q, const T* kv, const T* out,
+                             const T* lse, const AttentionPart& p);
+// The query-key pairs of a part that are visible (each costs 2 hs multiply-adds a head forward).
+int64_t attention_part_pairs(const AttentionPart& p);
 template <class T>
 void attention_inference(T* out, const T* qkv, int T_, int q0, int C, int NH, int NKV);
 
