@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Memory against speed, in one run: W-M and W-L (one process, fp32, 2 threads) under each
 # activation recomputation mode; and W-M at dp = 4 (four ranks under mpirun, one thread each)
-# under ZeRO 0, 1, 2 and 3; and W-M at tp = 2 (two ranks) without and with sequence parallelism.
+# under ZeRO 0, 1, 2 and 3; W-M at tp = 2 (two ranks) without and with sequence parallelism; and
+# W-M at T = 4096 with context parallelism cp = 1 (one process, 2 threads), 2 and 4 (ranks of one
+# thread).
 #
-#   bench/memory.sh [W-M] [W-L] [zero] [sp] [--steps N]
+#   bench/memory.sh [W-M] [W-L] [zero] [sp] [cp] [--steps N]
 #
 # Prints a JSON line per run, then a table each: tokens/s, the planned memory against the
 # measured peak RSS, and their ratio. Recomputation: trainer_bench's plan (the model's weights,
@@ -22,14 +24,14 @@ workloads=()
 steps=2
 while (($#)); do
   case "$1" in
-    W-M | W-L | zero | sp) workloads+=("$1") ;;
+    W-M | W-L | zero | sp | cp) workloads+=("$1") ;;
     --steps) steps="$2"; shift ;;
     -h | --help) sed -n '2,13s/^# \{0,1\}//p' "$0"; exit 0 ;;
     *) echo "memory.sh: unknown argument '$1'" >&2; exit 2 ;;
   esac
   shift
 done
-((${#workloads[@]})) || workloads=(W-M W-L zero sp)
+((${#workloads[@]})) || workloads=(W-M W-L zero sp cp)
 
 cmake --build "$BUILD" --target trainer_bench -j2 >&2
 export OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2
@@ -37,7 +39,7 @@ export OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2
 lines=()
 zero_lines=()
 for w in "${workloads[@]}"; do
-  if [[ "$w" == zero || "$w" == sp ]]; then
+  if [[ "$w" == zero || "$w" == sp || "$w" == cp ]]; then
     # shellcheck source=bench/lib.sh
     source "$ROOT/bench/lib.sh"
     cmake --build "$BUILD" --target trainer -j2 >&2
@@ -46,16 +48,24 @@ for w in "${workloads[@]}"; do
       work="$(mktemp -d)"
       # shellcheck disable=SC2064  # the directory is known now
       trap "rm -rf '$work'" EXIT
-      wm_config "$work/wm.toml" "$(bench_data "$ROOT" "$BUILD" "$work")" $((steps + 1))
+      data="$(bench_data "$ROOT" "$BUILD" "$work")"
+      wm_config "$work/wm.toml" "$data" $((steps + 1))
+      gpt2_config "$work/wm4k.toml" "$data" $((steps + 1)) 4096 12 768 1
     fi
+    config="$work/wm.toml"
     if [[ "$w" == zero ]]; then
       runs=("zero0 4 --set parallel.dp=4 --set parallel.zero=0"
         "zero1 4 --set parallel.dp=4 --set parallel.zero=1"
         "zero2 4 --set parallel.dp=4 --set parallel.zero=2"
         "zero3 4 --set parallel.dp=4 --set parallel.zero=3")
-    else
+    elif [[ "$w" == sp ]]; then
       runs=("tp2 2 --set parallel.tp=2 --set parallel.sequence_parallel=false"
         "tp2_sp 2 --set parallel.tp=2 --set parallel.sequence_parallel=true")
+    else
+      config="$work/wm4k.toml"
+      runs=("T4096_cp1 1 --set parallel.cp=1 --set run.threads=2"
+        "T4096_cp2 2 --set parallel.cp=2"
+        "T4096_cp4 4 --set parallel.cp=4")
     fi
     for run in "${runs[@]}"; do
       read -r name ranks settings <<<"$run"
@@ -63,7 +73,7 @@ for w in "${workloads[@]}"; do
       dir="$work/$name"
       # shellcheck disable=SC2086  # the settings are words
       mpirun -q --oversubscribe --bind-to none -np "$ranks" "$BUILD/trainer" train \
-        "$work/wm.toml" --set run.out_dir="\"$dir\"" --set run.threads=1 $settings >"$dir.log"
+        "$config" --set run.out_dir="\"$dir\"" --set run.threads=1 $settings >"$dir.log"
       line="$(summarize "$name" "$ranks" "$dir/metrics.jsonl" 1 | "$PYTHON" -c '
 import json, re, sys
 d = json.loads(sys.stdin.read())

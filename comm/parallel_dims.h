@@ -4,7 +4,7 @@
 // its own. The order names the axes from fastest- to slowest-varying rank: with the default
 // "tp-pp-dp" tensor-parallel ranks are adjacent (inside a node), pipeline stages next, data
 // parallel outermost. Context-parallel ranks (model/context_parallel.h) come right after the
-// tensor-parallel ones, as in Megatron's tp-cp-dp-pp: ring attention's traffic, second only to
+// tensor-parallel ones, where Megatron puts them too: ring attention's traffic, second only to
 // tensor parallelism's, stays inside a node where it can.
 #include <array>
 #include <string>

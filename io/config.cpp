@@ -573,6 +573,7 @@ Config parse_config(const std::string& text, const std::string& origin,
     MemoryConfig& m = c.memory;
     r.field("recompute", m.recompute, one_of({"none", "selective", "full"}));
     r.field("recompute_layers", m.recompute_layers, in_range(0, 1 << 20));
+    r.field("offload_optimizer", m.offload_optimizer);
     r.finish();
   }
   {
@@ -804,7 +805,8 @@ std::string config_to_toml(const Config& c) {
                                {"sequence_parallel", c.parallel.sequence_parallel},
                                {"cp", c.parallel.cp}}},
       {"memory", toml::table{{"recompute", c.memory.recompute},
-                             {"recompute_layers", c.memory.recompute_layers}}},
+                             {"recompute_layers", c.memory.recompute_layers},
+                             {"offload_optimizer", c.memory.offload_optimizer}}},
       {"precision", toml::table{{"compute", c.precision.compute},
                                 {"grads", c.precision.grads},
                                 {"loss_scale", c.precision.loss_scale},

@@ -191,6 +191,9 @@ struct FaultsConfig {
 struct MemoryConfig {
   std::string recompute = "none";  // none | selective | full
   int recompute_layers = 0;        // the first N blocks of each pipeline stage; 0 = all
+  // AdamW's fp32 master weights and moments in host memory, updated on CPU threads segment by
+  // segment while the next segment's gradients come over (trainer/adamw.h)
+  bool offload_optimizer = false;
 };
 
 // [init]: where a fresh run's weights come from.

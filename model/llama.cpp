@@ -72,7 +72,7 @@ class Llama final : public ModelDefinition {
   // With sequence parallelism, d_full: a whole (B T, C) gradient gathered from the ranks' rows
   // (or in forward a projection's partial output), and d_local: this rank's rows of a
   // reduce-scattered one.
-  // ring: ring attention's four buffers (context parallelism).
+  // ring: ring attention's six buffers (context parallelism).
   enum Scratch { d_norm, d_qkv, d_att, d_atty, d_gate_up, d_swi, d_full, d_local, ring };
   std::vector<ActSpec> backward_scratch(int64_t B, int64_t T, bool keeps_probs) const override {
     const int64_t BT = B * T;
@@ -85,7 +85,7 @@ class Llama final : public ModelDefinition {
                               {BT * Fl_},
                               {sp ? BT * C_ : 0},
                               {sp ? stream_rows(B, T) * C_ : 0}};
-    for (const ActSpec& r : ring_scratch(B, T, QKVl_)) v.push_back(r);
+    for (const ActSpec& r : ring_scratch(B, T, QKVl_, Cl_)) v.push_back(r);
     return v;
   }
 

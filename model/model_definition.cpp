@@ -27,9 +27,11 @@ void ModelDefinition::attention(const LayerCall& c, DPtr out, DPtr att, DPtr qkv
   if (c.inference) return c.k.attention_inference(out, qkv, c.pos0 + c.T, c.pos0, C, NH, NKV);
   if (!c.split()) return c.k.attention_forward(out, att, qkv, c.B, c.T, C, NH, NKV);
   // Ring attention: att holds the log-sum-exps. At step s this rank holds the keys and values of
-  // rank holder(s), and passes them on to the next while it attends to them.
+  // rank holder(s), and passes them on to the next while it attends to them. The parts are
+  // combined in ring[4] (fp32 with 16-bit activations: one rounding at the end).
   const ContextParallel& cp = *c.cp;
   const int64_t n = int64_t(c.B) * c.T * (C + 2 * int64_t(NKV) * (C / NH));
+  const DPtr combined = ring[4].dtype == out.dtype ? out : ring[4];
   AttentionPart part{c.B, c.T, C, NH, NKV, cp.chunks(c.T), {}, true};
   DPtr held = qkv;
   for (int s = 0; s < cp.size(); s++) {
@@ -38,11 +40,12 @@ void ModelDefinition::attention(const LayerCall& c, DPtr out, DPtr att, DPtr qkv
     if (s + 1 < cp.size()) wait = cp.exchange(held, next, n, kKeysValues);
     part.keys = cp.chunks_of(cp.holder(s), c.T);
     part.first = s == 0;
-    c.k.attention_part_forward(out, att, qkv, held, part);
+    c.k.attention_part_forward(combined, att, qkv, held, part);
     c.tick();
     if (wait) wait();
     held = next;
   }
+  if (combined.p != out.p) c.k.convert(out, combined, int64_t(c.B) * c.T * C, 0);
 }
 
 void ModelDefinition::attention_backward(const LayerCall& c, DPtr dqkv, DPtr datt, DPtr dout,
@@ -51,11 +54,13 @@ void ModelDefinition::attention_backward(const LayerCall& c, DPtr dqkv, DPtr dat
   if (!c.split())
     return c.k.attention_backward(dqkv, datt, dout, qkv, out, att, c.B, c.T, C, NH, NKV);
   // The keys and values go round again, each with its gradient so far (ring[2] and ring[3] in
-  // turn); after the last step every rank has received its own keys' and values' gradient.
+  // turn); after the last step every rank has received its own keys' and values' gradient. The
+  // query gradients are summed in ring[5] (fp32 with 16-bit activations, as the travelling ones).
   const ContextParallel& cp = *c.cp;
   const int64_t n = int64_t(c.B) * c.T * (C + 2 * int64_t(NKV) * (C / NH));
+  const DPtr dq = ring[5].dtype == dqkv.dtype ? dqkv : ring[5];
   AttentionPart part{c.B, c.T, C, NH, NKV, cp.chunks(c.T), {}, false};
-  c.k.zero(dqkv, n);
+  c.k.zero(dq, n);
   DPtr held = qkv;
   c.k.zero(ring[2], n);
   for (int s = 0; s < cp.size(); s++) {
@@ -64,13 +69,14 @@ void ModelDefinition::attention_backward(const LayerCall& c, DPtr dqkv, DPtr dat
     if (s + 1 < cp.size()) wait = cp.exchange(held, next, n, kKeysValues);
     part.keys = cp.chunks_of(cp.holder(s), c.T);
     const DPtr grad = ring[2 + s % 2], arrived = ring[2 + (s + 1) % 2];
-    c.k.attention_part_backward(dqkv, grad, dout, qkv, held, out, att, part);
+    c.k.attention_part_backward(dq, grad, dout, qkv, held, out, att, part);
     c.tick();
     cp.exchange(grad, arrived, n, kKeyValueGrads)();
     if (wait) wait();
     held = next;
   }
-  c.k.residual_forward(dqkv, dqkv, ring[2 + cp.size() % 2], n);  // its query columns are zero
+  c.k.residual_forward(dq, dq, ring[2 + cp.size() % 2], n);  // its query columns are zero
+  if (dq.p != dqkv.p) c.k.convert(dqkv, dq, n, 0);
 }
 
 ActSpec ModelDefinition::attention_keeps(int64_t B, int NH, int64_t T, bool keeps_probs) const {
@@ -78,9 +84,15 @@ ActSpec ModelDefinition::attention_keeps(int64_t B, int NH, int64_t T, bool keep
                                  : ActSpec{.elems = B * NH * T, .stats = true};
 }
 
-std::vector<ActSpec> ModelDefinition::ring_scratch(int64_t B, int64_t T, int64_t width) const {
-  const int64_t n = shard_.cp_size > 1 ? B * T * width : 0;
-  return {{n}, {n}, {n}, {n}};
+std::vector<ActSpec> ModelDefinition::ring_scratch(int64_t B, int64_t T, int64_t width,
+                                                   int64_t C) const {
+  const int64_t rows = shard_.cp_size > 1 ? B * T : 0;
+  return {{rows * width},
+          {rows * width},
+          {.elems = rows * width, .stats = true},
+          {.elems = rows * width, .stats = true},
+          {.elems = rows * C, .stats = true},
+          {.elems = rows * width, .stats = true}};
 }
 
 void ModelDefinition::recompute_attention(const LayerCall& c, DPtr out, DPtr att, DPtr qkv, int C,
@@ -89,30 +101,33 @@ void ModelDefinition::recompute_attention(const LayerCall& c, DPtr out, DPtr att
     attention(c, out, att, qkv, C, NH, NKV, nullptr);
 }
 
-// With context parallelism, each sequence's two chunks embed at their own positions.
+// With context parallelism the tokens embed in one call and each sequence's two chunks then add
+// their rows of the position embedding (the same one addition as the unsplit kernel's).
 void ModelDefinition::embed_tokens(const LayerCall& c, DPtr out, const int32_t* tokens, DPtr wte,
                                    DPtr wpe, int C, VocabSlice vocab) {
   if (!c.split())
     return c.k.encoder_forward(out, tokens, wte, wpe ? wpe + int64_t(c.pos0) * C : DPtr{}, c.B, c.T,
                                C, vocab);
+  c.k.encoder_forward(out, tokens, wte, DPtr{}, c.B, c.T, C, vocab);
+  if (!wpe) return;
   const TokenChunks ch = c.cp->chunks(c.T);
   for (int b = 0; b < c.B; b++)
     for (int t0 : {0, ch.chunk}) {
-      const int64_t row = int64_t(b) * c.T + t0;
-      c.k.encoder_forward(out + row * C, tokens + row, wte,
-                          wpe ? wpe + int64_t(ch.position(t0)) * C : DPtr{}, 1, ch.chunk, C, vocab);
+      const DPtr rows = out + (int64_t(b) * c.T + t0) * C;
+      c.k.residual_forward(rows, rows, wpe + int64_t(ch.position(t0)) * C, int64_t(ch.chunk) * C);
     }
 }
 
 void ModelDefinition::embed_tokens_backward(const LayerCall& c, DPtr dwte, DPtr dwpe, DPtr dout,
                                             const int32_t* tokens, int C, VocabSlice vocab) {
   if (!c.split()) return c.k.encoder_backward(dwte, dwpe, dout, tokens, c.B, c.T, C, vocab);
+  c.k.encoder_backward(dwte, DPtr{}, dout, tokens, c.B, c.T, C, vocab);
+  if (!dwpe) return;
   const TokenChunks ch = c.cp->chunks(c.T);
   for (int b = 0; b < c.B; b++)
     for (int t0 : {0, ch.chunk}) {
-      const int64_t row = int64_t(b) * c.T + t0;
-      c.k.encoder_backward(dwte, dwpe ? dwpe + int64_t(ch.position(t0)) * C : DPtr{},
-                           dout + row * C, tokens + row, 1, ch.chunk, C, vocab);
+      const DPtr at = dwpe + int64_t(ch.position(t0)) * C;
+      c.k.residual_forward(at, at, dout + (int64_t(b) * c.T + t0) * C, int64_t(ch.chunk) * C);
     }
 }
 

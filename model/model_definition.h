@@ -82,8 +82,6 @@ struct LayerCall {
   // the T tokens of each sequence are this rank's two chunks of the whole (cp->chunks(T)).
   const ContextParallel* cp = nullptr;
   bool split() const { return cp && cp->splits(); }
-  // Where token t of a sequence sits in the whole sequence.
-  int position(int t) const { return split() ? cp->chunks(T).position(t) : pos0 + t; }
   // Inference with a key/value cache (one sequence): the T tokens are at positions
   // [pos0, pos0 + T), and every earlier position's keys and values are in the layers' attention
   // activations from earlier calls. Nothing is kept for a backward.
@@ -162,7 +160,7 @@ class ModelDefinition {
   // that `qkv`, the layer's full-length activation, holds: the new tokens' q, k and v are
   // expected at rows [pos0, pos0 + T) then.
   // With context parallelism, ring attention over the group (model/context_parallel.h), `ring`
-  // being the four buffers of ring_scratch() in the definition's backward scratch.
+  // being the six buffers of ring_scratch() in the definition's backward scratch.
   static void attention(const LayerCall& c, DPtr out, DPtr att, DPtr qkv, int C, int NH, int NKV,
                         const DPtr* ring);
   // dqkv = the gradient of qkv, from out's gradient dout (datt: scratch of att's size where the
@@ -180,9 +178,11 @@ class ModelDefinition {
   int64_t qkv_rows(int64_t B, int64_t T) const {
     return std::max(B * T, int64_t(shard_.cp_size) * T);
   }
-  // Ring attention's buffers (none without context parallelism): the keys and values received
-  // and their gradients, two of each, as qkv rows of `width`.
-  std::vector<ActSpec> ring_scratch(int64_t B, int64_t T, int64_t width) const;
+  // Ring attention's buffers (none without context parallelism): the keys and values received,
+  // two as qkv rows of `width`; and in the statistics' dtype (fp32 with 16-bit activations, so
+  // that the parts are summed unrounded) their gradients, two likewise, the output being
+  // combined (B T, C) and the query gradients being summed (B T, width).
+  std::vector<ActSpec> ring_scratch(int64_t B, int64_t T, int64_t width, int64_t C) const;
   // Remakes the probabilities for layer_recompute() where the backend keeps them (attention()
   // rewrites `out` with the bits it holds: the same kernel on the same inputs).
   static void recompute_attention(const LayerCall& c, DPtr out, DPtr att, DPtr qkv, int C, int NH,

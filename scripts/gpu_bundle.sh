@@ -4,6 +4,7 @@
 # lacks, packed to be carried there and run with `scripts/gpu_check.sh --bundle DIR`.
 #
 #   scripts/gpu_bundle.sh [--out DIR] [--build-dir DIR] [--skip-build] [--add FILE]... [--max-mb N]
+#                         [--level L]
 #
 # In the bundle: the binaries (host code for x86-64-v3, not for this CPU); the shared libraries of
 # their dependency closure except the C runtime (glibc) and what the GPU machine brings (the CUDA
@@ -13,14 +14,15 @@
 #   trainer-gpu.tar.zst   the bundle (zstd), unpacked by gpu_check.sh into /tmp
 #   MANIFEST              what the machine must provide: glibc version, CPU features, CUDA libraries
 #   zstd/                 a zstd and its libraries, for machines without one
-# --add FILE bundles another executable with its closure; --skip-build reuses --build-dir.
+# --add FILE bundles another executable with its closure; --skip-build reuses --build-dir;
+# --level sets zstd's level (default 19: the smallest archive; lower is faster and larger).
 # Exit 1 when a library of the closure cannot be found or the archive is over --max-mb (48).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT_DIR="$ROOT/.gpu-bundle"
 BUILD="$ROOT/build-bundle"
-build=1 max_mb=48 extra=()
+build=1 max_mb=48 level=19 extra=()
 while (($#)); do
   case "$1" in
     --out) OUT_DIR="$2"; shift ;;
@@ -28,12 +30,14 @@ while (($#)); do
     --skip-build) build=0 ;;
     --add) extra+=("$(realpath "$2")"); shift ;;
     --max-mb) max_mb="$2"; shift ;;
-    -h | --help) sed -n '2,17s/^# \{0,1\}//p' "$0"; exit 0 ;;
+    --level) level="$2"; shift ;;
+    -h | --help) sed -n '2,19s/^# \{0,1\}//p' "$0"; exit 0 ;;
     *) echo "gpu_bundle.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
 done
 die() { echo "gpu_bundle.sh: $*" >&2; exit 1; }
+[[ $level =~ ^([1-9]|1[0-9])$ ]] || { echo "gpu_bundle.sh: --level must be 1 to 19, not '$level'" >&2; exit 2; }
 OUT_DIR="$(mkdir -p "$OUT_DIR" && cd "$OUT_DIR" && pwd)"
 BUILD="$(mkdir -p "$BUILD" && cd "$BUILD" && pwd)"
 MARCH=x86-64-v3
@@ -164,7 +168,7 @@ done | sed 's/GLIBC_//' | sort -uV | tail -n 1)
 unpacked_kb=$(du -sk "$B" | cut -f1)
 
 echo "== packing $(find "$B" -type f | wc -l) files, $((unpacked_kb / 1024)) MB"
-tar -C "$STAGE" -cf - trainer-gpu | zstd -q -19 --long=27 -T0 -o "$OUT_DIR/trainer-gpu.tar.zst"
+tar -C "$STAGE" -cf - trainer-gpu | zstd -q -"$level" --long=27 -T0 -o "$OUT_DIR/trainer-gpu.tar.zst"
 bytes=$(stat -c %s "$OUT_DIR/trainer-gpu.tar.zst")
 total_kb=$(du -sk "$OUT_DIR" | cut -f1)
 if ((total_kb > max_mb * 1024)); then

@@ -363,6 +363,54 @@ TEST_P(Bf16Resume, BitForBitFromItsMasterWeights) {
 INSTANTIATE_TEST_SUITE_P(Zero, Bf16Resume, ::testing::Values(1, 2, 3),
                          [](const auto& info) { return "zero" + std::to_string(info.param); });
 
+// [memory] offload_optimizer: AdamW's state in host memory, updated on CPU threads, is the
+// device update bit for bit (fp32 in one process; bf16 with stochastic rounding over ZeRO-1 and
+// ZeRO-3 pieces at dp 2), its checkpoints resume bitwise with or without offload, and the host
+// did the work: every step's metrics count its segments and its update time, and the plan says
+// where the state lives.
+TEST_F(MpiCli, OptimizerOffloadIsTheDeviceUpdateBitwise) {
+  const std::string bf16 = "--set precision.compute=" + quoted("bf16") +
+                           " --set precision.stochastic_rounding=true --set parallel.dp=2 ";
+  for (const auto& [ranks, layout] : {std::pair{1, std::string()},
+                                      {2, bf16 + "--set parallel.zero=1 "},
+                                      {2, bf16 + "--set parallel.zero=3 "}}) {
+    SCOPED_TRACE(layout);
+    const std::string common = layout + "--set train.steps=8 --set checkpoint.every_steps=4 ";
+    const std::string offload = "--set memory.offload_optimizer=true ";
+    auto r = mpirun(ranks, common + "--set run.out_dir=" + quoted(path("device")));
+    ASSERT_EQ(r.code, 0) << r.output;
+    r = mpirun(ranks, common + offload + "--set run.out_dir=" + quoted(path("host")));
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("offloaded to host memory, updated on CPU threads"), std::string::npos)
+        << r.output;
+    expect_same_tensors(path("device/checkpoints/step_00000008/state.h5"),
+                        path("host/checkpoints/step_00000008/state.h5"));
+    int steps = 0;
+    std::ifstream in(path("host/metrics.jsonl"));
+    for (std::string line; std::getline(in, line);) {
+      auto j = nlohmann::json::parse(line);
+      if (!j.contains("loss")) continue;
+      steps++;
+      EXPECT_GT(j["offload_segments"].get<int>(), 0);
+      EXPECT_GT(j["offload_update_ms"].get<double>(), 0);
+    }
+    EXPECT_EQ(steps, 8);
+    // Resumed the other way round: the offloaded run's checkpoint on the device, and back.
+    for (const auto& [from, settings] :
+         {std::pair{std::string("host"), std::string()}, {std::string("device"), offload}}) {
+      const std::string out = path("resumed_" + from);
+      r = mpirun(ranks, common + settings + "--set run.out_dir=" + quoted(out) +
+                            " --set checkpoint.resume=" +
+                            quoted(path(from + "/checkpoints/step_00000004")));
+      ASSERT_EQ(r.code, 0) << r.output;
+      expect_same_tensors(path("device/checkpoints/step_00000008/state.h5"),
+                          out + "/checkpoints/step_00000008/state.h5");
+    }
+    for (const char* dir : {"device", "host", "resumed_host", "resumed_device"})
+      std::filesystem::remove_all(path(dir));
+  }
+}
+
 }  // namespace
 }  // namespace trainer
 

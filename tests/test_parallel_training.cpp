@@ -579,6 +579,28 @@ TEST_F(MpiCli, ContextParallelHoldsACpthOfEachSequence) {
       activations[0], activations[1], planned[0], planned[1], measured[0], measured[1], want, got);
 }
 
+// Context parallelism in bf16 (its ring's parts combined in fp32, rounded once) under selective
+// recomputation and ZeRO-2 at dp 2: the per-step losses track the unsplit bf16 run's within 0.1%
+// (bf16's rounding, not the layout's: fp32 layouts agree to 1e-7).
+TEST_F(MpiCli, ContextParallelInBf16TracksTheUnsplitRun) {
+  const std::string common = "--set precision.compute=" + quoted("bf16") +
+                             " --set train.steps=20 --set checkpoint.every_steps=0 ";
+  auto r = mpirun(1, common + "--set train.grad_accum=2 --set run.out_dir=" + quoted(path("one")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  r = mpirun(4, common +
+                    "--set parallel.dp=2 --set parallel.cp=2 --set parallel.zero=2 "
+                    "--set memory.recompute=" +
+                    quoted("selective") + " --set run.out_dir=" + quoted(path("cp")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto one = steps_of(path("one/metrics.jsonl")), cp = steps_of(path("cp/metrics.jsonl"));
+  ASSERT_EQ(one.size(), 20u);
+  ASSERT_EQ(cp.size(), 20u);
+  double worst = 0;
+  for (int s = 0; s < 20; s++) worst = std::max(worst, std::abs(cp[s].loss / one[s].loss - 1));
+  EXPECT_LT(worst, 1e-3);
+  std::printf("[ bf16, cp 2 x dp 2 zero 2 selective ] worst loss difference %.2e\n", worst);
+}
+
 // The bar: T = 8192 trains on this machine with cp = 4 (a two-layer Llama, one sequence a
 // step): each rank plans well under 100 MB of activations where one process plans over 3 GB
 // (its attention keeps 8192 x 8192 probabilities a head), and the
@@ -783,7 +805,7 @@ void Bf16Layout::expect_follows_one_process(const std::string& model) {
   ASSERT_EQ(b.size(), 60u);
   double worst = 0;
   for (int i = 0; i < 60; i++) worst = std::max(worst, std::abs(a[i].loss - b[i].loss) / a[i].loss);
-  EXPECT_LT(worst, 0.01);
+  EXPECT_LT(worst, 1e-3);
   EXPECT_LT(a.back().loss, a.front().loss - 1.0) << "it must learn";
   std::printf("[ bf16 dp2 x tp2 x pp2 ZeRO-1 ] worst per-step loss difference %.2e\n", worst);
 }

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -59,6 +60,56 @@ TEST(AdamW, WeightDecayPolicy) {
   o.decay_embeddings = o.decay_norms_and_biases = true;
   EXPECT_FLOAT_EQ(AdamW::weight_decay(o, t.at("wpe.weight")), 0.1f);
   EXPECT_FLOAT_EQ(AdamW::weight_decay(o, t.at("ln_f.bias")), 0.1f);
+}
+
+// Offload keeps AdamW's state in host memory and updates it on CPU threads, segment by segment,
+// the weights copied back: the device update bit for bit (the same function on the same values),
+// in fp32 and in bf16 with stochastic rounding (the same conversion from the master). The stats
+// say the host did the work: every segment in every update.
+TEST(AdamW, OffloadIsTheDeviceUpdateBitwise) {
+  auto k = make_cpu_kernels();
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    StageExecutor a(tiny_model(), *k, dtype, 1, 8), b(tiny_model(), *k, dtype, 1, 8);
+    OptimConfig o;
+    o.weight_decay = 0.1;
+    AdamW device(a, o), host(b, o, true);
+    EXPECT_TRUE(host.offloaded());
+    ASSERT_TRUE(host.master());
+    EXPECT_FALSE(host.master().device);
+    const int64_t total = a.table().total;
+    // The initial weights as a run makes them: exact fp32 into the master, rounded for the model.
+    DPtr full = k->alloc(total, DType::f32);
+    a.init_parameters(3, full);
+    for (AdamW* opt : {&device, &host})
+      if (opt->master()) opt->init_master(full);
+    k->convert(a.params(), full, total, 0);
+    k->convert(b.params(), full, total, 0);
+    k->free(full);
+    if (is_half(dtype))
+      for (AdamW* opt : {&device, &host}) opt->set_stochastic_rounding(77);
+    for (int step = 1; step <= 3; step++) {
+      const std::vector<float> g = test::random_vector(size_t(total), 10 + step, 0.1);
+      k->upload_f32(a.grads(), g.data(), total);
+      k->upload_f32(b.grads(), g.data(), total);
+      device.update(1e-2f, 0.5f, step);
+      host.update(1e-2f, 0.5f, step);
+      const AdamW::OffloadStats stats = host.take_offload_stats();
+      EXPECT_EQ(stats.segments, int64_t(host.segments().size()));
+      EXPECT_GT(stats.update_s, 0);
+    }
+    const size_t bytes = size_t(total) * dtype_size(dtype);
+    EXPECT_EQ(std::memcmp(a.params().p, b.params().p, bytes), 0);
+    for (AdamW::State which : {AdamW::State::weights, AdamW::State::m, AdamW::State::v}) {
+      std::vector<float> x(total), y(total);
+      if (which == AdamW::State::weights && !device.master())
+        k->download_f32(x.data(), a.params(), total);
+      else
+        device.read_state(which, 0, x.data(), total);
+      host.read_state(which, 0, y.data(), total);
+      EXPECT_EQ(x, y) << "state " << int(which);
+    }
+  }
 }
 
 TEST(Init, PureFunctionOfSeedAndName) {

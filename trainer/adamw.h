@@ -8,6 +8,16 @@
 // whose gradients the reducer leaves in a buffer of the shard's size. With ZeRO-3 the model keeps
 // no whole parameters: the compute weights are in a buffer of the shard's size too
 // (shard_weights, indexed like the state), which the parameter gatherer all-gathers from.
+//
+// Offload (ZeRO-Offload, Ren et al. 2021; DeepSpeed's offload_optimizer): the fp32 master
+// weights (for an fp32 model too) and both moments live in host memory (pinned on a GPU) and the
+// update runs on CPU threads. Segment by segment, its gradients come to the host while the
+// previous segment is updated on a worker thread, and each updated segment's weights go back to
+// the device while the next is updated. Host code alone touches the host state; the device's
+// buffers are reached only by the backend's copies (download_f32, upload_f32, convert), so the
+// CPU backend runs the GPU's code path up to the memcpy, and the update is the same function
+// on the same values: bitwise the device update.
+#include <utility>
 #include <vector>
 
 #include "io/config.h"
@@ -22,11 +32,11 @@ class AdamW {
     float weight_decay;
   };
   // Every parameter of the model, gradients in model.grads().
-  AdamW(StageExecutor& model, const OptimConfig& cfg);
+  AdamW(StageExecutor& model, const OptimConfig& cfg, bool offload = false);
   // The given segments; grads and the moments hold state_elems elements, and shard_weights
   // (ZeRO-3; else null: the weights are model.params()) too.
   AdamW(StageExecutor& model, const OptimConfig& cfg, std::vector<Segment> segments, DPtr grads,
-        int64_t state_elems, DPtr shard_weights = {});
+        int64_t state_elems, DPtr shard_weights = {}, bool offload = false);
   ~AdamW();
   AdamW(const AdamW&) = delete;
   AdamW& operator=(const AdamW&) = delete;
@@ -48,7 +58,25 @@ class AdamW {
 
   const std::vector<Segment>& segments() const { return segments_; }
   DPtr grads() const { return grads_; }
-  DPtr master() const { return master_; }                // null unless the model is 16-bit
+  // The fp32 master weights: of a 16-bit model, or with offload of any model (then in host
+  // memory); else null.
+  DPtr master() const { return master_; }
+  bool offloaded() const { return offload_; }
+  // Offload's work since the last call: segments updated on the host, the seconds the host's
+  // updates took, and those the caller waited for them (what the copies did not hide).
+  struct OffloadStats {
+    int64_t segments = 0;
+    double update_s = 0, waited_s = 0;
+  };
+  OffloadStats take_offload_stats() { return std::exchange(offload_stats_, {}); }
+  // The state (which: master or shard weights, m, v) at state offset `at`, to and from host
+  // fp32: through the backend's copies, or for offloaded state a host copy. Writing the weights
+  // writes the master and ZeRO-3's shard weights, whichever there are.
+  enum class State { weights, m, v };
+  void read_state(State which, int64_t at, float* dst, int64_t n) const;
+  void write_state(State which, int64_t at, const float* src, int64_t n);
+  // Host bytes offload holds besides the state: two segments' gradients in fp32.
+  static int64_t offload_host_elems(const std::vector<Segment>& segments);
   DPtr shard_weights() const { return shard_weights_; }  // ZeRO-3's compute weights, or null
   // The exact fp32 weights indexed like the state: the master weights of a 16-bit model, or
   // ZeRO-3's shard of an fp32 one; null when they are model.params() (at segment offsets).
@@ -57,18 +85,28 @@ class AdamW {
   DPtr weights_of(const Segment& s) const {
     return shard_weights_ ? shard_weights_ + s.state_offset : model_.params() + s.offset;
   }
+  // The moments' buffers (in host memory when offloaded: read_state() reaches either).
   DPtr m() const { return m_; }
   DPtr v() const { return v_; }
   int64_t state_elems() const { return state_elems_; }
 
  private:
   void round_into_model(const Segment& s, int64_t step);
+  void update_offloaded(float lr, float grad_scale, int64_t step);
+  AdamWArgs args_of(const Segment& s, float lr, float grad_scale, int64_t step) const;
+  DPtr state(State which) const {
+    return which == State::m ? m_ : which == State::v ? v_ : master_;
+  }
 
   StageExecutor& model_;
   OptimConfig cfg_;
   std::vector<Segment> segments_;
   DPtr grads_, m_, v_, master_, shard_weights_;
   int64_t state_elems_;
+  bool offload_ = false;
+  std::vector<float> host_grads_[2];  // offload: the segments' gradients, in turn
+  DPtr staging_;  // offload with a 16-bit model: a segment's master weights on the device
+  OffloadStats offload_stats_;
   uint64_t stochastic_seed_ = 0;
 };
 

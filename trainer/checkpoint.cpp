@@ -426,13 +426,14 @@ void take_snapshot(const StageExecutor& model, const AdamW* optimizer, bool writ
   out.v.resize(optimizer ? total : 0);
   for (const Copy& c : copies) {
     const int64_t n = c.part.count, at = c.part.at;
-    if (optimizer && optimizer->state_weights())  // a 16-bit model's exact fp32, or ZeRO-3's
-      k.download_f32(out.params.data() + at, optimizer->state_weights() + c.state, n);
+    // The exact fp32 weights: a 16-bit (or offloading) optimizer's master, or ZeRO-3's shard.
+    if (optimizer && optimizer->state_weights())
+      optimizer->read_state(AdamW::State::weights, c.state, out.params.data() + at, n);
     else
       k.download_f32(out.params.data() + at, model.params() + c.flat, n);
     if (optimizer) {
-      k.download_f32(out.m.data() + at, optimizer->m() + c.state, n);
-      k.download_f32(out.v.data() + at, optimizer->v() + c.state, n);
+      optimizer->read_state(AdamW::State::m, c.state, out.m.data() + at, n);
+      optimizer->read_state(AdamW::State::v, c.state, out.v.data() + at, n);
     }
     out.parts.push_back(c.part);
   }
@@ -840,25 +841,23 @@ std::vector<float> read_local(const H5File& f, const StageExecutor& model,
   return read_local(H5Group(f, group), model);
 }
 
-// flat (read_local's layout) -> a state buffer indexed by the optimizer's segments.
-void upload_state(Kernels& k, const AdamW& optimizer, const std::vector<float>& flat, DPtr state) {
+// flat (read_local's layout) -> the optimizer's state, indexed by its segments.
+void upload_state(AdamW& optimizer, const std::vector<float>& flat, AdamW::State which) {
   std::vector<float> host(optimizer.state_elems(), 0.0f);
   for (const AdamW::Segment& s : optimizer.segments())
     std::copy(flat.begin() + s.offset, flat.begin() + s.offset + s.count,
               host.begin() + s.state_offset);
-  k.upload_f32(state, host.data(), optimizer.state_elems());
+  optimizer.write_state(which, 0, host.data(), optimizer.state_elems());
 }
 
-// The weights into the model (ZeRO-3: its held units, and this rank's shard of the rest) and,
-// when it computes in 16 bits, the fp32 master.
+// The weights into the model (ZeRO-3: its held units, and this rank's shard of the rest) and
+// the optimizer's exact fp32 copy, if it keeps one (16-bit or offloaded).
 void load_params(const TensorSource& source, StageExecutor& model, AdamW* optimizer) {
   const std::vector<float> params = read_local(source, model);
   if (model.params_elems() > 0)
     model.kernels().upload_f32(model.params(), params.data(), model.params_elems());
-  if (optimizer && optimizer->shard_weights())
-    upload_state(model.kernels(), *optimizer, params, optimizer->shard_weights());
-  if (optimizer && optimizer->master())
-    upload_state(model.kernels(), *optimizer, params, optimizer->master());
+  if (optimizer && optimizer->state_weights())
+    upload_state(*optimizer, params, AdamW::State::weights);
 }
 
 void load_params(const H5File& f, StageExecutor& model, AdamW* optimizer) {
@@ -971,8 +970,8 @@ TrainState load_checkpoint(const std::string& state_file, StageExecutor& model, 
   const Meta meta = read_meta(f, state_file);
   load_params(f, model, optimizer);
   if (optimizer) {
-    upload_state(model.kernels(), *optimizer, read_local(f, model, "optim/m/"), optimizer->m());
-    upload_state(model.kernels(), *optimizer, read_local(f, model, "optim/v/"), optimizer->v());
+    upload_state(*optimizer, read_local(f, model, "optim/m/"), AdamW::State::m);
+    upload_state(*optimizer, read_local(f, model, "optim/v/"), AdamW::State::v);
   }
   if (comm_state) *comm_state = comm_state_of(f, rank);
   return meta.state;

@@ -11,7 +11,8 @@
 //   several sources (io/blend.h) data_blend_weights, data_blend_start, data_blend_base and
 //   data_source_samples (each source's samples before data_samples), config (TOML
 //   text), config_hash, model dimensions, the loss scaler's state, the layout it was saved
-//   from (layout_world, layout_dp, layout_tp, layout_pp, layout_zero, layout_order), the step
+//   from (layout_world, layout_dp, layout_tp, layout_pp, layout_zero, layout_order; layout_cp
+//   when it is over 1), the step
 //   guard's windows (recent_losses, recent_norms: arrays, when not empty),
 //   rng_seed (every random stream is a function of the seed and a step or sample index) and
 //   meta_hash (FNV-1a of all of the above as text: the datasets have checksums, the attributes

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 
 #include "comm/grad_reducer.h"
@@ -30,7 +31,16 @@ MemoryBudget memory_budget(const Config& cfg, const ParallelDims& dims, const Ra
   const ParamTable table = param_table(cfg.model, *o.shard, o.total_multiple);
   const double elems = double(table.total);
   const double owned = cfg.parallel.zero ? elems / dims.replicas() : elems;
-  b.optimizer = owned * 4 * (is_half(dtype) ? 3 : 2);
+  b.optimizer = owned * 4 * (is_half(dtype) || cfg.memory.offload_optimizer ? 3 : 2);
+  if (cfg.memory.offload_optimizer) {
+    // Segments: whole parameters, or their ZeRO pieces (at most a piece of the shard).
+    double largest = 0;
+    for (const ParamInfo& p : table.params) largest = std::max(largest, double(p.numel));
+    if (cfg.parallel.zero) largest = std::min(largest, std::ceil(elems / dims.replicas()));
+    b.optimizer += 2 * largest * 4;
+    b.offloaded = b.optimizer;
+    b.offload_staging = is_half(dtype) ? largest * 4 : 0;
+  }
   b.grad_shard = cfg.parallel.zero ? owned * dtype_size(*o.grad_dtype) : 0;
   const std::vector<GradUnit> units = grad_units(table);
   const int windows = ReducerOptions().windows;
@@ -80,7 +90,11 @@ void check_memory(const Config& cfg, World& world, Kernels& kernels, const std::
                     0);  // hierarchical ZeRO-2's node parts aside (1/ranks-per-node of its windows
                          // and held units): the groups are not made yet
   const StageExecutor::Memory& model = b.model;
-  const double need = b.total(), optimizer = b.optimizer + b.grad_shard, snapshot = b.snapshot;
+  // A GPU holds its own part (offloaded state is the host's); on the CPU it is all one memory.
+  const bool gpu = kernels.memory().reserved > 0;
+  const double need = gpu ? b.device() : b.total();
+  const double optimizer = b.optimizer - (gpu ? b.offloaded : 0) + b.offload_staging + b.grad_shard,
+               snapshot = gpu ? 0 : b.snapshot;
   const double grads = double(model.grads) + b.grad_windows;
   const double weights = double(model.params) + b.param_shard + b.param_windows;
   const double have = available_bytes(kernels, world);

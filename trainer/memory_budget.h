@@ -18,7 +18,11 @@ namespace trainer {
 // the host copy of them a checkpoint takes.
 struct MemoryBudget {
   StageExecutor::Memory model;
-  double optimizer = 0;     // AdamW's moments and (16-bit models) fp32 master weights
+  double optimizer = 0;  // AdamW's moments and (16-bit models) fp32 master weights
+  // [memory] offload_optimizer: of the above, AdamW's state (its master weights for any model)
+  // in host memory, with the host's two segments of gradients; and the device's staging of a
+  // segment's master weights (16-bit models).
+  double offloaded = 0, offload_staging = 0;
   double grad_shard = 0;    // ZeRO-1, -2 and -3: the reduced gradients of this rank's piece
   double grad_windows = 0;  // ZeRO-2 and -3: the windows backward writes gradients into
   // ZeRO-3: this rank's pieces of the compute weights (model.params holds only the held
@@ -33,8 +37,10 @@ struct MemoryBudget {
   double snapshot = 0;
   double total() const {
     return double(model.total()) + optimizer + grad_shard + grad_windows + param_shard +
-           param_windows + collectives + snapshot;
+           param_windows + collectives + snapshot + offload_staging;
   }
+  // What a GPU holds: all but the host's (the offloaded state, the checkpoint's copy).
+  double device() const { return total() - offloaded - snapshot; }
 };
 
 // node_ranks: the data-parallel ranks on this rank's node under the hierarchical all-reduce

@@ -58,6 +58,11 @@ void MetricsLog::step(const StepStats& s, bool print) {
     j["param_ready"] = s.param_ready;
     j["param_waited"] = s.param_waited;
   }
+  if (s.offload_segments >= 0) {
+    j["offload_segments"] = s.offload_segments;
+    j["offload_update_ms"] = s.offload_update_s * 1e3;
+    j["offload_wait_ms"] = s.offload_wait_s * 1e3;
+  }
   if (!s.bad.empty()) j["bad"] = s.bad;
   out_ << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
   out_.flush();

@@ -44,6 +44,10 @@ struct StepStats {
   // gathered or on their way when it needed them (prefetched, or kept from the forward), and
   // those it had to wait for from the start.
   int64_t param_gathers = -1, param_ready = -1, param_waited = -1;
+  // Optimizer offload (else -1): the segments updated on the host, the host's update time and
+  // the time the step waited for it (what the gradient and weight copies did not hide).
+  int64_t offload_segments = -1;
+  double offload_update_s = 0, offload_wait_s = 0;
   // Gradient compression: what the compressed buckets would have sent as plain fp32, and the
   // time spent in them (encode, exchange, decode).
   int64_t bytes_uncompressed = 0;

@@ -285,7 +285,7 @@ struct Run {
         optimizer(model, c.optim, optimizer_segments(spans, c.optim),
                   c.parallel.zero ? reducer.shard_grads() : model.grads(),
                   c.parallel.zero ? reducer.shard_elems() : model.table().total,
-                  gatherer ? gatherer->shard() : DPtr{}),
+                  gatherer ? gatherer->shard() : DPtr{}, c.memory.offload_optimizer),
         blend(fresh_blend(c)),
         pipe(model, *groups.pp, groups.tp.get(), groups.cp.get(), schedule.max_accum(),
              c.train.micro_batch, c.model.seq_len, c.run.phase_timing),

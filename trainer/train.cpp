@@ -170,6 +170,12 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
     run.optimizer.update(float(s.lr), float(clip / scale), step + 1);
     run.gather_params();
   }
+  if (run.optimizer.offloaded()) {
+    const AdamW::OffloadStats o = run.optimizer.take_offload_stats();
+    s.offload_segments = o.segments;
+    s.offload_update_s = o.update_s;
+    s.offload_wait_s = o.waited_s;
+  }
   run.kernels->synchronize();  // the update's kernels, on a GPU, have finished
   s.optimizer_s = seconds_since(t_opt);
 
@@ -275,7 +281,7 @@ void print_start(const Run& run) {
   // One line from the plan the buffers are allocated by (and that check_memory refuses by).
   fmt::print(
       "memory: recompute {}{}, rank 0 expects {:.1f} MB (weights {:.2f}{}, gradients {:.2f}, "
-      "activations {:.2f}, AdamW {:.2f}{}, {}checkpoint copy {:.2f})\n",
+      "activations {:.2f}, AdamW {:.2f}{}{}, {}checkpoint copy {:.2f})\n",
       cfg.memory.recompute,
       cfg.memory.recompute != "none" && cfg.memory.recompute_layers > 0
           ? fmt::format(" (first {} blocks of each stage)", cfg.memory.recompute_layers)
@@ -286,6 +292,11 @@ void print_start(const Run& run) {
                              : "",
       double(b.model.grads) / MB, double(b.model.activations + b.model.stats) / MB,
       b.optimizer / MB,
+      b.offloaded > 0 ? fmt::format(" offloaded to host memory, updated on CPU threads{}",
+                                    b.offload_staging > 0 ? fmt::format(" (device staging {:.2f})",
+                                                                        b.offload_staging / MB)
+                                                          : "")
+                      : "",
       cfg.parallel.zero
           ? fmt::format(" (ZeRO-{}: 1/{} of the whole) + its gradient shard {:.2f}{}",
                         cfg.parallel.zero, dims.replicas(), b.grad_shard / MB,
