@@ -155,6 +155,10 @@ for f in "${elves[@]}"; do
   done
 done
 
+# cuBLASLt is not linked but loaded when the CUDA backend makes its first GEMM (dlopen, by the
+# CUDA major version's soname, kernels/cuda/gemm.cpp): the machine brings it too.
+machine[libcublasLt.so.$(nvcc --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')]=1
+
 # zstd to unpack with, for machines without one (beside the archive, not in it).
 rm -rf "$OUT_DIR/zstd" "$OUT_DIR/trainer-gpu.tar.zst" "$OUT_DIR/MANIFEST"
 mkdir -p "$OUT_DIR/zstd/lib"

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cuda/gemm.h"
 #include "kernels/kernels.h"
 #include "model/architectures.h"
 #include "model/stage_executor.h"
@@ -32,6 +33,12 @@ void PrintTo(DType t, std::ostream* os) {  // test names and messages say f32, n
 }
 
 namespace {
+
+// cuBLASLt is loaded at run time (dlopen), not linked: it is there, with every function the
+// GEMMs call, without a GPU as with one.
+TEST(CudaBackend, LoadsCublasLtAtRunTime) {
+  EXPECT_EQ(cuda::load_cublaslt().rfind("libcublasLt.so.", 0), 0u);
+}
 
 #define REQUIRE_GPU() \
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device visible: GPU test skipped"

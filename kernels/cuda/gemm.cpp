@@ -1,17 +1,56 @@
 #include "kernels/cuda/gemm.h"
 
+#include <dlfcn.h>
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <stdexcept>
+#include <string>
+#include <type_traits>
 
 #include "kernels/cuda/cuda_check.h"
 
 namespace trainer::cuda {
 namespace {
 
+// cuBLASLt, loaded when the first GEMM plan is made rather than linked: its static
+// initialisation costs about a third of a second of CPU in every process that links it, which
+// every CPU-only run (and every test) would pay for a library it never calls.
+struct LtApi {
+#define TRAINER_LT_FUNCTIONS(X)                                                                \
+  X(GetStatusString)                                                                           \
+  X(Create)                                                                                    \
+  X(Destroy) X(MatmulDescCreate) X(MatmulDescDestroy) X(MatmulDescSetAttribute)                \
+      X(MatrixLayoutCreate) X(MatrixLayoutDestroy) X(MatrixLayoutSetAttribute)                 \
+          X(MatmulPreferenceCreate) X(MatmulPreferenceDestroy) X(MatmulPreferenceSetAttribute) \
+              X(MatmulAlgoGetHeuristic) X(Matmul)
+#define TRAINER_LT_MEMBER(name) decltype(&::cublasLt##name) name = nullptr;
+  TRAINER_LT_FUNCTIONS(TRAINER_LT_MEMBER)
+#undef TRAINER_LT_MEMBER
+};
+
+const LtApi& lt() {
+  static const LtApi api = [] {
+    const std::string soname = "libcublasLt.so." + std::to_string(CUBLAS_VER_MAJOR);
+    void* lib = dlopen(soname.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (!lib)
+      throw std::runtime_error("the CUDA backend's GEMMs need " + soname + ": " + dlerror());
+    LtApi a;
+    auto resolve = [&](auto& fn, const char* name) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
+      if (!fn) throw std::runtime_error(soname + " has no " + name);
+    };
+#define TRAINER_LT_RESOLVE(name) resolve(a.name, "cublasLt" #name);
+    TRAINER_LT_FUNCTIONS(TRAINER_LT_RESOLVE)
+#undef TRAINER_LT_RESOLVE
+#undef TRAINER_LT_FUNCTIONS
+    return a;
+  }();
+  return api;
+}
+
 void check_lt(cublasStatus_t status, const char* call, const char* file, int line) {
-  if (status != CUBLAS_STATUS_SUCCESS) fail(cublasLtGetStatusString(status), call, file, line);
+  if (status != CUBLAS_STATUS_SUCCESS) fail(lt().GetStatusString(status), call, file, line);
 }
 #define LT_CHECK(call) check_lt((call), #call, __FILE__, __LINE__)
 
@@ -46,10 +85,15 @@ int alignment(const GemmOperand& op, int batch) {
 
 template <class V>
 void set(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr, const V& value) {
-  LT_CHECK(cublasLtMatmulDescSetAttribute(d, attr, &value, sizeof(value)));
+  LT_CHECK(lt().MatmulDescSetAttribute(d, attr, &value, sizeof(value)));
 }
 
 }  // namespace
+
+std::string load_cublaslt() {
+  lt();
+  return "libcublasLt.so." + std::to_string(CUBLAS_VER_MAJOR);
+}
 
 struct Gemm::Plan {
   cublasLtMatmulDesc_t desc = nullptr;
@@ -58,19 +102,19 @@ struct Gemm::Plan {
   bool ran = false;  // a matmul with this plan has been enqueued
   ~Plan() {
     for (cublasLtMatrixLayout_t l : {a, b, c})
-      if (l) cublasLtMatrixLayoutDestroy(l);
-    if (desc) cublasLtMatmulDescDestroy(desc);
+      if (l) lt().MatrixLayoutDestroy(l);
+    if (desc) lt().MatmulDescDestroy(desc);
   }
 };
 
 Gemm::Gemm(cudaStream_t stream, void* workspace, size_t workspace_bytes)
     : stream_(stream), workspace_(workspace), workspace_bytes_(workspace_bytes) {
-  LT_CHECK(cublasLtCreate(&handle_));
+  LT_CHECK(lt().Create(&handle_));
 }
 
 Gemm::~Gemm() {
   plans_.clear();
-  if (handle_) cublasLtDestroy(handle_);
+  if (handle_) lt().Destroy(handle_);
 }
 
 Gemm::Key Gemm::key_of(const GemmCall& c) {
@@ -110,7 +154,7 @@ Gemm::Plan* Gemm::plan(const Key& key, const GemmCall& c) {
   auto it = plans_.find(key);
   if (it != plans_.end()) return it->second.get();
   auto p = std::make_unique<Plan>();
-  LT_CHECK(cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  LT_CHECK(lt().MatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t ta = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t tb = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   set(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, ta);
@@ -133,12 +177,12 @@ Gemm::Plan* Gemm::plan(const Key& key, const GemmCall& c) {
     set(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, static_cast<void*>(c.aux.p.p));
   }
   auto layout = [&](cublasLtMatrixLayout_t* l, DType t, int rows, int cols, const GemmOperand& op) {
-    LT_CHECK(cublasLtMatrixLayoutCreate(l, cuda_type(t), uint64_t(rows), uint64_t(cols), op.ld));
+    LT_CHECK(lt().MatrixLayoutCreate(l, cuda_type(t), uint64_t(rows), uint64_t(cols), op.ld));
     if (batch > 1) {
-      LT_CHECK(cublasLtMatrixLayoutSetAttribute(*l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch,
-                                                sizeof(batch)));
-      LT_CHECK(cublasLtMatrixLayoutSetAttribute(*l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
-                                                &op.stride, sizeof(op.stride)));
+      LT_CHECK(lt().MatrixLayoutSetAttribute(*l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch,
+                                             sizeof(batch)));
+      LT_CHECK(lt().MatrixLayoutSetAttribute(*l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                             &op.stride, sizeof(op.stride)));
     }
   };
   // Stored shapes: op(A) is m x k, so A is stored k x m when transposed.
@@ -147,25 +191,25 @@ Gemm::Plan* Gemm::plan(const Key& key, const GemmCall& c) {
   layout(&p->c, C.p.dtype, m, n, C);
 
   cublasLtMatmulPreference_t pref;
-  LT_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  LT_CHECK(lt().MatmulPreferenceCreate(&pref));
   const uint64_t ws = workspace_bytes_;
-  LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
-                                                sizeof(ws)));
+  LT_CHECK(lt().MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+                                             sizeof(ws)));
   const uint32_t align_a = alignment(A, batch), align_b = alignment(B, batch),
                  align_c = alignment(C, batch);
-  LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-                                                &align_a, sizeof(align_a)));
-  LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                                                &align_b, sizeof(align_b)));
-  LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                                                &align_c, sizeof(align_c)));
-  LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-                                                &align_c, sizeof(align_c)));
+  LT_CHECK(lt().MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                                             &align_a, sizeof(align_a)));
+  LT_CHECK(lt().MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                                             &align_b, sizeof(align_b)));
+  LT_CHECK(lt().MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                                             &align_c, sizeof(align_c)));
+  LT_CHECK(lt().MatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                                             &align_c, sizeof(align_c)));
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
-  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle_, p->desc, p->a, p->b, p->c,
-                                                               p->c, pref, 1, &result, &found);
-  cublasLtMatmulPreferenceDestroy(pref);
+  const cublasStatus_t status = lt().MatmulAlgoGetHeuristic(handle_, p->desc, p->a, p->b, p->c,
+                                                            p->c, pref, 1, &result, &found);
+  lt().MatmulPreferenceDestroy(pref);
   if (status == CUBLAS_STATUS_SUCCESS && found > 0)
     p->algo = result.algo;
   else
@@ -186,8 +230,8 @@ cublasStatus_t Gemm::enqueue(Plan& p, const GemmCall& c) {
   if (c.bias) set(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(c.bias.p));
   if (c.epilogue != GemmEpilogue::none)
     set(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, static_cast<void*>(c.aux.p.p));
-  return cublasLtMatmul(handle_, p.desc, &c.alpha, c.A.p.p, p.a, c.B.p.p, p.b, &c.beta, c.C.p.p,
-                        p.c, c.C.p.p, p.c, &p.algo, workspace_, workspace_bytes_, stream_);
+  return lt().Matmul(handle_, p.desc, &c.alpha, c.A.p.p, p.a, c.B.p.p, p.b, &c.beta, c.C.p.p, p.c,
+                     c.C.p.p, p.c, &p.algo, workspace_, workspace_bytes_, stream_);
 }
 
 bool Gemm::try_run(const GemmCall& c) {

@@ -10,11 +10,16 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <string>
 #include <tuple>
 
 #include "kernels/gemm_plan.h"
 
 namespace trainer::cuda {
+
+// Loads cuBLASLt now and resolves every function the GEMMs call (the backend does it on first
+// use); returns the library's soname, or throws naming what is missing.
+std::string load_cublaslt();
 
 class Gemm {
  public:
