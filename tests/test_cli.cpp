@@ -79,6 +79,39 @@ TEST_F(Cli, BadCommandLinesExitTwoWithOneLine) {
   }
 }
 
+// trainer plan on 8 x 80 GB GPUs: GPT-2 1.5B and Llama-3-8B fit (exit 0, the best as config);
+// Llama-3-70B does not unless the optimizer is offloaded (exit 2, saying so and what would fit
+// with it); --explain names the layouts the model rules out; a GPU it does not know is refused.
+TEST_F(Cli, PlanFitsKnownModelsAndSaysWhatWouldFit) {
+  const std::string configs = test::source_dir() + "/configs/";
+  for (const char* model : {"gpt2-1.5b", "llama3-8b"}) {
+    const Result r = run("plan " + configs + model + ".toml --gpus 8 --explain");
+    EXPECT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("choices fit; the fastest:"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("the best, as config:\n\n[parallel]\ndp = "), std::string::npos)
+        << r.output;
+  }
+  EXPECT_NE(run("plan " + configs + "gpt2-1.5b.toml --gpus 8 --explain")
+                .output.find("[parallel] tp = 2 must divide n_head = 25"),
+            std::string::npos);
+  Result r = run("plan " + configs + "llama3-70b.toml --gpus 8");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("trainer: plan: nothing fits: every choice needs more than the 72.0 GB"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("with [memory] offload_optimizer = true, "), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("[memory]\nrecompute = \"full\"\noffload_optimizer = true\n"),
+            std::string::npos)
+      << r.output;
+  r = run("plan " + configs + "llama3-8b.toml --gpus 8 --gpu x100");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(
+      r.output,
+      "trainer: config error: --gpu: \"x100\" is neither a known GPU (h100, h200, a100, b200, "
+      "l40s) nor TFLOP/s\n");
+}
+
 TEST_F(Cli, ConfigErrorsExitTwo) {
   Result r = run("train " + path("missing.toml"));
   EXPECT_EQ(r.code, 2);

@@ -257,6 +257,7 @@ std::vector<Layout> layouts() {
   all.push_back({"tp2_sp", 2, base[1].settings + sp});
   all.push_back({"tp2_pp2_sp", 4, base[4].settings + sp});
   all.push_back({"dp2_tp2_zero2_sp", 4, base[3].settings + " --set parallel.zero=2" + sp});
+  all.push_back({"dp2_tp2_zero3_sp", 4, base[3].settings + " --set parallel.zero=3" + sp});
   // Context parallelism: each sequence's 16 tokens in 2 cp chunks, ring attention over the group
   // (cp 4: chunks of 2); with data (ZeRO-3 sharding over dp x cp), tensor (and sequence) and
   // pipeline parallelism.
@@ -451,6 +452,18 @@ TEST_F(MpiCli, ZeroTwoAndThreeSaveThePlannedMemory) {
   }
 }
 
+// The sample and the validation loss a run logged at step 0 (empty and NaN when it did not).
+std::pair<std::string, double> step0_sample_and_val(const std::string& run) {
+  std::pair<std::string, double> found{"", NAN};
+  std::ifstream in(run + "/metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (j.contains("sample") && j["step"] == 0) found.first = j["sample"];
+    if (j.contains("val_loss") && j["step"] == 0) found.second = j["val_loss"];
+  }
+  return found;
+}
+
 // Sequence parallelism holds 1/tp of the residual stream's rows between the tensor-parallel
 // regions: at tp 2 the planned activations fall (the stream, res2 and the norm statistics halve;
 // the gathered norm outputs and a gather buffer stay), the measured peak RSS falls by what the
@@ -501,15 +514,10 @@ TEST_F(MpiCli, SequenceParallelHoldsATpthOfTheStream) {
                       quoted("Itisatruth,universally") + " --set parallel.sequence_parallel=" +
                       (sp ? "true" : "false") + " --set run.out_dir=" + quoted(out));
     ASSERT_EQ(r.code, 0) << r.output;
-    std::ifstream in(out + "/metrics.jsonl");
-    for (std::string line; std::getline(in, line);) {
-      auto j = nlohmann::json::parse(line);
-      if (j.contains("sample") && j["step"] == 0) samples.push_back(j["sample"]);
-      if (j.contains("val_loss") && j["step"] == 0) val.push_back(j["val_loss"]);
-    }
+    const auto [sample, loss] = step0_sample_and_val(out);
+    samples.push_back(sample);
+    val.push_back(loss);
   }
-  ASSERT_EQ(samples.size(), 2u);
-  ASSERT_EQ(val.size(), 2u);
   EXPECT_FALSE(samples[0].empty());
   EXPECT_EQ(samples[1], samples[0]);
   EXPECT_NEAR(val[1], val[0], 1e-6 * val[0]);
@@ -559,15 +567,10 @@ TEST_F(MpiCli, ContextParallelHoldsACpthOfEachSequence) {
                        "train.sample_prompt=" +
                        quoted("Itisatruth,universally") + " --set run.out_dir=" + quoted(out));
     ASSERT_EQ(r.code, 0) << r.output;
-    std::ifstream in(out + "/metrics.jsonl");
-    for (std::string line; std::getline(in, line);) {
-      auto j = nlohmann::json::parse(line);
-      if (j.contains("sample") && j["step"] == 0) samples.push_back(j["sample"]);
-      if (j.contains("val_loss") && j["step"] == 0) val.push_back(j["val_loss"]);
-    }
+    const auto [sample, loss] = step0_sample_and_val(out);
+    samples.push_back(sample);
+    val.push_back(loss);
   }
-  ASSERT_EQ(samples.size(), 3u);
-  ASSERT_EQ(val.size(), 3u);
   EXPECT_FALSE(samples[0].empty());
   for (int i : {1, 2}) {
     EXPECT_EQ(samples[i], samples[0]);

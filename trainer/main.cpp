@@ -20,6 +20,7 @@
 #include "trainer/blas_setup.h"
 #include "trainer/checkpoint.h"
 #include "trainer/export.h"
+#include "trainer/planner.h"
 #include "trainer/prepare.h"
 #include "trainer/report_error.h"
 #include "trainer/sampler.h"
@@ -172,6 +173,39 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
       ->capture_default_str();
 
+  trainer::PlanArgs plan;
+  double plan_memory_gb = 0, plan_intra_gbps = 0, plan_inter_gbps = 0;
+  int plan_per_node = 0;
+  std::string plan_device;
+  auto* pl = app.add_subcommand(
+      "plan", "a parallel layout, memory policy and micro-batch that fit a cluster, ranked");
+  pl->add_option("config", plan.config, "the run's config (its model and global batch)")
+      ->required();
+  pl->add_option("--gpus", plan.options.cluster.devices, "devices (ranks) in all")
+      ->required()
+      ->check(CLI::Range(1, 1 << 20));
+  pl->add_option("--gpus-per-node", plan_per_node, "devices a node (default 8; CPU: 1)")
+      ->check(CLI::Range(1, 1 << 10));
+  pl->add_option("--gpu-memory", plan_memory_gb,
+                 "GB a device (default: the GPU's; CPU: this machine's available memory over "
+                 "the ranks a node)")
+      ->check(CLI::Range(0.001, 1e6));
+  pl->add_option("--gpu", plan_device,
+                 "h100, h200, a100, b200, l40s, or a device's TFLOP/s (default h100; CPU: this "
+                 "machine's measured sgemm over the ranks a node)");
+  pl->add_option("--intra-node-gbps", plan_intra_gbps,
+                 "collective bus bandwidth inside a node, Gbit/s a device (default 3600: "
+                 "NVLink; CPU: 40)")
+      ->check(CLI::Range(0.001, 1e9));
+  pl->add_option("--inter-node-gbps", plan_inter_gbps,
+                 "between nodes, Gbit/s a device (default 400: one NIC a GPU; CPU: 10)")
+      ->check(CLI::Range(0.001, 1e9));
+  pl->add_option("--efficiency", plan.options.efficiency, "of the peak the kernels reach (MFU)")
+      ->check(CLI::Range(0.01, 1.0))
+      ->capture_default_str();
+  pl->add_flag("--explain", plan.explain, "say why the other layouts were dropped");
+  pl->add_option("--set", plan.overrides, "override the config: section.key=value")->take_all();
+
   trainer::EvalOptions eval;
   auto* ev = app.add_subcommand("eval", "loss and perplexity of a checkpoint on a data set");
   ev->add_option("--checkpoint", eval.checkpoint, "checkpoint or run directory")->required();
@@ -218,6 +252,13 @@ int main(int argc, char** argv) {
   try {
     if (*gen) return generate(checkpoint, prompt, prompt_option->count() > 0, tokens, sample);
     if (*ex) return trainer::export_weights(exp);
+    if (*pl) {
+      const trainer::Config cfg = trainer::load_config(plan.config, plan.overrides);
+      trainer::Cluster& k = plan.options.cluster;
+      trainer::set_cluster_defaults(k, cfg, plan_device, plan_per_node, plan_memory_gb,
+                                    plan_intra_gbps, plan_inter_gbps);
+      return trainer::plan_command(plan);
+    }
     if (*pre) {
       // The [tokenizer] of --config, the flags on top, checked by the config's own rules.
       std::vector<std::string> set;

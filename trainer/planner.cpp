@@ -1,0 +1,327 @@
+#include "trainer/planner.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <thread>
+
+#include "comm/parallel_dims.h"
+#include "io/errors.h"
+#include "kernels/kernels.h"
+#include "model/model_definition.h"
+#include "trainer/pipeline_schedule.h"
+#include "trainer/report_error.h"
+#include "trainer/run.h"
+
+namespace trainer {
+namespace {
+
+std::vector<int> divisors(int64_t n) {
+  std::vector<int> d;
+  for (int64_t i = 1; i <= n; i++)
+    if (n % i == 0) d.push_back(int(i));
+  return d;
+}
+
+// Time of an all-reduce of `bytes` over n devices (a ring's 2 (n - 1) / n of it on each link).
+double all_reduce_s(double bytes, int n, double bytes_per_s) {
+  return n > 1 ? 2.0 * (n - 1) / n * bytes / bytes_per_s : 0;
+}
+
+// The step's estimate for a candidate whose memory is known (see Candidate's fields).
+void estimate(Candidate& c, const Config& cfg, const PlanOptions& o, int64_t global) {
+  const ModelConfig& m = cfg.model;
+  const Cluster& k = o.cluster;
+  const double T = m.seq_len, C = m.d_model, tokens = double(global) * T;
+  const double act = dtype_size(compute_dtype(cfg.precision));
+  const double grad = cfg.precision.grads == "fp32" ? 4 : act;
+  // Model FLOPs, and what recomputation runs again: the whole forward (a third of them), or
+  // attention's scores and probabilities (its forward, 2 L C T a token).
+  double flops = flops_per_token(m) * tokens;
+  if (c.recompute == "full") flops *= 4.0 / 3;
+  if (c.recompute == "selective") flops += 2.0 * m.n_layer * C * T * tokens;
+  c.compute_s = flops / k.devices / (k.peak_flops * o.efficiency);
+  const double bubble = pipeline_bubble(c.pp, c.accum);
+  c.bubble_s = bubble < 1 ? c.compute_s * bubble / (1 - bubble) : INFINITY;
+  const double layers = std::ceil(double(m.n_layer) / c.pp);
+  const double rows = double(c.micro_batch) * T / c.cp;  // a micro-batch's tokens on a rank
+  // Tensor parallelism: two all-reduces of the stream in each block's forward and two in its
+  // backward (sequence parallelism moves the same bytes), two more where the forward is re-run.
+  const int tp_collectives = c.recompute == "full" ? 6 : 4;
+  c.tp_s =
+      tp_collectives * layers * c.accum * all_reduce_s(rows * C * act, c.tp, k.intra_bytes_per_s);
+  // Context parallelism: the ring passes each rank's qkv rows cp - 1 times forward, and again in
+  // backward with their gradients (fp32 with 16-bit activations).
+  const double qkv = double(m.d_model + 2 * int64_t(m.kv_heads()) * m.head_size()) / c.tp;
+  const double ring = rows * qkv * act;
+  const double cp_bw = c.tp * c.cp <= k.per_node ? k.intra_bytes_per_s : k.inter_bytes_per_s;
+  c.cp_s = c.cp > 1 ? layers * c.accum * (c.cp - 1) * (2 * ring + rows * qkv * 4) / cp_bw : 0;
+  // Data parallelism over the dp x cp replicas: the gradients reduced and (ZeRO) the updated
+  // pieces gathered; ZeRO-3 gathers each unit's weights again for forward and backward. The
+  // reduction overlaps backward: ZeRO-0/1 reduce during the last micro-batch's, ZeRO-2/3 during
+  // each one's; what backward cannot cover is exposed.
+  const int R = c.dp * c.cp;
+  const double params = double(param_table(m).total) / (c.tp * c.pp);
+  const double share = R > 1 ? double(R - 1) / R : 0;
+  const double dp_bw = k.devices <= k.per_node ? k.intra_bytes_per_s : k.inter_bytes_per_s;
+  const double backward = c.compute_s * 2 / 3 / c.accum;  // one micro-batch's
+  const double gather = share * params * act / dp_bw;
+  if (c.zero <= 1) {
+    c.dp_s = std::max(0.0, 2 * share * params * grad / dp_bw - backward);
+  } else {
+    const double reduce = share * params * grad / dp_bw;  // every micro-batch
+    c.dp_s = c.accum * std::max(0.0, reduce - backward) + gather;
+    if (c.zero == 3) c.dp_s += 2 * c.accum * std::max(0.0, gather - backward / 2);
+  }
+  // The optimizer reads and writes its state (16 bytes a parameter); offloaded, the host does
+  // at ~20 GB/s after the gradients crossed PCIe (~25 GB/s) and before the weights cross back.
+  const double owned = c.zero ? params / R : params;
+  c.optimizer_s = c.offload ? owned * 16 / 20e9 + owned * (grad + act) / 25e9
+                            : owned * 16 / (cfg.run.device == "cpu" ? 10e9 : 2e12);
+}
+
+std::string gb(double bytes) {
+  return fmt::format("{:.1f}", bytes / 1e9);
+}
+
+std::string layout_name(const Candidate& c) {
+  return fmt::format("dp {} tp {} pp {}{} zero {} recompute {} micro-batch {} x {}{}", c.dp, c.tp,
+                     c.pp, c.cp > 1 ? fmt::format(" cp {}", c.cp) : "", c.zero, c.recompute,
+                     c.micro_batch, c.accum, c.offload ? " offload" : "");
+}
+
+void print_candidates(const Plan& p, const Config& cfg, int shown) {
+  fmt::print(
+      "  #  layout{:62} | device GB: total (weights, gradients, activations, optimizer, other) | "
+      "step s: total (compute, bubble, tp, cp, dp, optimizer) | tokens/s\n",
+      "");
+  for (int i = 0; i < std::min<int>(shown, int(p.fitting.size())); i++) {
+    const Candidate& c = p.fitting[i];
+    const MemoryBudget& b = c.memory;
+    const double weights = double(b.model.params) + b.param_shard + b.param_windows;
+    const double grads = double(b.model.grads) + b.grad_windows + b.grad_shard;
+    const double acts = double(b.model.activations + b.model.stats);
+    const double optimizer = b.optimizer - b.offloaded + b.offload_staging;
+    const double other = c.bytes - weights - grads - acts - optimizer;
+    fmt::print(
+        "  {}  {:68} | {:>6} ({}, {}, {}, {}, {}) | {:.3g} ({:.3g}, {:.3g}, {:.3g}, {:.3g}, "
+        "{:.3g}, {:.3g}) | {:.0f}\n",
+        i + 1, layout_name(c), gb(c.bytes), gb(weights), gb(grads), gb(acts), gb(optimizer),
+        gb(other), c.total_s(), c.compute_s, c.bubble_s, c.tp_s, c.cp_s, c.dp_s, c.optimizer_s,
+        double(p.global_sequences) * cfg.model.seq_len / c.total_s());
+  }
+}
+
+}  // namespace
+
+double device_peak_flops(const std::string& name, const std::string& precision) {
+  std::string n;
+  for (char ch : name) n += char(std::tolower(static_cast<unsigned char>(ch)));
+  const bool half = precision != "fp32";
+  // Dense tensor-core peaks from the data sheets (SXM parts); fp32: TF32.
+  if (n.starts_with("h100") || n.starts_with("h200")) return half ? 989e12 : 495e12;
+  if (n.starts_with("b200")) return half ? 2250e12 : 1100e12;
+  if (n.starts_with("a100")) return half ? 312e12 : 156e12;
+  if (n.starts_with("l40s")) return half ? 362e12 : 183e12;
+  return 0;
+}
+
+void set_cluster_defaults(Cluster& k, const Config& cfg, const std::string& device, int per_node,
+                          double memory_gb, double intra_gbps, double inter_gbps) {
+  const bool cpu = cfg.run.device == "cpu";
+  // A CPU plan's ranks share this machine, one a core at most; GPUs come 8 to a node.
+  k.per_node = per_node > 0 ? per_node
+               : cpu        ? std::clamp(int(std::thread::hardware_concurrency()), 1, k.devices)
+                            : 8;
+  if (cpu && device.empty()) {
+    // This machine: a few 1024-cubed sgemms on every thread, and MemAvailable.
+    auto kernels = make_cpu_kernels();
+    const int n = 1024;
+    DPtr a = kernels->alloc(int64_t(n) * n, DType::f32),
+         w = kernels->alloc(int64_t(n) * n, DType::f32),
+         out = kernels->alloc(int64_t(n) * n, DType::f32);
+    for (int i = 0; i < 4; i++) kernels->matmul_forward(out, a, w, DPtr{}, n, n, n);
+    k.peak_flops = kernels->peak_flops(DType::f32) / k.per_node;
+    for (DPtr p : {a, w, out}) kernels->free(p);
+    k.name = fmt::format("CPU rank ({:.0f} GFLOP/s sgemm)", k.peak_flops / 1e9);
+    std::ifstream in("/proc/meminfo");
+    for (std::string key; in >> key;) {
+      double kb = 0;
+      in >> kb;
+      if (key == "MemAvailable:") k.memory_bytes = kb * 1024 / k.per_node;
+      in.ignore(1 << 10, '\n');
+    }
+  } else {
+    const std::string name = device.empty() ? "h100" : device;
+    char* end = nullptr;
+    const double tflops = std::strtod(name.c_str(), &end);
+    if (end && *end == '\0' && tflops > 0) {
+      k.peak_flops = tflops * 1e12;
+      k.name = fmt::format("{:g}-TFLOP/s device", tflops);
+    } else {
+      k.peak_flops = device_peak_flops(name, cfg.precision.compute);
+      if (k.peak_flops <= 0)
+        throw ConfigError(fmt::format(
+            "--gpu: \"{}\" is neither a known GPU (h100, h200, a100, b200, l40s) nor TFLOP/s",
+            name));
+      k.name = name;
+      k.memory_bytes = name.starts_with("h200")   ? 141e9
+                       : name.starts_with("b200") ? 192e9
+                       : name.starts_with("l40s") ? 48e9
+                                                  : 80e9;
+    }
+  }
+  if (memory_gb > 0) k.memory_bytes = memory_gb * 1e9;
+  k.intra_bytes_per_s = (intra_gbps > 0 ? intra_gbps : cpu ? 40 : 3600) * 1e9 / 8;
+  k.inter_bytes_per_s = (inter_gbps > 0 ? inter_gbps : cpu ? 10 : 400) * 1e9 / 8;
+}
+
+Plan make_plan(const Config& base, const PlanOptions& o, bool offload) {
+  const ModelConfig& m = base.model;
+  const Cluster& k = o.cluster;
+  const bool gpu = base.run.device != "cpu";
+  Plan plan;
+  plan.global_sequences =
+      int64_t(base.train.micro_batch) * base.train.grad_accum * std::max(1, base.parallel.dp);
+  const int64_t G = plan.global_sequences;
+  const double limit = k.memory_bytes * (1 - o.headroom);
+  std::map<std::string, int> dropped;  // a reason, and how many choices it dropped
+  int64_t too_big = 0;
+  for (int tp : divisors(k.devices)) {
+    if (tp > k.per_node) {
+      dropped[fmt::format(
+          "tp {}: more than a node's {} devices (tensor parallelism stays inside "
+          "one)",
+          tp, k.per_node)]++;
+      continue;
+    }
+    for (int pp : divisors(k.devices / tp))
+      for (int cp : divisors(k.devices / tp / pp)) {
+        const int dp = k.devices / tp / pp / cp;
+        if (cp > 1 && gpu) {
+          dropped["cp > 1: the CUDA backend has no ring attention yet"]++;
+          continue;
+        }
+        ParallelDims dims;
+        try {
+          dims = ParallelDims::make(k.devices, dp, tp, pp, base.parallel.order, m, cp);
+        } catch (const ConfigError& e) {
+          dropped[e.what()]++;
+          continue;
+        }
+        if (G % dp) {
+          dropped[fmt::format("dp {}: does not divide the global batch of {} sequences", dp, G)]++;
+          continue;
+        }
+        for (int mb : divisors(G / dp))
+          for (int zero = 0; zero <= 3; zero++) {
+            if (zero > 0 && dp * cp == 1) continue;  // nothing to shard over
+            for (const char* recompute : {"none", "selective", "full"}) {
+              Config c = base;
+              c.parallel.dp = dp;
+              c.parallel.tp = tp;
+              c.parallel.pp = pp;
+              c.parallel.cp = cp;
+              c.parallel.zero = zero;
+              c.parallel.micro_batches = 0;
+              c.parallel.sequence_parallel = base.parallel.sequence_parallel && tp > 1;
+              c.train.micro_batch = mb;
+              c.train.grad_accum = int(G / dp / mb);
+              c.train.batch_ramp.clear();
+              c.memory.recompute = recompute;
+              c.memory.recompute_layers = 0;
+              c.memory.offload_optimizer = offload;
+              if (c.parallel.sequence_parallel && int64_t(mb) * (m.seq_len / cp) % tp) continue;
+              Candidate cand{dp, tp, pp, cp, zero, recompute, mb, c.train.grad_accum, offload};
+              for (int s = 0; s < pp; s++) {  // the largest stage's first rank
+                const MemoryBudget b = memory_budget(c, dims, RankCoords{0, 0, s, 0}, !gpu, 0);
+                const double bytes = gpu ? b.device() : b.total();
+                if (bytes > cand.bytes) cand.bytes = bytes, cand.memory = b, cand.stage = s;
+              }
+              estimate(cand, c, o, G);
+              if (!plan.considered_any || cand.bytes < plan.smallest.bytes) plan.smallest = cand;
+              plan.considered_any = true;
+              if (cand.bytes > limit) {
+                too_big++;
+                continue;
+              }
+              plan.fitting.push_back(cand);
+            }
+          }
+      }
+  }
+  // Fastest first; of equally fast ones, the one that holds the least.
+  std::stable_sort(
+      plan.fitting.begin(), plan.fitting.end(), [](const Candidate& a, const Candidate& b) {
+        return a.total_s() != b.total_s() ? a.total_s() < b.total_s() : a.bytes < b.bytes;
+      });
+  for (const auto& [why, n] : dropped)
+    plan.reasons.push_back(fmt::format("{} ({} layout{})", why, n, n == 1 ? "" : "s"));
+  if (too_big)
+    plan.reasons.push_back(
+        fmt::format("{} choices need more than the {} GB a device has free (the least: {} GB, {})",
+                    too_big, gb(limit), gb(plan.smallest.bytes), layout_name(plan.smallest)));
+  return plan;
+}
+
+std::string candidate_toml(const Candidate& c) {
+  std::string t = fmt::format("[parallel]\ndp = {}\ntp = {}\npp = {}\n", c.dp, c.tp, c.pp);
+  if (c.cp > 1) t += fmt::format("cp = {}\n", c.cp);
+  t += fmt::format("zero = {}\n\n[memory]\nrecompute = \"{}\"\n", c.zero, c.recompute);
+  if (c.offload) t += "offload_optimizer = true\n";
+  t += fmt::format("\n[train]\nmicro_batch = {}\ngrad_accum = {}\n", c.micro_batch, c.accum);
+  return t;
+}
+
+int plan_command(const PlanArgs& args) {
+  const Config cfg = load_config(args.config, args.overrides);
+  const PlanOptions& o = args.options;
+  const Cluster& k = o.cluster;
+  fmt::print(
+      "plan: {} ({:.2f}B parameters, seq_len {}) on {} x {} ({} GB each, {} GB usable; {:.3g} "
+      "TFLOP/s {} at {:.0f}%; {:.3g} / {:.3g} GB/s inside / between nodes of {}); global batch {} "
+      "sequences\n",
+      cfg.run.name, double(param_table(cfg.model).total) / 1e9, cfg.model.seq_len, k.devices,
+      k.name, gb(k.memory_bytes), gb(k.memory_bytes * (1 - o.headroom)), k.peak_flops / 1e12,
+      cfg.precision.compute, 100 * o.efficiency, k.intra_bytes_per_s / 1e9,
+      k.inter_bytes_per_s / 1e9, k.per_node,
+      int64_t(cfg.train.micro_batch) * cfg.train.grad_accum * std::max(1, cfg.parallel.dp));
+  const Plan p = make_plan(cfg, o, cfg.memory.offload_optimizer);
+  auto explain = [&](const Plan& plan) {
+    if (!args.explain) return;
+    fmt::print("not considered or dropped:\n");
+    for (const std::string& why : plan.reasons) fmt::print("  {}\n", why);
+  };
+  if (!p.fitting.empty()) {
+    fmt::print("{} choices fit; the fastest:\n", p.fitting.size());
+    print_candidates(p, cfg, 5);
+    explain(p);
+    fmt::print("\nthe best, as config:\n\n{}", candidate_toml(p.fitting.front()));
+    return 0;
+  }
+  fmt::print(stderr,
+             "trainer: plan: nothing fits: every choice needs more than the {} GB a device has "
+             "free (the least: {} GB, {})\n",
+             gb(k.memory_bytes * (1 - o.headroom)), p.considered_any ? gb(p.smallest.bytes) : "-",
+             p.considered_any ? layout_name(p.smallest) : "no layout applies");
+  explain(p);
+  if (!cfg.memory.offload_optimizer) {
+    const Plan off = make_plan(cfg, o, true);
+    if (!off.fitting.empty()) {
+      fmt::print(stderr, "with [memory] offload_optimizer = true, {} choices fit; the fastest:\n",
+                 off.fitting.size());
+      print_candidates(off, cfg, 5);
+      fmt::print("\nthe best, as config:\n\n{}", candidate_toml(off.fitting.front()));
+    } else {
+      fmt::print(stderr, "nor with the optimizer offloaded: more devices, or more memory each\n");
+    }
+  }
+  return kExitBadInput;
+}
+
+}  // namespace trainer
