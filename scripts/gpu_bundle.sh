@@ -157,7 +157,13 @@ done
 
 # cuBLASLt is not linked but loaded when the CUDA backend makes its first GEMM (dlopen, by the
 # CUDA major version's soname, kernels/cuda/gemm.cpp): the machine brings it too.
-machine[libcublasLt.so.$(nvcc --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')]=1
+# Its soname's number is the CUDA major version, that of the runtime the binaries link.
+cuda_major=""
+for lib in "${!machine[@]}"; do
+  [[ $lib =~ ^libcudart\.so\.([0-9]+)$ ]] && cuda_major=${BASH_REMATCH[1]}
+done
+[[ -n $cuda_major ]] || die "no libcudart.so.N among the binaries' libraries: is this a CUDA build?"
+machine[libcublasLt.so.$cuda_major]=1
 
 # zstd to unpack with, for machines without one (beside the archive, not in it).
 rm -rf "$OUT_DIR/zstd" "$OUT_DIR/trainer-gpu.tar.zst" "$OUT_DIR/MANIFEST"

@@ -1,5 +1,7 @@
 #include "trainer/adamw.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -109,6 +111,21 @@ void AdamW::init_master(DPtr full) {
   }
 }
 
+void AdamW::init_parameters(uint64_t seed) {
+  for (const ParamInfo& p : model_.table().params) {
+    const std::vector<double> values = model_.initial_values(seed, p, 0, p.local_numel());
+    const std::vector<float> exact(values.begin(), values.end());
+    model_.kernels().upload_f32(model_.params() + p.offset, exact.data(), p.local_numel());
+    if (!master_) continue;
+    for (const Segment& s : segments_) {  // a segment lies within one parameter
+      if (s.offset < p.offset || s.offset >= p.offset + p.numel) continue;
+      const int64_t begin = s.offset - p.offset, end = std::min(begin + s.count, p.local_numel());
+      if (end > begin)
+        write_state(State::weights, s.state_offset, exact.data() + begin, end - begin);
+    }
+  }
+}
+
 void AdamW::init_shard(uint64_t seed) {
   Kernels& k = model_.kernels();
   k.zero(shard_weights_, state_elems_);                     // padding rows
@@ -171,6 +188,7 @@ void AdamW::update_offloaded(float lr, float grad_scale, int64_t step) {
   Kernels& k = model_.kernels();
   std::future<void> running;
   const Segment* updating = nullptr;  // the segment `running` updates
+  const int threads = omp_get_max_threads();
   for (size_t i = 0; i < segments_.size(); i++) {
     const Segment& s = segments_[i];
     float* grad = host_grads_[i % 2].data();
@@ -180,7 +198,8 @@ void AdamW::update_offloaded(float lr, float grad_scale, int64_t step) {
     offload_stats_.waited_s += seconds_since(t0);
     const Segment* done = updating;
     const AdamWArgs args = args_of(s, lr, grad_scale, step);
-    running = std::async(std::launch::async, [this, &s, grad, args] {
+    running = std::async(std::launch::async, [this, &s, grad, args, threads] {
+      omp_set_num_threads(threads);  // a new thread: this rank's share of the cores, not all
       const auto start = std::chrono::steady_clock::now();
       const int64_t at = s.state_offset;
       cpu::adamw_update<float>(master_.as<float>() + at, grad, m_.as<float>() + at,

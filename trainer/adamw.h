@@ -46,6 +46,9 @@ class AdamW {
   void update(float lr, float grad_scale, int64_t step);
   // Mixed precision: the master weights from a flat fp32 buffer laid out like the parameters.
   void init_master(DPtr full);
+  // The initial weights (model.initial_values) one parameter at a time: exact fp32 into the
+  // master's segments, rounded to nearest into the model, with no whole-model temporary.
+  void init_parameters(uint64_t seed);
   // ZeRO-3: the initial weights of the segments into the shard weights (and the master), made
   // one parameter at a time: the whole model is never held.
   void init_shard(uint64_t seed);

@@ -854,8 +854,11 @@ void upload_state(AdamW& optimizer, const std::vector<float>& flat, AdamW::State
 // the optimizer's exact fp32 copy, if it keeps one (16-bit or offloaded).
 void load_params(const TensorSource& source, StageExecutor& model, AdamW* optimizer) {
   const std::vector<float> params = read_local(source, model);
-  if (model.params_elems() > 0)
-    model.kernels().upload_f32(model.params(), params.data(), model.params_elems());
+  // In pieces: into 16-bit weights each upload stages its fp32 values on the device.
+  constexpr int64_t kPiece = int64_t(1) << 22;
+  for (int64_t at = 0; at < model.params_elems(); at += kPiece)
+    model.kernels().upload_f32(model.params() + at, params.data() + at,
+                               std::min(kPiece, model.params_elems() - at));
   if (optimizer && optimizer->state_weights())
     upload_state(*optimizer, params, AdamW::State::weights);
 }

@@ -184,7 +184,8 @@ int main(int argc, char** argv) {
   pl->add_option("--gpus", plan.options.cluster.devices, "devices (ranks) in all")
       ->required()
       ->check(CLI::Range(1, 1 << 20));
-  pl->add_option("--gpus-per-node", plan_per_node, "devices a node (default 8; CPU: 1)")
+  pl->add_option("--gpus-per-node", plan_per_node,
+                 "devices a node (default 8; CPU: as many ranks as this machine has cores)")
       ->check(CLI::Range(1, 1 << 10));
   pl->add_option("--gpu-memory", plan_memory_gb,
                  "GB a device (default: the GPU's; CPU: this machine's available memory over "

@@ -67,10 +67,8 @@ MemoryBudget memory_budget(const Config& cfg, const ParallelDims& dims, const Ra
   return b;
 }
 
-// Bytes available to this rank: a GPU's arena, or on the CPU the kernel's MemAvailable shared
-// by the ranks of this node (0: unknown).
-double available_bytes(Kernels& kernels, const World& world) {
-  if (const int64_t reserved = kernels.memory().reserved; reserved > 0) return double(reserved);
+// The kernel's MemAvailable shared by the ranks of this node, in bytes (0: unknown).
+double host_available_bytes(const World& world) {
   std::ifstream in("/proc/meminfo");
   for (std::string key; in >> key;) {
     double kb = 0;
@@ -79,6 +77,12 @@ double available_bytes(Kernels& kernels, const World& world) {
     in.ignore(1 << 10, '\n');
   }
   return 0;
+}
+
+// Bytes available to this rank: a GPU's arena, or on the CPU its share of the host's.
+double available_bytes(Kernels& kernels, const World& world) {
+  if (const int64_t reserved = kernels.memory().reserved; reserved > 0) return double(reserved);
+  return host_available_bytes(world);
 }
 
 // A run that cannot fit is refused before anything is allocated (allocating first grows for
@@ -98,8 +102,18 @@ void check_memory(const Config& cfg, World& world, Kernels& kernels, const std::
   const double grads = double(model.grads) + b.grad_windows;
   const double weights = double(model.params) + b.param_shard + b.param_windows;
   const double have = available_bytes(kernels, world);
-  if (have <= 0 || need <= have) return;
   const double GB = 1 << 30;
+  // On a GPU, what the host holds for it too: the offloaded optimizer (pinned) and the
+  // checkpoint's copy.
+  const double host = gpu ? b.offloaded + b.snapshot : 0, host_have = host_available_bytes(world);
+  if (host > 0 && host_have > 0 && host > host_have)
+    throw ConfigError(fmt::format(
+        "{}: rank {} needs {:.2f} GB of host memory (offloaded optimizer state {:.2f}, checkpoint "
+        "copy {:.2f}) but {:.2f} GB is available to it (MemAvailable shared by {} rank(s) on this "
+        "node): offload less (memory.offload_optimizer), or shard it over more ranks (zero)",
+        origin, world.rank(), host / GB, b.offloaded / GB, b.snapshot / GB, host_have / GB,
+        world.local_size()));
+  if (have <= 0 || need <= have) return;
   throw ConfigError(fmt::format(
       "{}: the run needs {:.2f} GB on rank {} (weights {:.2f}, gradients {:.2f}, activations "
       "{:.2f}, optimizer state {:.2f}, reduction temporaries {:.2f}, checkpoint copy {:.2f}) but "

@@ -56,11 +56,12 @@ void estimate(Candidate& c, const Config& cfg, const PlanOptions& o, int64_t glo
   c.tp_s =
       tp_collectives * layers * c.accum * all_reduce_s(rows * C * act, c.tp, k.intra_bytes_per_s);
   // Context parallelism: the ring passes each rank's qkv rows cp - 1 times forward, and again in
-  // backward with their gradients (fp32 with 16-bit activations).
+  // backward, and their gradients (fp32 with 16-bit activations) cp times, home included.
   const double qkv = double(m.d_model + 2 * int64_t(m.kv_heads()) * m.head_size()) / c.tp;
   const double ring = rows * qkv * act;
   const double cp_bw = c.tp * c.cp <= k.per_node ? k.intra_bytes_per_s : k.inter_bytes_per_s;
-  c.cp_s = c.cp > 1 ? layers * c.accum * (c.cp - 1) * (2 * ring + rows * qkv * 4) / cp_bw : 0;
+  c.cp_s =
+      c.cp > 1 ? layers * c.accum * ((c.cp - 1) * 2 * ring + c.cp * rows * qkv * 4) / cp_bw : 0;
   // Data parallelism over the dp x cp replicas: the gradients reduced and (ZeRO) the updated
   // pieces gathered; ZeRO-3 gathers each unit's weights again for forward and backward. The
   // reduction overlaps backward: ZeRO-0/1 reduce during the last micro-batch's, ZeRO-2/3 during
@@ -79,9 +80,10 @@ void estimate(Candidate& c, const Config& cfg, const PlanOptions& o, int64_t glo
     if (c.zero == 3) c.dp_s += 2 * c.accum * std::max(0.0, gather - backward / 2);
   }
   // The optimizer reads and writes its state (16 bytes a parameter); offloaded, the host does
-  // at ~20 GB/s after the gradients crossed PCIe (~25 GB/s) and before the weights cross back.
+  // at ~20 GB/s after the gradients crossed PCIe (~25 GB/s) and before the fp32 weights cross
+  // back.
   const double owned = c.zero ? params / R : params;
-  c.optimizer_s = c.offload ? owned * 16 / 20e9 + owned * (grad + act) / 25e9
+  c.optimizer_s = c.offload ? owned * 16 / 20e9 + owned * (grad + 4) / 25e9
                             : owned * 16 / (cfg.run.device == "cpu" ? 10e9 : 2e12);
 }
 
@@ -106,7 +108,9 @@ void print_candidates(const Plan& p, const Config& cfg, int shown) {
     const double weights = double(b.model.params) + b.param_shard + b.param_windows;
     const double grads = double(b.model.grads) + b.grad_windows + b.grad_shard;
     const double acts = double(b.model.activations + b.model.stats);
-    const double optimizer = b.optimizer - b.offloaded + b.offload_staging;
+    // The optimizer's part of `bytes`: on a GPU without its offloaded state.
+    const double optimizer =
+        b.optimizer + b.offload_staging - (c.bytes < b.total() ? b.offloaded : 0);
     const double other = c.bytes - weights - grads - acts - optimizer;
     fmt::print(
         "  {}  {:68} | {:>6} ({}, {}, {}, {}, {}) | {:.3g} ({:.3g}, {:.3g}, {:.3g}, {:.3g}, "
@@ -118,6 +122,13 @@ void print_candidates(const Plan& p, const Config& cfg, int shown) {
 }
 
 }  // namespace
+
+int64_t global_batch(const Config& cfg, int devices) {
+  if (!cfg.train.batch_ramp.empty()) return cfg.train.batch_ramp.back()[1];
+  const ParallelConfig& p = cfg.parallel;
+  const int dp = p.dp > 0 ? p.dp : std::max(1, devices / std::max(1, p.tp * p.pp * p.cp));
+  return int64_t(cfg.train.micro_batch) * cfg.train.grad_accum * dp;
+}
 
 double device_peak_flops(const std::string& name, const std::string& precision) {
   std::string n;
@@ -186,8 +197,7 @@ Plan make_plan(const Config& base, const PlanOptions& o, bool offload) {
   const Cluster& k = o.cluster;
   const bool gpu = base.run.device != "cpu";
   Plan plan;
-  plan.global_sequences =
-      int64_t(base.train.micro_batch) * base.train.grad_accum * std::max(1, base.parallel.dp);
+  plan.global_sequences = global_batch(base, k.devices);
   const int64_t G = plan.global_sequences;
   const double limit = k.memory_bytes * (1 - o.headroom);
   std::map<std::string, int> dropped;  // a reason, and how many choices it dropped
@@ -221,6 +231,10 @@ Plan make_plan(const Config& base, const PlanOptions& o, bool offload) {
         for (int mb : divisors(G / dp))
           for (int zero = 0; zero <= 3; zero++) {
             if (zero > 0 && dp * cp == 1) continue;  // nothing to shard over
+            if (zero >= 2 && base.comm.compression.method != "none") {
+              dropped["zero 2 and 3: gradient compression applies to ZeRO 0 and 1 only"]++;
+              continue;
+            }
             for (const char* recompute : {"none", "selective", "full"}) {
               Config c = base;
               c.parallel.dp = dp;
@@ -232,7 +246,7 @@ Plan make_plan(const Config& base, const PlanOptions& o, bool offload) {
               c.parallel.sequence_parallel = base.parallel.sequence_parallel && tp > 1;
               c.train.micro_batch = mb;
               c.train.grad_accum = int(G / dp / mb);
-              c.train.batch_ramp.clear();
+              c.train.batch_ramp.clear();  // the plan is for the ramp's last batch
               c.memory.recompute = recompute;
               c.memory.recompute_layers = 0;
               c.memory.offload_optimizer = offload;
@@ -289,8 +303,7 @@ int plan_command(const PlanArgs& args) {
       cfg.run.name, double(param_table(cfg.model).total) / 1e9, cfg.model.seq_len, k.devices,
       k.name, gb(k.memory_bytes), gb(k.memory_bytes * (1 - o.headroom)), k.peak_flops / 1e12,
       cfg.precision.compute, 100 * o.efficiency, k.intra_bytes_per_s / 1e9,
-      k.inter_bytes_per_s / 1e9, k.per_node,
-      int64_t(cfg.train.micro_batch) * cfg.train.grad_accum * std::max(1, cfg.parallel.dp));
+      k.inter_bytes_per_s / 1e9, k.per_node, global_batch(cfg, k.devices));
   const Plan p = make_plan(cfg, o, cfg.memory.offload_optimizer);
   auto explain = [&](const Plan& plan) {
     if (!args.explain) return;
@@ -304,21 +317,28 @@ int plan_command(const PlanArgs& args) {
     fmt::print("\nthe best, as config:\n\n{}", candidate_toml(p.fitting.front()));
     return 0;
   }
+  // The verdict on stderr, the rest (what would fit, --explain) on stdout as for a plan.
+  if (!p.considered_any) {
+    fmt::print(stderr,
+               "trainer: plan: no layout of {} devices applies to this model (see --explain)\n",
+               k.devices);
+    explain(p);
+    return kExitBadInput;
+  }
   fmt::print(stderr,
              "trainer: plan: nothing fits: every choice needs more than the {} GB a device has "
              "free (the least: {} GB, {})\n",
-             gb(k.memory_bytes * (1 - o.headroom)), p.considered_any ? gb(p.smallest.bytes) : "-",
-             p.considered_any ? layout_name(p.smallest) : "no layout applies");
+             gb(k.memory_bytes * (1 - o.headroom)), gb(p.smallest.bytes), layout_name(p.smallest));
   explain(p);
   if (!cfg.memory.offload_optimizer) {
     const Plan off = make_plan(cfg, o, true);
     if (!off.fitting.empty()) {
-      fmt::print(stderr, "with [memory] offload_optimizer = true, {} choices fit; the fastest:\n",
+      fmt::print("with [memory] offload_optimizer = true, {} choices fit; the fastest:\n",
                  off.fitting.size());
       print_candidates(off, cfg, 5);
       fmt::print("\nthe best, as config:\n\n{}", candidate_toml(off.fitting.front()));
     } else {
-      fmt::print(stderr, "nor with the optimizer offloaded: more devices, or more memory each\n");
+      fmt::print("nor with the optimizer offloaded: more devices, or more memory each\n");
     }
   }
   return kExitBadInput;

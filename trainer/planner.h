@@ -56,6 +56,11 @@ struct Plan {
   bool considered_any = false;
 };
 
+// The global batch a plan keeps, in sequences: the config's micro_batch x grad_accum x dp, its
+// dp derived over `devices` when 0 (as the trainer derives it from the world); with a batch
+// ramp, the ramp's last batch.
+int64_t global_batch(const Config& cfg, int devices);
+
 // Every choice for `cfg`'s model and global batch on the cluster; offload: with the optimizer
 // offloaded to host memory.
 Plan make_plan(const Config& cfg, const PlanOptions& options, bool offload);

@@ -501,13 +501,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   if (run.gatherer) {  // ZeRO-3: this rank's pieces only
     run.optimizer.init_shard(cfg.run.seed);
   } else if (run.optimizer.master()) {  // exact fp32 values for the master, rounded for the model
-    Kernels& k = *run.kernels;
-    const int64_t total = run.model.table().total;
-    DPtr full = k.alloc(total, DType::f32);
-    run.model.init_parameters(cfg.run.seed, full);
-    run.optimizer.init_master(full);
-    k.convert(run.model.params(), full, total, 0);
-    k.free(full);
+    run.optimizer.init_parameters(cfg.run.seed);
   } else {
     run.model.init_parameters(cfg.run.seed);
   }
