@@ -1,0 +1,12 @@
+#pragma once
+// What a run prints before its first step, on rank 0: the start-up report (the device, model,
+// data, layout, memory plan and precision, every rank's place) and --dry-run's plan (each
+// pipeline stage's memory, the largest rank, a step at the MFU peak).
+#include "trainer/run.h"
+
+namespace trainer {
+
+void print_start(const Run& run);
+void print_dry_run(const Run& run);
+
+}  // namespace trainer
