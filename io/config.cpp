@@ -202,6 +202,15 @@ class SectionReader {
       out.push_back(v);
     }
   }
+  void read(const toml::node& n, std::array<int64_t, 2>& out) const {
+    const toml::array* a = n.as_array();
+    if (!a || a->size() != 2) wrong_type(n, "an array of two integers");
+    for (size_t i = 0; i < 2; i++) {
+      const auto x = a->get(i)->value_exact<int64_t>();
+      if (!x) wrong_type(*a->get(i), "an integer");
+      out[i] = *x;
+    }
+  }
   void read(const toml::node& n, std::array<double, 2>& out) const {
     const toml::array* a = n.as_array();
     if (!a || a->size() != 2) wrong_type(n, "an array of two numbers");
@@ -363,8 +372,8 @@ Config parse_config(const std::string& text, const std::string& origin,
   for (const auto& item : overrides) apply_override(root, item, origins);
 
   static const std::set<std::string> sections = {
-      "run",      "init",   "model",     "data", "tokenizer",  "train", "optim",
-      "parallel", "memory", "precision", "comm", "checkpoint", "faults"};
+      "run",      "init",   "model",     "data", "tokenizer",  "train",  "optim",
+      "parallel", "memory", "precision", "comm", "checkpoint", "faults", "profile"};
   for (auto& [k, v] : root)
     if (!sections.count(std::string(k.str()))) {
       std::string at = where(k.source(), origin);
@@ -658,6 +667,16 @@ Config parse_config(const std::string& text, const std::string& origin,
     r.finish();
   }
   {
+    SectionReader r(root, "profile", origin, origins);
+    r.field("steps", c.profile.steps,
+            [](const std::array<int64_t, 2>& s) -> std::optional<std::string> {
+              if ((s[0] == -1 && s[1] == -1) || (s[0] >= 0 && s[1] >= s[0])) return std::nullopt;
+              return fmt::format("[first, last] with 0 <= first <= last, found [{}, {}]", s[0],
+                                 s[1]);
+            });
+    r.finish();
+  }
+  {
     SectionReader r(root, "faults", origin, origins);
     FaultsConfig& f = c.faults;
     r.field("spike_zscore", f.spike_zscore, at_least(0));
@@ -834,6 +853,7 @@ std::string config_to_toml(const Config& c) {
                                  {"async", c.checkpoint.async},
                                  {"dir", c.checkpoint.dir},
                                  {"resume", c.checkpoint.resume}}},
+      {"profile", toml::table{{"steps", toml::array{c.profile.steps[0], c.profile.steps[1]}}}},
       {"faults", toml::table{{"spike_zscore", c.faults.spike_zscore},
                              {"spike_window", c.faults.spike_window},
                              {"max_bad_steps", c.faults.max_bad_steps},

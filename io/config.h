@@ -205,6 +205,12 @@ struct InitConfig {
   std::string from;
 };
 
+// [profile]: the steps whose every phase, layer and timed operator is traced (trainer/trace.h).
+struct ProfileConfig {
+  std::array<int64_t, 2> steps = {-1, -1};  // [first, last], inclusive; -1: no profile
+  bool on() const { return steps[0] >= 0; }
+};
+
 struct Config {
   RunConfig run;
   InitConfig init;
@@ -219,6 +225,7 @@ struct Config {
   CommConfig comm;
   CheckpointConfig checkpoint;
   FaultsConfig faults;
+  ProfileConfig profile;
 };
 
 // Reads `path` (empty: defaults only) and applies `overrides` ("section.key=value", TOML

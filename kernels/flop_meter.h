@@ -7,18 +7,27 @@
 // cannot exceed the best rate of a single call: MFU above 100% is impossible by construction.
 #include <atomic>
 #include <chrono>
+#include <functional>
+#include <utility>
 
 namespace trainer {
 
 class FlopMeter {
  public:
-  // Runs f(), which executes at least `flops`, and keeps its rate if it is the best so far.
+  // Runs operator `op`, f(), which executes at least `flops`, and keeps its rate if it is the
+  // best so far; an observer (a profiler) hears of the call.
+  using Observer =
+      std::function<void(const char* op, double flops, std::chrono::steady_clock::time_point t0,
+                         std::chrono::steady_clock::time_point t1)>;
   template <class F>
-  void timed(double flops, F&& f) {
+  void timed(const char* op, double flops, F&& f) {
     const auto t0 = std::chrono::steady_clock::now();
     f();
-    record(flops, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    const auto t1 = std::chrono::steady_clock::now();
+    record(flops, std::chrono::duration<double>(t1 - t0).count());
+    if (observer_) observer_(op, flops, t0, t1);
   }
+  void set_observer(Observer o) { observer_ = std::move(o); }
   void record(double flops, double seconds) {
     flops_.fetch_add(flops, std::memory_order_relaxed);
     seconds_.fetch_add(seconds, std::memory_order_relaxed);
@@ -40,6 +49,7 @@ class FlopMeter {
 
  private:
   std::atomic<double> best_{0}, flops_{0}, seconds_{0};
+  Observer observer_;
 };
 
 }  // namespace trainer

@@ -7,8 +7,10 @@
 // Backward calls say for each output whether they overwrite (=) or accumulate (+=): weight
 // gradients always accumulate, so that gradient accumulation over micro-batches is free.
 #include <array>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -87,6 +89,12 @@ class Kernels {
   // measurement or the peak set below) and the best matmul or attention call so far, so that
   // the model's FLOP/s can never exceed it.
   virtual double peak_flops(DType) const { return 0; }
+  // Called after each operator the backend times (the CPU's matrix multiplies and attention)
+  // with its name, the FLOPs it executed, its start and its end: a profiler's hook (empty: none).
+  using OpObserver =
+      std::function<void(const char* op, double flops, std::chrono::steady_clock::time_point t0,
+                         std::chrono::steady_clock::time_point t1)>;
+  virtual void set_op_observer(OpObserver) {}
   // A peak configured or measured elsewhere: replaces a GPU's data sheet; the CPU's floor.
   virtual void set_peak_flops(double /*flops_per_s*/) {}
   // Measures the peak where the backend can (the CPU: the best of several short sgemm bursts),

@@ -6,9 +6,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -138,8 +140,67 @@ TEST_F(MpiCli, PlotRunDrawsARunDirectory) {
   EXPECT_EQ(count(r.output, "\n"), 1) << r.output;
 }
 
-// data.prefetch = N: N batches ready ahead of every step// data.prefetch = N: N batches ready ahead
-// of every step (the loader's consumer holds one more).
+// [profile] steps = [1, 2] at dp 2 with tp 2 (4 ranks): each rank writes a trace-event file
+// whose events all have ph, ts, dur, pid and tid; it holds exactly the two profiled steps, and
+// within each, the phases (and the layers and timed operators within them) cover at least 95%
+// of its wall time; matrix multiplies carry their FLOPs; scripts/merge_traces.py joins the four
+// ranks into one file; rank 0 prints the table of its phases and top operators. Steps outside
+// the window record nothing, and a run without [profile] writes no trace.
+TEST_F(MpiCli, ProfileTracesEveryPhaseOfTheChosenSteps) {
+  const auto r = mpirun(4,
+                        "--set train.steps=4 --set parallel.dp=2 --set parallel.tp=2 "
+                        "--set profile.steps=[1,2] --set run.out_dir=" +
+                            quoted(path("run")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(count(r.output, "profile: 2 steps traced"), 1) << r.output;
+  EXPECT_EQ(count(r.output, "matmul_forward"), 1) << r.output;
+  for (int rank = 0; rank < 4; rank++) {
+    SCOPED_TRACE("rank " + std::to_string(rank));
+    std::ifstream in(path("run/trace/rank_" + std::to_string(rank) + ".json"));
+    ASSERT_TRUE(in.good());
+    const nlohmann::json trace = nlohmann::json::parse(in);
+    std::vector<std::pair<double, double>> steps, inside;  // [begin, end) in microseconds
+    int matmuls = 0, layers = 0;
+    for (const auto& e : trace["traceEvents"]) {
+      for (const char* key : {"ph", "ts", "pid", "tid", "name"}) ASSERT_TRUE(e.contains(key)) << e;
+      EXPECT_EQ(e["pid"], rank);
+      if (e["ph"] != "X") continue;
+      ASSERT_TRUE(e.contains("dur")) << e;
+      ASSERT_GE(e["dur"].get<double>(), 0) << e;
+      const double b = e["ts"], end = b + e["dur"].get<double>();
+      if (e["cat"] == "step") steps.push_back({b, end});
+      if (e["cat"] == "phase" && e["name"] != "data" && e["name"] != "checkpoint")
+        inside.push_back({b, end});
+      if (e["name"] == "matmul_forward") {
+        matmuls++;
+        EXPECT_GT(e["args"]["flops"].get<double>(), 0);
+      }
+      layers += e["cat"] == "layer";
+    }
+    ASSERT_EQ(steps.size(), 2u);
+    EXPECT_GT(matmuls, 0);
+    EXPECT_EQ(layers, 2 * 2 * cli_model().n_layer);  // 2 steps x (forward, backward) x blocks
+    for (const auto& [b, end] : steps) {
+      double covered = 0;
+      for (const auto& [pb, pe] : inside)
+        if (pb >= b && pe <= end) covered += pe - pb;  // the phases do not overlap
+      EXPECT_GE(covered / (end - b), 0.95) << "step at " << b;
+    }
+  }
+  const auto merged = test::run_command("/usr/bin/python3 " + test::source_dir() +
+                                        "/scripts/merge_traces.py " + path("run"));
+  ASSERT_EQ(merged.code, 0) << merged.output;
+  std::ifstream in(path("run/trace/all_ranks.json"));
+  const nlohmann::json all = nlohmann::json::parse(in);
+  std::set<int> pids;
+  for (const auto& e : all["traceEvents"]) pids.insert(e["pid"].get<int>());
+  EXPECT_EQ(pids, (std::set<int>{0, 1, 2, 3}));
+  const auto plain = mpirun(1, "--set train.steps=2 --set run.out_dir=" + quoted(path("plain")));
+  ASSERT_EQ(plain.code, 0) << plain.output;
+  EXPECT_FALSE(std::filesystem::exists(path("plain/trace")));
+}
+
+// data.prefetch = N: N batches ready ahead of every step (the loader's consumer holds one more).
 TEST_F(MpiCli, PrefetchKeepsThatManyBatchesReady) {
   for (int prefetch : {1, 3}) {
     const std::string out = path("prefetch" + std::to_string(prefetch));

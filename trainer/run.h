@@ -35,6 +35,7 @@
 #include "trainer/pipeline.h"
 #include "trainer/report_error.h"
 #include "trainer/step_guard.h"
+#include "trainer/trace.h"
 
 namespace trainer {
 
@@ -306,6 +307,7 @@ struct Run {
     if (gatherer) model.set_param_windows(gatherer.get());
     model.set_grads_ready_hook(
         [this](int64_t frontier, int layers_left) { reducer.ready(frontier, layers_left); });
+    if (c.profile.on()) install_profiler();
   }
 
   // After the weights changed (an update, a restore): ZeRO-1 and -2 all-gather every updated
@@ -353,6 +355,29 @@ struct Run {
   }
   const std::vector<NamedGroup> all_groups = traffic_groups();
   const ParamInfo* tied_embedding = model.table().tied();  // null: middle stage, untied
+
+  // [profile]: the trace of the profiled steps (trainer/trace.h). Besides the step's phases
+  // (train_step), it hears the backend's timed operators and each layer's forward and backward
+  // (its recomputation included): hooks installed only when a profile is asked for.
+  Trace trace{world.rank()};
+  Trace::Clock::time_point layer_start;  // layers run one at a time on the main thread
+  void install_profiler() {
+    kernels->set_op_observer([this](const char* op, double flops, Trace::Clock::time_point t0,
+                                    Trace::Clock::time_point t1) {
+      if (trace.recording()) trace.add(op, "op", t0, t1, flops);
+    });
+    auto start = [this](int, int) {
+      if (trace.recording()) layer_start = Trace::Clock::now();
+    };
+    auto end = [this](const char* what) {
+      return [this, what](int, int layer) {
+        if (trace.recording())
+          trace.add(fmt::format("layer {} {}", layer, what), "layer", layer_start,
+                    Trace::Clock::now());
+      };
+    };
+    model.add_layer_hooks({start, end("forward"), start, end("backward")});
+  }
 };
 
 // Runs the set-up on every rank. If it fails anywhere, every rank learns it, the first failing

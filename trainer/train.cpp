@@ -44,6 +44,7 @@
 #include "trainer/sampler.h"
 #include "trainer/start_report.h"
 #include "trainer/step_guard.h"
+#include "trainer/trace.h"
 
 namespace trainer {
 namespace {
@@ -98,6 +99,10 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   const auto& all = run.all_groups;
   std::vector<Communicator::Traffic> before;
   for (const auto& g : all) before.push_back(g.comm->traffic());
+  // The profile's spans (recorded only in the profiled steps): the step, and its phases in turn.
+  const Trace::Span step_span(&run.trace, "step", "step");
+  std::optional<Trace::Span> phase;
+  phase.emplace(&run.trace, "forward and backward", "phase");
 
   run.model.zero_grad();
   run.reducer.start_step(step);
@@ -111,8 +116,12 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   // Dropout's masks: a function of (seed, step, micro-batch x dp + dp rank), as the data is.
   run.model.train_mode(mix64(uint64_t(cfg.run.seed) ^ mix64(uint64_t(step))), run.me.dp, dp);
   const double loss_sum = run.pipe.step(
-      M, [&]() -> const Batch& { return run.loader->next(); }, float(scale / (M * replicas)),
-      [&] { run.reducer.arm(); }, times);
+      M,
+      [&]() -> const Batch& {
+        const Trace::Span wait(&run.trace, "data", "phase");
+        return run.loader->next();
+      },
+      float(scale / (M * replicas)), [&] { run.reducer.arm(); }, times);
   run.model.eval_mode();
   inject_overflow(run, step, false);
   s.forward_s = times.forward_s;
@@ -122,6 +131,7 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
 
   // The tied embedding's two copies (first and last stage) get the sum of both gradients
   // (an untied model has none: its head is the last stage's own parameter).
+  phase.emplace(&run.trace, "gradient reduction", "phase");
   if (run.tied_embedding && run.groups.emb->size() > 1)
     run.groups.emb->all_reduce(run.model.grad(*run.tied_embedding), run.tied_embedding->numel,
                                ReduceOp::sum);
@@ -140,6 +150,7 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   }
 
   const auto t_opt = Clock::now();
+  phase.emplace(&run.trace, "loss and norm", "phase");
   // The step's mean loss and squared gradient norm, summed over the world: each loss once per
   // data-parallel replica, each gradient element once.
   const bool zero = cfg.parallel.zero >= 1;
@@ -165,6 +176,7 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   s.rollback = verdict == StepGuard::Verdict::rollback;
   s.skipped = overflow || verdict != StepGuard::Verdict::good;
   run.scaler.update(overflow);
+  phase.emplace(&run.trace, "optimizer", "phase");
   if (!s.skipped) {
     const double max_norm = cfg.optim.max_grad_norm;
     const double clip = max_norm > 0 && s.grad_norm > max_norm ? max_norm / s.grad_norm : 1.0;
@@ -179,6 +191,7 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   }
   run.kernels->synchronize();  // the update's kernels, on a GPU, have finished
   s.optimizer_s = seconds_since(t_opt);
+  phase.reset();
 
   for (size_t i = 0; i < all.size(); i++) {
     const Communicator::Traffic now = all[i].comm->traffic();
@@ -198,6 +211,34 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   s.peak_flops = sums[4];
   s.mfu = s.peak_flops > 0 ? run.flops_per_token * s.tokens_per_s / s.peak_flops : 0;
   return s;
+}
+
+// The end of [profile]'s steps: each rank's trace file, and rank 0's table of where its traced
+// steps' time went: the phases, and the operators that took the most (with their GFLOP/s).
+void finish_profile(Run& run) {
+  run.trace.set_recording(false);
+  const std::filesystem::path dir = std::filesystem::path(run.cfg.run.out_dir) / "trace";
+  std::filesystem::create_directories(dir);
+  run.trace.write((dir / fmt::format("rank_{}.json", run.world.rank())).string());
+  if (run.world.rank() != 0) return;
+  const std::vector<Trace::Total> steps = run.trace.totals("step");
+  if (steps.empty()) return;
+  const double step_s = steps[0].seconds;
+  fmt::print(
+      "profile: {} steps traced ({}/rank_<r>.json; scripts/merge_traces.py joins them), "
+      "{:.1f} ms a step on rank 0:\n",
+      steps[0].calls, dir.string(), 1e3 * step_s / double(steps[0].calls));
+  fmt::print("  {:32} {:>7} {:>10} {:>7} {:>9}\n", "phase / operator", "calls", "ms", "% step",
+             "GFLOP/s");
+  for (const char* category : {"phase", "op"}) {
+    const std::vector<Trace::Total> totals = run.trace.totals(category);
+    for (size_t i = 0; i < std::min<size_t>(totals.size(), 8); i++) {
+      const Trace::Total& t = totals[i];
+      fmt::print("  {:32} {:7} {:10.1f} {:6.1f}% {:>9}\n", t.name, t.calls, 1e3 * t.seconds,
+                 100 * t.seconds / step_s,
+                 t.flops > 0 ? fmt::format("{:.1f}", t.flops / t.seconds / 1e9) : "");
+    }
+  }
 }
 
 // Every rank read the tokenizer's files itself: they must be the same files everywhere (a
@@ -595,6 +636,8 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
                    (auto_every > 0 && (step + 1) % auto_every == 0));
     StepStats stats;
     try {
+      run.trace.set_recording(cfg.profile.on() && step >= cfg.profile.steps[0] &&
+                              step <= cfg.profile.steps[1]);
       stats = train_step(run, step, time_due);
       // Where the run stands: the clock, the tokens so far, and the time to the end at this
       // process's pace so far (evaluations, samples and checkpoints included).
@@ -660,8 +703,14 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     }
     // Not in the middle of bad steps: a rollback must find the state from before them.
     const bool every = cfg.checkpoint.every_steps > 0 && step % cfg.checkpoint.every_steps == 0;
-    if ((every || stats.checkpoint_due) && step < cfg.train.steps && run.guard.bad_in_a_row() == 0)
+    if ((every || stats.checkpoint_due) && step < cfg.train.steps &&
+        run.guard.bad_in_a_row() == 0) {
+      const Trace::Span span(&run.trace, "checkpoint", "phase");
       checkpoint(step, false);
+    }
+    if (cfg.profile.on() &&
+        step - 1 == std::min<int64_t>(cfg.profile.steps[1], cfg.train.steps - 1))
+      finish_profile(run);
   }
   // Peak memory of training proper.
   const double rss = peak_rss_mb();

@@ -153,6 +153,7 @@ class CpuKernels final : public Kernels {
     return {meter_.total_flops(), meter_.total_seconds()};
   }
   void set_peak_flops(double flops_per_s) override { meter_.raise(flops_per_s); }
+  void set_op_observer(OpObserver observer) override { meter_.set_observer(std::move(observer)); }
   // The best of several short sgemm bursts at the size of a large layer, each timed alone so
   // that a disturbance (another process, a page fault, threads waking up) spoils one burst
   // and not the measurement; about 0.3 s on two cores.
@@ -164,7 +165,7 @@ class CpuKernels final : public Kernels {
     };
     burst();  // warms up caches and threads
     FlopMeter best;
-    for (int r = 0; r < bursts; r++) best.timed(2.0 * n * n * n, burst);
+    for (int r = 0; r < bursts; r++) best.timed("peak burst", 2.0 * n * n * n, burst);
     meter_.raise(best.best());
     return best.best();
   }
@@ -272,7 +273,7 @@ class CpuKernels final : public Kernels {
       return matmul_forward(s.out(out, N * OC), s.in(inp, N * IC), s.in(weight, int64_t(OC) * IC),
                             s.in(bias, OC), N, IC, OC);
     }
-    meter_.timed(2.0 * N * IC * OC, [&] {
+    meter_.timed("matmul_forward", 2.0 * N * IC * OC, [&] {
       dispatch(out.dtype, [&]<class S>(S) {
         cpu::matmul_forward(out.as<S>(), inp.as<S>(), weight.as<S>(), bias ? bias.as<S>() : nullptr,
                             N, IC, OC);
@@ -287,7 +288,7 @@ class CpuKernels final : public Kernels {
                              s.inout(dbias, OC), s.in(dout, N * OC), s.in(inp, N * IC),
                              s.in(weight, int64_t(OC) * IC), N, IC, OC);
     }
-    meter_.timed((dinp ? 4.0 : 2.0) * N * IC * OC, [&] {
+    meter_.timed("matmul_backward", (dinp ? 4.0 : 2.0) * N * IC * OC, [&] {
       dispatch(dout.dtype, [&]<class S>(S) {
         cpu::matmul_backward(dinp ? dinp.as<S>() : nullptr, dweight.as<S>(),
                              dbias ? dbias.as<S>() : nullptr, dout.as<S>(), inp.as<S>(),
@@ -304,7 +305,7 @@ class CpuKernels final : public Kernels {
       return attention_forward(s.out(out, int64_t(B) * T * C), s.out(att, int64_t(B) * NH * T * T),
                                s.in(qkv, int64_t(B) * T * qkv_width(C, NH, NKV)), B, T, C, NH, NKV);
     }
-    meter_.timed(causal_attention_flops(B, T, C), [&] {
+    meter_.timed("attention_forward", causal_attention_flops(B, T, C), [&] {
       dispatch(out.dtype, [&]<class S>(S) {
         cpu::attention_forward(out.as<S>(), att.as<S>(), qkv.as<S>(), B, T, C, NH, NKV);
       });
@@ -319,7 +320,7 @@ class CpuKernels final : public Kernels {
                                 s.in(dout, int64_t(B) * T * C), s.in(qkv, qkv_elems), DPtr{},
                                 s.in(att, int64_t(B) * NH * T * T), B, T, C, NH, NKV);
     }
-    meter_.timed(2 * causal_attention_flops(B, T, C), [&] {
+    meter_.timed("attention_backward", 2 * causal_attention_flops(B, T, C), [&] {
       dispatch(dout.dtype, [&]<class S>(S) {
         cpu::attention_backward(dqkv.as<S>(), datt.as<S>(), dout.as<S>(), qkv.as<S>(), att.as<S>(),
                                 B, T, C, NH, NKV);
@@ -334,11 +335,12 @@ class CpuKernels final : public Kernels {
       return attention_part_forward(s.inout(out, rows * p.C), s.inout(lse, rows * p.NH),
                                     s.in(q, rows * width), s.in(kv, rows * width), p);
     }
-    meter_.timed(4.0 * double(cpu::attention_part_pairs(p)) * (p.C / p.NH), [&] {
-      dispatch(out.dtype, [&]<class S>(S) {
-        cpu::attention_part_forward(out.as<S>(), lse.as<S>(), q.as<S>(), kv.as<S>(), p);
-      });
-    });
+    meter_.timed(
+        "attention_part_forward", 4.0 * double(cpu::attention_part_pairs(p)) * (p.C / p.NH), [&] {
+          dispatch(out.dtype, [&]<class S>(S) {
+            cpu::attention_part_forward(out.as<S>(), lse.as<S>(), q.as<S>(), kv.as<S>(), p);
+          });
+        });
   }
   void attention_part_backward(DPtr dq, DPtr dkv, DPtr dout, DPtr q, DPtr kv, DPtr out, DPtr lse,
                                const AttentionPart& p) override {
@@ -350,12 +352,13 @@ class CpuKernels final : public Kernels {
                                      s.in(kv, rows * width), s.in(out, rows * p.C),
                                      s.in(lse, rows * p.NH), p);
     }
-    meter_.timed(8.0 * double(cpu::attention_part_pairs(p)) * (p.C / p.NH), [&] {
-      dispatch(out.dtype, [&]<class S>(S) {
-        cpu::attention_part_backward(dq.as<S>(), dkv.as<S>(), dout.as<S>(), q.as<S>(), kv.as<S>(),
-                                     out.as<S>(), lse.as<S>(), p);
-      });
-    });
+    meter_.timed("attention_part_backward",
+                 8.0 * double(cpu::attention_part_pairs(p)) * (p.C / p.NH), [&] {
+                   dispatch(out.dtype, [&]<class S>(S) {
+                     cpu::attention_part_backward(dq.as<S>(), dkv.as<S>(), dout.as<S>(), q.as<S>(),
+                                                  kv.as<S>(), out.as<S>(), lse.as<S>(), p);
+                   });
+                 });
   }
   void attention_inference(DPtr out, DPtr qkv, int T, int q0, int C, int NH, int NKV) override {
     if (Staging::any_half({out, qkv})) {

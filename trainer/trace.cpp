@@ -1,0 +1,75 @@
+#include "trainer/trace.h"
+
+#include <algorithm>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "io/atomic_file.h"
+
+namespace trainer {
+
+int Trace::thread_id() {
+  const std::thread::id me = std::this_thread::get_id();
+  const auto it = std::find(threads_.begin(), threads_.end(), me);
+  if (it != threads_.end()) return int(it - threads_.begin());
+  threads_.push_back(me);
+  return int(threads_.size()) - 1;
+}
+
+void Trace::add(std::string name, const char* category, Clock::time_point t0, Clock::time_point t1,
+                double flops) {
+  using us = std::chrono::duration<double, std::micro>;
+  std::lock_guard<std::mutex> lock(mu_);
+  // The steady clock's own epoch (the machine's monotonic clock): ranks on one node line up.
+  events_.push_back({std::move(name), category, us(t0.time_since_epoch()).count(),
+                     us(t1 - t0).count(), flops, thread_id()});
+}
+
+void Trace::write(const std::string& path) const {
+  nlohmann::json events = nlohmann::json::array();
+  std::lock_guard<std::mutex> lock(mu_);
+  events.push_back({{"name", "process_name"},
+                    {"ph", "M"},
+                    {"pid", rank_},
+                    {"tid", 0},
+                    {"ts", 0},
+                    {"args", {{"name", "rank " + std::to_string(rank_)}}}});
+  for (const Event& e : events_) {
+    nlohmann::json j = {{"name", e.name},  {"cat", e.category}, {"ph", "X"},   {"ts", e.ts_us},
+                        {"dur", e.dur_us}, {"pid", rank_},      {"tid", e.tid}};
+    if (e.flops > 0)
+      j["args"] = {{"flops", e.flops},
+                   {"gflop_per_s", e.dur_us > 0 ? e.flops / e.dur_us / 1e3 : 0.0}};
+    events.push_back(std::move(j));
+  }
+  write_file_atomic(path,
+                    nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump());
+}
+
+std::vector<Trace::Total> Trace::totals(const std::string& category) const {
+  std::map<std::string, Total> by_name;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const Event& e : events_) {
+      if (category != e.category) continue;
+      Total& t = by_name[e.name];
+      t.name = e.name;
+      t.calls++;
+      t.seconds += e.dur_us / 1e6;
+      t.flops += e.flops;
+    }
+  }
+  std::vector<Total> v;
+  for (auto& [name, t] : by_name) v.push_back(t);
+  std::sort(v.begin(), v.end(),
+            [](const Total& a, const Total& b) { return a.seconds > b.seconds; });
+  return v;
+}
+
+double Trace::seconds(const std::string& category) const {
+  double s = 0;
+  for (const Total& t : totals(category)) s += t.seconds;
+  return s;
+}
+
+}  // namespace trainer

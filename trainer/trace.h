@@ -1,0 +1,81 @@
+#pragma once
+// A profile of one rank: the Chrome / Perfetto trace-event format's complete events ("ph": "X"),
+// each with a name, a category, its start (microseconds of the machine's monotonic clock, so
+// that the ranks of a node line up) and duration, and the thread that ran it (its own track),
+// the process being the rank, written as <out_dir>/trace/rank_<r>.json
+// (scripts/merge_traces.py joins the ranks into one file, a process each). Nothing is recorded
+// outside the profiled steps; a run without [profile] installs no hooks at all.
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace trainer {
+
+class Trace {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  explicit Trace(int rank) : rank_(rank) {}
+
+  bool recording() const { return recording_.load(std::memory_order_relaxed); }
+  void set_recording(bool on) { recording_.store(on, std::memory_order_relaxed); }
+
+  // A span from t0 to t1 (thread-safe); flops > 0 for an operator whose FLOPs are known.
+  void add(std::string name, const char* category, Clock::time_point t0, Clock::time_point t1,
+           double flops = 0);
+
+  // Records [construction, destruction) as one span when the trace is recording.
+  class Span {
+   public:
+    Span(Trace* trace, const char* name, const char* category)
+        : trace_(trace && trace->recording() ? trace : nullptr),
+          name_(name),
+          category_(category),
+          t0_(trace_ ? Clock::now() : Clock::time_point{}) {}
+    ~Span() {
+      if (trace_) trace_->add(name_, category_, t0_, Clock::now());
+    }
+    Span(const Span&) = delete;
+    Span& operator=(const Span&) = delete;
+
+   private:
+    Trace* trace_;
+    const char* name_;
+    const char* category_;
+    Clock::time_point t0_;
+  };
+
+  // The events as trace-event JSON.
+  void write(const std::string& path) const;
+
+  // Per name, over the events of `category`: calls, seconds and FLOPs, most time first.
+  struct Total {
+    std::string name;
+    int64_t calls = 0;
+    double seconds = 0, flops = 0;
+  };
+  std::vector<Total> totals(const std::string& category) const;
+  // The seconds the events of `category` lasted in all.
+  double seconds(const std::string& category) const;
+
+ private:
+  struct Event {
+    std::string name;
+    const char* category;
+    double ts_us, dur_us, flops;
+    int tid;
+  };
+  int thread_id();  // small numbers, in order of first appearance (under mu_)
+
+  int rank_;
+  std::atomic<bool> recording_{false};
+  mutable std::mutex mu_;
+  std::vector<Event> events_;
+  std::vector<std::thread::id> threads_;
+};
+
+}  // namespace trainer
