@@ -85,7 +85,7 @@ int64_t AdamW::offload_host_elems(const std::vector<Segment>& segments) {
 
 void AdamW::read_state(State which, int64_t at, float* dst, int64_t n) const {
   const DPtr src = which == State::weights && !master_ ? shard_weights_ : state(which);
-  if (offload_ && src.p != shard_weights_.p)
+  if (offload_)  // all of it on the host (an offloading optimizer always keeps a master)
     std::memcpy(dst, src.as<float>() + at, size_t(n) * 4);
   else
     model_.kernels().download_f32(dst, src + at, n);

@@ -66,10 +66,4 @@ std::vector<Trace::Total> Trace::totals(const std::string& category) const {
   return v;
 }
 
-double Trace::seconds(const std::string& category) const {
-  double s = 0;
-  for (const Total& t : totals(category)) s += t.seconds;
-  return s;
-}
-
 }  // namespace trainer

@@ -59,8 +59,6 @@ class Trace {
     double seconds = 0, flops = 0;
   };
   std::vector<Total> totals(const std::string& category) const;
-  // The seconds the events of `category` lasted in all.
-  double seconds(const std::string& category) const;
 
  private:
   struct Event {

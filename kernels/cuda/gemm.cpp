@@ -17,13 +17,14 @@ namespace {
 // initialisation costs about a third of a second of CPU in every process that links it, which
 // every CPU-only run (and every test) would pay for a library it never calls.
 struct LtApi {
-#define TRAINER_LT_FUNCTIONS(X)                                                                \
-  X(GetStatusString)                                                                           \
-  X(Create)                                                                                    \
-  X(Destroy) X(MatmulDescCreate) X(MatmulDescDestroy) X(MatmulDescSetAttribute)                \
-      X(MatrixLayoutCreate) X(MatrixLayoutDestroy) X(MatrixLayoutSetAttribute)                 \
-          X(MatmulPreferenceCreate) X(MatmulPreferenceDestroy) X(MatmulPreferenceSetAttribute) \
-              X(MatmulAlgoGetHeuristic) X(Matmul)
+// clang-format off
+#define TRAINER_LT_FUNCTIONS(X)                                                         \
+  X(GetStatusString) X(Create) X(Destroy)                                               \
+  X(MatmulDescCreate) X(MatmulDescDestroy) X(MatmulDescSetAttribute)                    \
+  X(MatrixLayoutCreate) X(MatrixLayoutDestroy) X(MatrixLayoutSetAttribute)              \
+  X(MatmulPreferenceCreate) X(MatmulPreferenceDestroy) X(MatmulPreferenceSetAttribute)  \
+  X(MatmulAlgoGetHeuristic) X(Matmul)
+// clang-format on
 #define TRAINER_LT_MEMBER(name) decltype(&::cublasLt##name) name = nullptr;
   TRAINER_LT_FUNCTIONS(TRAINER_LT_MEMBER)
 #undef TRAINER_LT_MEMBER
