@@ -27,6 +27,20 @@ struct Handle {
   }
 };
 
+// HDF5's metadata cache grows towards 32 MB while a file is written (a checkpoint of a deep
+// model has thousands of datasets, each with its header and chunk index): capped, so that what a
+// checkpoint write holds is bounded and in the memory plan.
+void cap_metadata_cache(hid_t fapl) {
+  H5AC_cache_config_t c{};
+  c.version = H5AC__CURR_CACHE_CONFIG_VERSION;
+  H5Pget_mdc_config(fapl, &c);
+  c.set_initial_size = true;
+  c.min_size = H5File::kMetadataCacheBytes / 4;
+  c.initial_size = c.min_size;
+  c.max_size = H5File::kMetadataCacheBytes;
+  H5Pset_mdc_config(fapl, &c);
+}
+
 }  // namespace
 
 std::string shape_string(const std::vector<int64_t>& shape) {
@@ -37,7 +51,9 @@ std::string shape_string(const std::vector<int64_t>& shape) {
 
 H5File H5File::create(const std::string& path) {
   silence_hdf5();
-  hid_t id = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
+  Handle fapl{H5Pcreate(H5P_FILE_ACCESS), H5Pclose};
+  cap_metadata_cache(fapl.id);
+  hid_t id = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl.id);
   if (id < 0) throw H5Error(fmt::format("{}: cannot create HDF5 file", path));
   return H5File(path, id);
 }
@@ -45,6 +61,7 @@ H5File H5File::create(const std::string& path) {
 H5File H5File::create_parallel(const std::string& path, MPI_Comm comm) {
   silence_hdf5();
   Handle fapl{H5Pcreate(H5P_FILE_ACCESS), H5Pclose};
+  cap_metadata_cache(fapl.id);
   H5Pset_fapl_mpio(fapl.id, comm, MPI_INFO_NULL);
   // Metadata (creating groups, datasets, attributes) is done by all ranks together.
   H5Pset_all_coll_metadata_ops(fapl.id, true);

@@ -45,6 +45,9 @@ float* read_boxes(const std::vector<int64_t>& shape, const std::vector<Box>& box
 
 class H5File {
  public:
+  // The most HDF5's metadata cache holds for a file this writes (HDF5's own default grows to
+  // 32 MB).
+  static constexpr size_t kMetadataCacheBytes = size_t(4) << 20;
   static H5File create(const std::string& path);  // truncates
   // Collective over `comm`: one file written by all its ranks through MPI-IO.
   static H5File create_parallel(const std::string& path, MPI_Comm comm);

@@ -136,6 +136,13 @@ inline std::vector<float> checkpoint_param(const std::string& state_file, const 
   return v;
 }
 
+// The number printed right after `what` in a run's output (-1 when it is not there): the
+// megabytes of the start-up report's memory line and of the peak at the end.
+inline double megabytes_after(const std::string& output, const std::string& what) {
+  const size_t at = output.find(what);
+  return at == std::string::npos ? -1.0 : std::stod(output.substr(at + what.size()));
+}
+
 // A quoted TOML string for --set through the shell.
 inline std::string quoted(const std::string& s) {
   return "\\\"" + s + "\\\"";

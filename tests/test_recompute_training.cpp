@@ -99,10 +99,6 @@ TEST_F(MpiCli, RecomputationIsBitwiseInEveryLayout) {
 // measured peak RSS falls by the planned activation memory, within 10%. (The RSS itself also
 // holds libraries and buffers no plan counts, so differences are compared, not totals.)
 TEST_F(MpiCli, RecomputationSavesThePlannedMemory) {
-  auto megabytes_after = [](const std::string& output, const std::string& what) {
-    const size_t at = output.find(what);
-    return at == std::string::npos ? -1.0 : std::stod(output.substr(at + what.size()));
-  };
   std::vector<double> planned, measured;
   for (const char* mode : {"none", "selective", "full"}) {
     const auto r = test::run_command(

@@ -12,11 +12,42 @@
 
 namespace trainer {
 
-double peak_rss_mb() {
+// A "Vm...:  123 kB" line of /proc/self/status, in MB.
+static double proc_status_mb(std::string_view key) {
   std::ifstream in("/proc/self/status");
   for (std::string line; std::getline(in, line);)
-    if (line.starts_with("VmHWM:")) return std::stod(line.substr(6)) / 1024;
+    if (line.starts_with(key)) return std::stod(line.substr(key.size())) / 1024;
   return 0;
+}
+double peak_rss_mb() {
+  return proc_status_mb("VmHWM:");
+}
+ResidentMemory resident_memory() {
+  return {proc_status_mb("VmRSS:"), proc_status_mb("RssFile:")};
+}
+
+std::vector<PlannedAndMeasured> planned_and_measured(Run& run, ResidentMemory before_model,
+                                                     bool snapshot_taken) {
+  const Config& cfg = run.cfg;
+  const MemoryBudget b = memory_budget(cfg, run.dims, run.dims.coords(run.world.rank()),
+                                       run.kernels->attention_keeps_probabilities(),
+                                       run.groups.intra ? run.groups.intra->size() : 0);
+  const double MB = 1 << 20;
+  double mine[3] = {0, 0, b.collectives / MB};
+  if (cfg.run.device == "cpu") {
+    mine[0] = (b.total() - (snapshot_taken ? 0 : b.snapshot)) / MB;
+    mine[1] =
+        peak_rss_mb() - before_model.total_mb - (resident_memory().file_mb - before_model.file_mb);
+  } else {
+    mine[0] = b.device() / MB;
+    mine[1] = double(run.kernels->memory().peak) / MB;
+  }
+  std::vector<double> all(3 * size_t(run.world.size()));
+  run.world.comm().all_gather(host_ptr(mine), host_ptr(all.data()), 3);
+  std::vector<PlannedAndMeasured> out;
+  if (run.world.rank() == 0)
+    for (size_t r = 0; r < all.size(); r += 3) out.push_back({all[r], all[r + 1], all[r + 2]});
+  return out;
 }
 
 // node_ranks: the data-parallel ranks on this rank's node under the hierarchical all-reduce
@@ -63,7 +94,9 @@ MemoryBudget memory_budget(const Config& cfg, const ParallelDims& dims, const Ra
     }
     b.collectives = double(in_flight) * dtype_size(*o.grad_dtype);
   }
-  b.snapshot = owned * 4 * 3;
+  // Only the ranks that write take a copy (ZeRO: every rank its piece; otherwise the first
+  // replica).
+  b.snapshot = cfg.parallel.zero || dims.replica_index(me) == 0 ? owned * 4 * 3 : 0;
   return b;
 }
 
@@ -105,23 +138,25 @@ void check_memory(const Config& cfg, World& world, Kernels& kernels, const std::
   const double GB = 1 << 30;
   // On a GPU, what the host holds for it too: the offloaded optimizer (pinned) and the
   // checkpoint's copy.
-  const double host = gpu ? b.offloaded + b.snapshot : 0, host_have = host_available_bytes(world);
+  const double host = gpu ? b.offloaded + b.snapshot + b.process : 0,
+               host_have = host_available_bytes(world);
   if (host > 0 && host_have > 0 && host > host_have)
     throw ConfigError(fmt::format(
         "{}: rank {} needs {:.2f} GB of host memory (offloaded optimizer state {:.2f}, checkpoint "
-        "copy {:.2f}) but {:.2f} GB is available to it (MemAvailable shared by {} rank(s) on this "
-        "node): offload less (memory.offload_optimizer), or shard it over more ranks (zero)",
-        origin, world.rank(), host / GB, b.offloaded / GB, b.snapshot / GB, host_have / GB,
-        world.local_size()));
+        "copy {:.2f}, the process's own {:.2f}) but {:.2f} GB is available to it (MemAvailable "
+        "shared by {} rank(s) on this node): offload less (memory.offload_optimizer), or shard it "
+        "over more ranks (zero)",
+        origin, world.rank(), host / GB, b.offloaded / GB, b.snapshot / GB, b.process / GB,
+        host_have / GB, world.local_size()));
   if (have <= 0 || need <= have) return;
   throw ConfigError(fmt::format(
       "{}: the run needs {:.2f} GB on rank {} (weights {:.2f}, gradients {:.2f}, activations "
-      "{:.2f}, optimizer state {:.2f}, reduction temporaries {:.2f}, checkpoint copy {:.2f}) but "
-      "{:.2f} GB is available to it ({}): lower train.micro_batch, or spread the model over more "
-      "ranks (tp, pp, zero)",
+      "{:.2f}, optimizer state {:.2f}, reduction temporaries {:.2f}, checkpoint copy {:.2f}, the "
+      "process's own {:.2f}) but {:.2f} GB is available to it ({}): lower train.micro_batch, or "
+      "spread the model over more ranks (tp, pp, zero)",
       origin, need / GB, world.rank(), weights / GB, grads / GB,
       double(model.activations + model.stats) / GB, optimizer / GB, b.collectives / GB,
-      snapshot / GB, have / GB,
+      snapshot / GB, gpu ? 0 : b.process / GB, have / GB,
       kernels.memory().reserved > 0
           ? "the GPU memory reserved by run.gpu_memory_fraction"
           : fmt::format("MemAvailable shared by {} rank(s) on this node", world.local_size())));

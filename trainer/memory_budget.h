@@ -3,6 +3,7 @@
 // checked against the memory available before anything is allocated, and compared with the
 // measured peak at the end (the planner's accounting too).
 #include <string>
+#include <vector>
 
 #include "comm/communicator.h"
 #include "comm/parallel_dims.h"
@@ -35,12 +36,19 @@ struct MemoryBudget {
   // own, not counted.
   double collectives = 0;
   double snapshot = 0;
+  // The process's own, beyond the buffers above: thread stacks, the allocator's slack, the
+  // libraries' working sets (OpenBLAS's, MPI's, HDF5's while a checkpoint is written, its
+  // metadata cache capped at 4 MB). A constant, from measurement: 11 to 30 MB a rank over the
+  // layouts of tests/test_memory_plan.cpp. Host memory.
+  static constexpr double kProcessBytes = 20 << 20;
+  double process = kProcessBytes;
   double total() const {
     return double(model.total()) + optimizer + grad_shard + grad_windows + param_shard +
-           param_windows + collectives + snapshot + offload_staging;
+           param_windows + collectives + snapshot + offload_staging + process;
   }
-  // What a GPU holds: all but the host's (the offloaded state, the checkpoint's copy).
-  double device() const { return total() - offloaded - snapshot; }
+  // What a GPU holds: all but the host's (the offloaded state, the checkpoint's copy, the
+  // process's own).
+  double device() const { return total() - offloaded - snapshot - process; }
 };
 
 // node_ranks: the data-parallel ranks on this rank's node under the hierarchical all-reduce
@@ -50,6 +58,26 @@ MemoryBudget memory_budget(const Config& cfg, const ParallelDims& dims, const Ra
 
 // This process's peak resident memory (VmHWM), in MB; 0 where /proc does not tell.
 double peak_rss_mb();
+
+// This process's resident memory now (VmRSS) and the file-backed part of it (RssFile: mapped
+// libraries and token files, page cache rather than memory the run allocates), in MB.
+struct ResidentMemory {
+  double total_mb = 0, file_mb = 0;
+};
+ResidentMemory resident_memory();
+
+// The plan against the measurement, on every rank: what the budget above says the rank holds,
+// and what it held at its peak. On the CPU, the peak resident memory above `before_model`
+// (taken just before the model is allocated), less the file pages mapped since (the token
+// files the loaders read); on a GPU the allocator's peak. The checkpoint's copy counts once one
+// has been taken. Rank 0 receives every rank's pair (the others: none).
+struct PlannedAndMeasured {
+  double planned_mb = 0, measured_mb = 0;
+  double bound_mb = 0;  // of the plan, what is a bound rather than a count (MPI's temporaries)
+};
+class Run;
+std::vector<PlannedAndMeasured> planned_and_measured(Run& run, ResidentMemory before_model,
+                                                     bool snapshot_taken);
 
 // A run that cannot fit is refused before anything is allocated (allocating first grows for
 // tens of seconds and then fails somewhere): a ConfigError naming `origin`.

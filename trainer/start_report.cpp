@@ -93,7 +93,7 @@ void print_start(const Run& run) {
   // One line from the plan the buffers are allocated by (and that check_memory refuses by).
   fmt::print(
       "memory: recompute {}{}, rank 0 expects {:.1f} MB (weights {:.2f}{}, gradients {:.2f}, "
-      "activations {:.2f}, AdamW {:.2f}{}{}, {}checkpoint copy {:.2f})\n",
+      "activations {:.2f}, AdamW {:.2f}{}{}, {}checkpoint copy {:.2f}, the process's own {:.0f})\n",
       cfg.memory.recompute,
       cfg.memory.recompute != "none" && cfg.memory.recompute_layers > 0
           ? fmt::format(" (first {} blocks of each stage)", cfg.memory.recompute_layers)
@@ -117,7 +117,7 @@ void print_start(const Run& run) {
                             : "")
           : "",
       b.collectives > 0 ? fmt::format("reduction temporaries <= {:.2f}, ", b.collectives / MB) : "",
-      b.snapshot / MB);
+      b.snapshot / MB, b.process / MB);
   fmt::print("precision: compute {}, gradients {}, master weights and AdamW state fp32{}\n",
              precision_name(run.model.params().dtype), precision_name(run.model.grad_dtype()),
              cfg.precision.compute != "fp16" ? ""

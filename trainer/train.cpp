@@ -320,6 +320,17 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
         check_memory(cfg, world, *kernels, config_path);
       }))
     return *failed;
+  // The MFU peak: configured, a GPU's data sheet, or measured on the CPU by one rank while the
+  // others wait, so that they do not compete, and taken by all. Before the model is allocated,
+  // so that the measurement's matrices are not part of training's peak memory.
+  double peak = cfg.run.peak_tflops * 1e12;
+  if (peak <= 0 && cfg.run.device == "cpu") {
+    if (world.rank() == 0) peak = kernels->measure_peak_flops();
+    world.comm().broadcast(host_ptr(&peak), 1, 0);
+  }
+  if (peak > 0) kernels->set_peak_flops(peak);
+  // What the process holds before the model: the measured side of the memory plan is above it.
+  const ResidentMemory before_model = resident_memory();
   if (auto failed = agree_on_setup(world, [&] {
         run_ptr = std::make_unique<Run>(cfg, world, config_path, placement, std::move(kernels));
         check_one_tokenizer(world, *run_ptr->tokenizer, cfg.tokenizer);
@@ -331,14 +342,6 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   const bool leader = world.rank() == 0;
   const std::string ckpt_dir = checkpoint_dir(cfg);
 
-  // The MFU peak: configured, a GPU's data sheet, or measured on the CPU by one rank while the
-  // others wait, so that they do not compete, and taken by all.
-  double peak = cfg.run.peak_tflops * 1e12;
-  if (peak <= 0 && cfg.run.device == "cpu") {
-    if (leader) peak = run.kernels->measure_peak_flops();
-    world.comm().broadcast(host_ptr(&peak), 1, 0);
-  }
-  if (peak > 0) run.kernels->set_peak_flops(peak);
   world.set_collective_timeout(cfg.faults.collective_timeout_s);  // not over the measurement
   if (dry_run) {
     if (leader) {
@@ -530,6 +533,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     return report(run.writer.wait());
   };
   auto last_checkpoint_time = Clock::now();
+  bool snapshot_taken = false;  // the checkpoint's host copy is allocated
   // Training pays only for copying its state to host memory (the stall); the writer thread does
   // the rest unless `sync`. Returns false if a synchronous write failed.
   // protective: written after a bad step, whose gradients the compressors' error-feedback
@@ -539,6 +543,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     bool ok = await_writer();  // one write at a time
     Snapshot& snap = run.writer.snapshot();
     take_snapshot(run.model, &run.optimizer, run.writes_checkpoint(), snap);
+    snapshot_taken = true;
     const int64_t samples = run.samples_at(at);
     snap.state = {at,
                   run.tokens_at(at),
@@ -718,8 +723,33 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   world.comm().all_reduce(host_ptr(&rss_max), 1, ReduceOp::max);
   double gpu_peak = double(run.kernels->memory().peak) / (1 << 20), gpu_peak_max = gpu_peak;
   world.comm().all_reduce(host_ptr(&gpu_peak_max), 1, ReduceOp::max);
+  const std::vector<PlannedAndMeasured> plan_check =
+      planned_and_measured(run, before_model, snapshot_taken);
   if (leader) {
     fmt::print("peak memory: {:.0f} MB on rank 0, {:.0f} MB on the largest rank\n", rss, rss_max);
+    // The plan's accounting (the planner's) against what each rank held.
+    std::string ranks;
+    double worst = 0;
+    nlohmann::json planned_mb, measured_mb, bound_mb;
+    for (size_t r = 0; r < plan_check.size(); r++) {
+      const auto [plan, got, bound] = plan_check[r];
+      const double off = plan > 0 ? got / plan - 1 : 0;
+      if (std::abs(off) > std::abs(worst)) worst = off;
+      ranks += fmt::format("{}{}: {:.1f} / {:.1f}", r ? ", " : "", r, plan, got);
+      planned_mb.push_back(plan);
+      measured_mb.push_back(got);
+      bound_mb.push_back(bound);
+    }
+    fmt::print("memory plan per rank (planned / measured MB, {}): {} | worst {:+.1f}%\n",
+               cfg.run.device == "cpu"
+                   ? fmt::format("peak RSS above the {:.0f} MB held before the model on "
+                                 "rank 0, less file pages",
+                                 before_model.total_mb)
+                   : "the GPU allocator's peak",
+               ranks, 100 * worst);
+    log->event({{"memory_planned_mb", planned_mb},
+                {"memory_measured_mb", measured_mb},
+                {"memory_bound_mb", bound_mb}});
     if (cfg.run.device == "cuda") {
       fmt::print("peak GPU memory: {:.0f} MB on rank 0, {:.0f} MB on the largest rank\n", gpu_peak,
                  gpu_peak_max);
