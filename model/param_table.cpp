@@ -8,26 +8,39 @@
 
 namespace trainer {
 
+namespace {
+
+// Relative cost per token of blocks [first, end) on a stage: a block's GEMMs (a multiply-add per
+// weight) and attention (about T C for the causal half of QK^T and AV, twice); the last stage
+// also runs the LM head (C V).
+double stage_cost(const ModelConfig& cfg, int first, int end, bool last) {
+  const double C = cfg.d_model;
+  const double block = double(cfg.block_matmul_params()) + 2.0 * cfg.seq_len * C;
+  return (end - first) * block + (last ? C * cfg.padded_vocab() : 0.0);
+}
+
+}  // namespace
+
+double pipeline_imbalance(const ModelConfig& cfg, int stages) {
+  const std::vector<int> bounds = pipeline_partition(cfg, stages);
+  double most = 0;
+  for (int s = 0; s < stages; s++)
+    most = std::max(most, stage_cost(cfg, bounds[s], bounds[s + 1], s == stages - 1));
+  return most * stages / stage_cost(cfg, 0, cfg.n_layer, true);
+}
+
 std::vector<int> pipeline_partition(const ModelConfig& cfg, int stages) {
   const int L = cfg.n_layer;
   if (stages < 1 || stages > L) throw std::invalid_argument("pipeline_partition: bad stages");
-  // Relative cost per token: a block's GEMMs (a multiply-add per weight) and attention (about
-  // T C for the causal half of QK^T and AV, twice); the last stage also runs the LM head (C V).
-  const double C = cfg.d_model;
-  const double block = double(cfg.block_matmul_params()) + 2.0 * cfg.seq_len * C;
-  const double head = C * cfg.padded_vocab();
-  auto stage_cost = [&](int first, int end, bool last) {
-    return (end - first) * block + (last ? head : 0.0);
-  };
   // best[s][e]: the least possible maximum stage cost for blocks [0, e) on stages [0, s].
   const double inf = 1e300;
   std::vector<std::vector<double>> best(stages, std::vector<double>(L + 1, inf));
   std::vector<std::vector<int>> cut(stages, std::vector<int>(L + 1, 0));
-  for (int e = 1; e <= L; e++) best[0][e] = stage_cost(0, e, stages == 1);
+  for (int e = 1; e <= L; e++) best[0][e] = stage_cost(cfg, 0, e, stages == 1);
   for (int s = 1; s < stages; s++)
     for (int e = s + 1; e <= L; e++)
       for (int b = s; b < e; b++) {  // stage s holds [b, e)
-        const double c = std::max(best[s - 1][b], stage_cost(b, e, s == stages - 1));
+        const double c = std::max(best[s - 1][b], stage_cost(cfg, b, e, s == stages - 1));
         if (c < best[s][e] - 1e-9 * c) {  // ties keep the earliest cut: more layers later
           best[s][e] = c;
           cut[s][e] = b;

@@ -47,6 +47,9 @@ struct ModelShard {
 // the last stage) is as small as it can be, so that a big vocabulary's head does not leave the
 // last stage the bottleneck of the pipeline.
 std::vector<int> pipeline_partition(const ModelConfig& cfg, int stages);
+// The slowest stage's cost over the mean's (1: balanced): a pipeline runs at its slowest
+// stage's pace.
+double pipeline_imbalance(const ModelConfig& cfg, int stages);
 
 struct ParamInfo {
   std::string name;

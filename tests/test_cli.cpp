@@ -6,15 +6,22 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "comm/parallel_dims.h"
+#include "io/config.h"
 #include "kernels/kernels.h"
+#include "model/param_table.h"
 #include "test_util.h"
+#include "trainer/gpu_health.h"
+#include "trainer/planner.h"
 
 namespace trainer {
 namespace {
@@ -360,6 +367,68 @@ TEST_F(Cli, NonByteVocabularyPrintsTokenIds) {
   EXPECT_NE(r.output.find("has a vocabulary of 512 tokens, not the 256 bytes"), std::string::npos)
       << r.output;
   EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
+}
+
+}  // namespace
+}  // namespace trainer
+
+namespace trainer {
+namespace {
+
+// The planner's step-time model follows each layout choice it ranks by (each of these fails when
+// its term is disconnected): the 1F1B bubble grows as micro-batches fall and hides in
+// co-located ranks' compute when a node's cores are oversubscribed twice; full recomputation
+// runs the forward again (4/3 of the compute); a reduction that may not overlap backward is all
+// exposed; a pipeline runs at its slowest stage's pace.
+TEST(Planner, StepEstimateFollowsTheLayout) {
+  const Config base = load_config(test::source_dir() + "/configs/llama-125m.toml");
+  PlanOptions o;
+  o.cluster.devices = 4;
+  o.cluster.per_node = 4;
+  o.cluster.peak_flops = 1e12;
+  auto estimate = [&](int dp, int tp, int pp, int micro_batch, int accum,
+                      const std::function<void(Config&)>& change = {}) {
+    Config c = base;
+    c.parallel.dp = dp, c.parallel.tp = tp, c.parallel.pp = pp;
+    c.train.micro_batch = micro_batch, c.train.grad_accum = accum;
+    if (change) change(c);
+    const ParallelDims dims =
+        ParallelDims::make(dp * tp * pp, dp, tp, pp, c.parallel.order, c.model);
+    return estimate_layout(c, dims, o);
+  };
+  const Candidate pp1 = estimate(1, 1, 4, 8, 1), pp8 = estimate(1, 1, 4, 1, 8);
+  EXPECT_NEAR(pp1.bubble_s / pp1.compute_s, 3.0 / 1, 1e-9);  // (S - 1) / M
+  EXPECT_NEAR(pp8.bubble_s / pp8.compute_s, 3.0 / 8, 1e-9);
+  o.cluster.oversubscription = 2;
+  EXPECT_EQ(estimate(1, 1, 4, 8, 1).bubble_s, 0);
+  o.cluster.oversubscription = 1;
+  const Candidate none = estimate(4, 1, 1, 2, 1),
+                  full = estimate(4, 1, 1, 2, 1, [](Config&c) { c.memory.recompute = "full"; });
+  EXPECT_NEAR(full.compute_s, none.compute_s * 4 / 3, 1e-12);
+  o.cluster.intra_bytes_per_s = 1e9;  // slow enough that the reduction outlasts backward
+  const Candidate overlapped = estimate(4, 1, 1, 2, 1),
+                  exposed = estimate(4, 1, 1, 2, 1, [](Config&c) { c.parallel.overlap = false; });
+  EXPECT_GT(exposed.dp_s, overlapped.dp_s);
+  const double params = double(param_table(base.model).total);
+  EXPECT_NEAR(exposed.dp_s, 2 * 0.75 * params * 4 / 1e9, 1e-9 * exposed.dp_s);
+  EXPECT_GT(pipeline_imbalance(base.model, 5), 1.0);  // 12 blocks do not split in 5
+  EXPECT_NEAR(estimate(1, 1, 4, 1, 8).compute_s / estimate(4, 1, 1, 1, 2).compute_s,
+              pipeline_imbalance(base.model, 4), 1e-9);
+}
+
+// NVML is optional: a library that is not there leaves the readings out with a note (the run
+// goes on); a GPU's UUID is written as NVML looks it up; slowdown reasons are named, and the
+// bits that are not slowdowns (idle, clock settings) are not.
+TEST(GpuHealth, MissingNvmlIsANoteAndReadingsAreNamed) {
+  std::array<std::byte, 16> uuid{};
+  for (int i = 0; i < 16; i++) uuid[i] = std::byte(0x10 + i);
+  const GpuHealth absent(uuid, "libnvidia-ml-not-here.so.1");
+  EXPECT_FALSE(absent.available());
+  EXPECT_NE(absent.note().find("libnvidia-ml-not-here.so.1 not found"), std::string::npos);
+  EXPECT_TRUE(std::isnan(absent.read().temperature_c));
+  EXPECT_EQ(GpuHealth::uuid_string(uuid), "GPU-10111213-1415-1617-1819-1a1b1c1d1e1f");
+  EXPECT_EQ(throttle_names(0x1 | 0x2 | 0x100), "");
+  EXPECT_EQ(throttle_names(0x4 | 0x40), "power cap, thermal (hardware)");
 }
 
 }  // namespace

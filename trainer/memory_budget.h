@@ -39,7 +39,7 @@ struct MemoryBudget {
   // The process's own, beyond the buffers above: thread stacks, the allocator's slack, the
   // libraries' working sets (OpenBLAS's, MPI's, HDF5's while a checkpoint is written, its
   // metadata cache capped at 4 MB). A constant, from measurement: 11 to 30 MB a rank over the
-  // layouts of tests/test_memory_plan.cpp. Host memory.
+  // layouts of tests/test_plan_against_runs.cpp. Host memory.
   static constexpr double kProcessBytes = 20 << 20;
   double process = kProcessBytes;
   double total() const {

@@ -45,9 +45,11 @@ void estimate(Candidate& c, const Config& cfg, const PlanOptions& o, int64_t glo
   double flops = flops_per_token(m) * tokens;
   if (c.recompute == "full") flops *= 4.0 / 3;
   if (c.recompute == "selective") flops += 2.0 * m.n_layer * C * T * tokens;
-  c.compute_s = flops / k.devices / (k.peak_flops * o.efficiency);
+  // A pipeline runs at its slowest stage's pace.
+  c.compute_s = flops / k.devices / (k.peak_flops * o.efficiency) * pipeline_imbalance(m, c.pp);
   const double bubble = pipeline_bubble(c.pp, c.accum);
   c.bubble_s = bubble < 1 ? c.compute_s * bubble / (1 - bubble) : INFINITY;
+  if (k.oversubscription > 1) c.bubble_s *= std::max(0.0, 2 - k.oversubscription);
   const double layers = std::ceil(double(m.n_layer) / c.pp);
   const double rows = double(c.micro_batch) * T / c.cp;  // a micro-batch's tokens on a rank
   // Tensor parallelism: two all-reduces of the stream in each block's forward and two in its
@@ -70,7 +72,8 @@ void estimate(Candidate& c, const Config& cfg, const PlanOptions& o, int64_t glo
   const double params = double(param_table(m).total) / (c.tp * c.pp);
   const double share = R > 1 ? double(R - 1) / R : 0;
   const double dp_bw = k.devices <= k.per_node ? k.intra_bytes_per_s : k.inter_bytes_per_s;
-  const double backward = c.compute_s * 2 / 3 / c.accum;  // one micro-batch's
+  // Without [parallel] overlap the reduction starts after backward: nothing hides it.
+  const double backward = cfg.parallel.overlap ? c.compute_s * 2 / 3 / c.accum : 0;
   const double gather = share * params * act / dp_bw;
   if (c.zero <= 1) {
     c.dp_s = std::max(0.0, 2 * share * params * grad / dp_bw - backward);
@@ -188,6 +191,10 @@ void set_cluster_defaults(Cluster& k, const Config& cfg, const std::string& devi
     }
   }
   if (memory_gb > 0) k.memory_bytes = memory_gb * 1e9;
+  set_bandwidths(k, cpu, intra_gbps, inter_gbps);
+}
+
+void set_bandwidths(Cluster& k, bool cpu, double intra_gbps, double inter_gbps) {
   k.intra_bytes_per_s = (intra_gbps > 0 ? intra_gbps : cpu ? 40 : 3600) * 1e9 / 8;
   k.inter_bytes_per_s = (inter_gbps > 0 ? inter_gbps : cpu ? 10 : 400) * 1e9 / 8;
 }
@@ -251,13 +258,7 @@ Plan make_plan(const Config& base, const PlanOptions& o, bool offload) {
               c.memory.recompute_layers = 0;
               c.memory.offload_optimizer = offload;
               if (c.parallel.sequence_parallel && int64_t(mb) * (m.seq_len / cp) % tp) continue;
-              Candidate cand{dp, tp, pp, cp, zero, recompute, mb, c.train.grad_accum, offload};
-              for (int s = 0; s < pp; s++) {  // the largest stage's first rank
-                const MemoryBudget b = memory_budget(c, dims, RankCoords{0, 0, s, 0}, !gpu, 0);
-                const double bytes = gpu ? b.device() : b.total();
-                if (bytes > cand.bytes) cand.bytes = bytes, cand.memory = b, cand.stage = s;
-              }
-              estimate(cand, c, o, G);
+              Candidate cand = estimate_layout(c, dims, o);
               if (!plan.considered_any || cand.bytes < plan.smallest.bytes) plan.smallest = cand;
               plan.considered_any = true;
               if (cand.bytes > limit) {
@@ -281,6 +282,27 @@ Plan make_plan(const Config& base, const PlanOptions& o, bool offload) {
         fmt::format("{} choices need more than the {} GB a device has free (the least: {} GB, {})",
                     too_big, gb(limit), gb(plan.smallest.bytes), layout_name(plan.smallest)));
   return plan;
+}
+
+Candidate estimate_layout(const Config& cfg, const ParallelDims& dims, const PlanOptions& o) {
+  const bool gpu = cfg.run.device != "cpu";
+  const int64_t G = int64_t(cfg.train.micro_batch) * cfg.train.grad_accum * dims.dp();
+  Candidate cand{dims.dp(),
+                 dims.tp(),
+                 dims.pp(),
+                 dims.cp(),
+                 cfg.parallel.zero,
+                 cfg.memory.recompute,
+                 cfg.train.micro_batch,
+                 cfg.train.grad_accum,
+                 cfg.memory.offload_optimizer};
+  for (int s = 0; s < dims.pp(); s++) {  // the largest stage's first rank
+    const MemoryBudget b = memory_budget(cfg, dims, RankCoords{0, 0, s, 0}, !gpu, 0);
+    const double bytes = gpu ? b.device() : b.total();
+    if (bytes > cand.bytes) cand.bytes = bytes, cand.memory = b, cand.stage = s;
+  }
+  estimate(cand, cfg, o, G);
+  return cand;
 }
 
 std::string candidate_toml(const Candidate& c) {

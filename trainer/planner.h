@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/parallel_dims.h"
 #include "io/config.h"
 #include "trainer/memory_budget.h"
 
@@ -24,6 +25,9 @@ struct Cluster {
   // Bus bandwidths for collectives, bytes/s per device: inside a node (NVLink) and between
   // nodes (the NIC).
   double intra_bytes_per_s = 450e9, inter_bytes_per_s = 50e9;
+  // CPU ranks sharing a node's cores: threads wanted per core (1 or less: a core each). Above
+  // 1, the time a rank idles in the pipeline's bubble is compute for the others on its cores.
+  double oversubscription = 1;
   std::string name = "H100 80GB";
 };
 
@@ -65,6 +69,9 @@ int64_t global_batch(const Config& cfg, int devices);
 // offloaded to host memory.
 Plan make_plan(const Config& cfg, const PlanOptions& options, bool offload);
 
+// The estimate for the layout `cfg` configures on `dims` (its memory from the largest stage).
+Candidate estimate_layout(const Config& cfg, const ParallelDims& dims, const PlanOptions& options);
+
 // The config lines ([parallel], [memory], [train]) that run a candidate.
 std::string candidate_toml(const Candidate& c);
 
@@ -89,5 +96,8 @@ double device_peak_flops(const std::string& name, const std::string& precision);
 // Gbit/s. Throws ConfigError naming --gpu when it is neither.
 void set_cluster_defaults(Cluster& k, const Config& cfg, const std::string& device, int per_node,
                           double memory_gb, double intra_gbps, double inter_gbps);
+// The bandwidths alone (Gbit/s; 0: the default, shared memory or NVLink inside a node, Ethernet
+// or InfiniBand between nodes).
+void set_bandwidths(Cluster& k, bool cpu, double intra_gbps, double inter_gbps);
 
 }  // namespace trainer

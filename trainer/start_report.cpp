@@ -4,12 +4,46 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <thread>
 
 #include "trainer/blas_setup.h"
 #include "trainer/memory_budget.h"
 #include "trainer/pipeline_schedule.h"
+#include "trainer/planner.h"
 
 namespace trainer {
+
+Candidate planned_step(const Run& run) {
+  const Config& cfg = run.cfg;
+  const double peak = run.kernels->peak_flops(compute_dtype(cfg.precision));
+  if (peak <= 0) return {};
+  PlanOptions o;
+  Cluster& k = o.cluster;
+  k.devices = run.dims.world();
+  k.per_node = run.world.local_size();
+  k.peak_flops = peak;
+  const bool cpu = cfg.run.device == "cpu";
+  if (cpu) {
+    const double cores = std::thread::hardware_concurrency();
+    k.oversubscription = double(run.world.local_size()) * omp_get_max_threads() / cores;
+    if (k.oversubscription > 1) k.peak_flops /= k.oversubscription;
+  }
+  set_bandwidths(k, cpu, 0, 0);
+  Config c = cfg;
+  c.train.grad_accum = run.schedule.accum(0, 0);
+  return estimate_layout(c, run.dims, o);
+}
+
+// One line: the estimate and its parts.
+static void print_planned_step(const Run& run, const char* prefix) {
+  const Candidate e = planned_step(run);
+  if (e.total_s() <= 0) return;
+  fmt::print(
+      "{}the planner's estimate: {:.4g} s a step (compute {:.3g}, bubble {:.3g}, tp {:.3g}, cp "
+      "{:.3g}, dp {:.3g}, optimizer {:.3g}) at {:.0f}% of the MFU peak\n",
+      prefix, e.total_s(), e.compute_s, e.bubble_s, e.tp_s, e.cp_s, e.dp_s, e.optimizer_s,
+      100 * PlanOptions().efficiency);
+}
 
 void print_start(const Run& run) {
   const Config& cfg = run.cfg;
@@ -118,6 +152,7 @@ void print_start(const Run& run) {
           : "",
       b.collectives > 0 ? fmt::format("reduction temporaries <= {:.2f}, ", b.collectives / MB) : "",
       b.snapshot / MB, b.process / MB);
+  print_planned_step(run, "step: ");
   fmt::print("precision: compute {}, gradients {}, master weights and AdamW state fp32{}\n",
              precision_name(run.model.params().dtype), precision_name(run.model.grad_dtype()),
              cfg.precision.compute != "fp16" ? ""

@@ -9,4 +9,10 @@ namespace trainer {
 void print_start(const Run& run);
 void print_dry_run(const Run& run);
 
+// The planner's estimate of a step of this run's layout (trainer/planner.h), on its ranks: their
+// MFU peak (on the CPU, what a rank gets of its node's cores) and the default bandwidths. None
+// (0 s) when the peak is unknown.
+struct Candidate;
+Candidate planned_step(const Run& run);
+
 }  // namespace trainer

@@ -30,6 +30,7 @@
 #include "trainer/checkpoint_interval.h"
 #include "trainer/checkpoint_writer.h"
 #include "trainer/device.h"
+#include "trainer/gpu_health.h"
 #include "trainer/hf_format.h"
 #include "trainer/llmc_format.h"
 #include "trainer/loss_scaler.h"
@@ -38,6 +39,7 @@
 #include "trainer/metrics.h"
 #include "trainer/node_shards.h"
 #include "trainer/pipeline.h"
+#include "trainer/planner.h"
 #include "trainer/report_error.h"
 #include "trainer/run.h"
 #include "trainer/run_dir.h"
@@ -368,6 +370,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     log.emplace((fs::path(cfg.run.out_dir) / "metrics.jsonl").string(), !resume.empty());
     remove_incomplete_checkpoints(ckpt_dir);  // a crash mid-write left them
     print_start(run);
+    if (const double s = planned_step(run).total_s(); s > 0) log->event({{"planned_step_s", s}});
   }
 
   if (run.gatherer) {  // ZeRO-3: this rank's pieces only
@@ -627,6 +630,45 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     return finish(kExitRequeue, "stopped", step,
                   fmt::format("stopped by a signal before step {}; nothing trained", step));
   }
+  // GPU health from NVML at the log interval: every rank's temperature, power, uncorrected
+  // ECC errors and clock slowdowns, logged by rank 0. Every rank of a CUDA run takes part (NaN
+  // where NVML is absent), so that the gather is collective.
+  std::optional<GpuHealth> gpu_health;
+  double ecc_seen = 0;  // uncorrected ECC errors over the ranks at the last reading
+  if (cfg.run.device == "cuda") {
+    gpu_health.emplace(cuda_device_uuid(placement.device));
+    double missing = gpu_health->available() ? 0 : 1;
+    world.comm().all_reduce(host_ptr(&missing), 1, ReduceOp::sum);
+    if (leader && missing > 0)
+      fmt::print("GPU health: NVML readings skipped on {} rank(s) ({} on rank 0)\n", missing,
+                 gpu_health->available() ? "available" : gpu_health->note());
+  }
+  // Returns true when a rank's GPU reports uncorrected ECC errors it did not before.
+  auto read_gpu_health = [&](int64_t at) {
+    const GpuReading g = gpu_health->read();
+    double mine[4] = {g.temperature_c, g.power_w, g.ecc_uncorrected, double(g.throttle)};
+    std::vector<double> all(4 * size_t(world.size()));
+    world.comm().all_gather(host_ptr(mine), host_ptr(all.data()), 4);
+    double ecc = 0;
+    nlohmann::json ranks = nlohmann::json::array();
+    for (int r = 0; r < world.size(); r++) {
+      const double* v = &all[4 * size_t(r)];
+      if (std::isfinite(v[2])) ecc += v[2];
+      ranks.push_back({{"temperature_c", v[0]},
+                       {"power_w", v[1]},
+                       {"ecc_uncorrected", v[2]},
+                       {"slowdown", throttle_names(uint64_t(v[3]))}});
+    }
+    if (leader) log->event({{"step", at}, {"gpu", ranks}});
+    const bool new_errors = ecc > ecc_seen;
+    if (leader && new_errors)
+      fmt::print("step {:6d} | warning: uncorrected ECC errors on a GPU ({:.0f}, were {:.0f})\n",
+                 at, ecc, ecc_seen);
+    ecc_seen = ecc;
+    return new_errors && at > 0;
+  };
+  if (gpu_health) read_gpu_health(step);  // the counts a run starts from
+
   const auto training_start = Clock::now();
   const int64_t first_step = step;
   DataWaitWatch data_wait;
@@ -682,6 +724,11 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
             step, stats.bad, step);
         log->event({{"step", step}, {"protective_checkpoint", step}});
       }
+      checkpoint(step, false, true);
+    } else if (gpu_health && step % cfg.train.log_every == 0 && read_gpu_health(step) &&
+               stats.bad.empty() && cfg.checkpoint.protect) {
+      // The step was good but the GPU's memory is failing: save it while it still can be.
+      if (leader) log->event({{"step", step}, {"protective_checkpoint", step}});
       checkpoint(step, false, true);
     }
     if (leader && data_wait.starved(stats.data_s, stats.total_s)) {

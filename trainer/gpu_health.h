@@ -1,0 +1,48 @@
+#pragma once
+// A GPU's health as NVML reports it, for the metrics and the step guard: temperature, power,
+// uncorrected ECC errors since the driver loaded, and the reasons its clocks are held down
+// (thermal or power slowdown). NVML comes with the driver, not the toolkit, so
+// libnvidia-ml.so.1 is opened at run time; where it is absent (or does not know the GPU) the
+// readings are skipped and note() says why.
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace trainer {
+
+struct GpuReading {
+  double temperature_c = NAN, power_w = NAN;
+  double ecc_uncorrected = NAN;  // volatile count: since the driver loaded
+  uint64_t throttle = 0;         // NVML's clocks-throttle-reason bits, idle and settings left out
+};
+
+// The names of throttle reason bits: "thermal (software), power cap" ("" for none).
+std::string throttle_names(uint64_t reasons);
+
+class GpuHealth {
+ public:
+  // uuid: the GPU's (cuda_device_uuid); library: the NVML to open.
+  explicit GpuHealth(const std::array<std::byte, 16>& uuid,
+                     const char* library = "libnvidia-ml.so.1");
+  ~GpuHealth();
+  GpuHealth(const GpuHealth&) = delete;
+  GpuHealth& operator=(const GpuHealth&) = delete;
+
+  bool available() const { return device_ != nullptr; }
+  const std::string& note() const { return note_; }  // why not available
+  GpuReading read() const;
+
+  // NVML's form of a UUID: "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx".
+  static std::string uuid_string(const std::array<std::byte, 16>& uuid);
+
+ private:
+  struct Api;
+  void* library_ = nullptr;
+  void* device_ = nullptr;
+  Api* api_ = nullptr;
+  std::string note_;
+};
+
+}  // namespace trainer
