@@ -41,27 +41,28 @@ Groups make_groups(World& world, const ParallelDims& dims, const ParallelConfig&
                    const GroupWrapper& wrap) {
   const int rank = world.rank();
   // Collective: every rank makes the same groups in the same order.
-  auto group = [&](const std::vector<int>& members) {
+  auto group = [&](const std::vector<int>& members, const char* name) {
     std::unique_ptr<Communicator> c = world.group(members);
-    return wrap ? wrap(std::move(c)) : std::move(c);
+    return wrap ? wrap(std::move(c), name) : std::move(c);
   };
   Groups g;
-  g.dp = group(dims.replica_group(rank));
-  g.cp = group(dims.group(Axis::cp, rank));
-  g.tp = group(dims.group(Axis::tp, rank));
-  g.pp = group(dims.group(Axis::pp, rank));
+  g.dp = group(dims.replica_group(rank), "dp");
+  g.cp = group(dims.group(Axis::cp, rank), "cp");
+  g.tp = group(dims.group(Axis::tp, rank), "tp");
+  g.pp = group(dims.group(Axis::pp, rank), "pp");
   const std::vector<int> stages = dims.group(Axis::pp, rank);
   const RankCoords me = dims.coords(rank);
   const bool ends = me.pp == 0 || me.pp == dims.pp() - 1;
   g.emb = group(dims.pp() > 1 && ends ? std::vector<int>{stages.front(), stages.back()}
-                                      : std::vector<int>{rank});
+                                      : std::vector<int>{rank},
+                "emb");
   if (pc.allreduce == "hierarchical") {
     auto node = [&](int r) {
       return pc.ranks_per_node > 0 ? r / pc.ranks_per_node : world.node_of(r);
     };
     auto [intra, inter] = split_by_node(dims.replica_group(rank), rank, node);
-    g.intra = group(intra);
-    g.inter = group(inter);
+    g.intra = group(intra, "intra");
+    g.inter = group(inter, "inter");
   }
   return g;
 }

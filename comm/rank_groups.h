@@ -4,6 +4,7 @@
 // split by node. Collective over the world.
 #include <functional>
 #include <memory>
+#include <string>
 
 #include "comm/communicator.h"
 #include "comm/parallel_dims.h"
@@ -22,8 +23,9 @@ struct Groups {
 };
 
 // Turns each group's MPI communicator into the one the job uses (NCCL or staged for GPU
-// buffers); null keeps MPI.
-using GroupWrapper = std::function<std::unique_ptr<Communicator>(std::unique_ptr<Communicator>)>;
+// buffers; traced when profiling), given the group's name ("dp", "tp", ...); null keeps MPI.
+using GroupWrapper = std::function<std::unique_ptr<Communicator>(std::unique_ptr<Communicator>,
+                                                                 const std::string& group)>;
 
 // Throws ConfigError when the hierarchical reduction finds nodes with unequal numbers of
 // data-parallel peers.

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
@@ -144,7 +145,9 @@ TEST_F(MpiCli, PlotRunDrawsARunDirectory) {
 // whose events all have ph, ts, dur, pid and tid; it holds exactly the two profiled steps, and
 // within each, the phases (and the layers and timed operators within them) cover at least 95%
 // of its wall time; matrix multiplies carry their FLOPs; scripts/merge_traces.py joins the four
-// ranks into one file; rank 0 prints the table of its phases and top operators. Steps outside
+// ranks into one file; every transfer of a group (dp, tp) is an event on the group's track with
+// the bytes it sent (together, what the run logged for those steps) and its wait on the calling
+// thread's; rank 0 prints the table of its phases, top operators and transfers. Steps outside
 // the window record nothing, and a run without [profile] writes no trace.
 TEST_F(MpiCli, ProfileTracesEveryPhaseOfTheChosenSteps) {
   const auto r = mpirun(4,
@@ -160,7 +163,8 @@ TEST_F(MpiCli, ProfileTracesEveryPhaseOfTheChosenSteps) {
     ASSERT_TRUE(in.good());
     const nlohmann::json trace = nlohmann::json::parse(in);
     std::vector<std::pair<double, double>> steps, inside;  // [begin, end) in microseconds
-    int matmuls = 0, layers = 0;
+    int matmuls = 0, layers = 0, waits = 0;
+    std::map<std::string, double> traced_bytes;  // by group
     for (const auto& e : trace["traceEvents"]) {
       for (const char* key : {"ph", "ts", "pid", "tid", "name"}) ASSERT_TRUE(e.contains(key)) << e;
       EXPECT_EQ(e["pid"], rank);
@@ -176,6 +180,27 @@ TEST_F(MpiCli, ProfileTracesEveryPhaseOfTheChosenSteps) {
         EXPECT_GT(e["args"]["flops"].get<double>(), 0);
       }
       layers += e["cat"] == "layer";
+      waits += e["cat"] == "comm_wait";
+      if (e["cat"] == "collective") {  // "all_reduce tp", on the group's own track
+        const std::string name = e["name"];
+        traced_bytes[name.substr(name.find(' ') + 1)] += e["args"]["bytes"].get<double>();
+      }
+    }
+    // Every transfer of the traced steps is in the trace: the bytes of each group's events are
+    // the bytes the run logged for those steps.
+    std::map<std::string, double> logged;
+    std::ifstream metrics(path("run/metrics.jsonl"));
+    for (std::string line; std::getline(metrics, line);) {
+      const auto j = nlohmann::json::parse(line);
+      if (j.contains("loss") && (j["step"] == 1 || j["step"] == 2) && rank == 0)
+        for (const auto& [group, bytes] : j["bytes_sent_groups"].items())
+          logged[group] += bytes.get<double>();
+    }
+    EXPECT_GT(waits, 0);
+    if (rank == 0) {
+      EXPECT_GT(logged["dp"], 0);
+      EXPECT_GT(logged["tp"], 0);
+      for (const auto& [group, bytes] : logged) EXPECT_EQ(traced_bytes[group], bytes) << group;
     }
     ASSERT_EQ(steps.size(), 2u);
     EXPECT_GT(matmuls, 0);

@@ -81,11 +81,11 @@ GroupWrapper group_wrapper(const GpuPlacement& placement, [[maybe_unused]] World
   if (placement.collectives.empty()) return nullptr;
 #ifdef TRAINER_WITH_NCCL
   if (placement.collectives == "nccl")
-    return [&world, &kernels](std::unique_ptr<Communicator> c) {
+    return [&world, &kernels](std::unique_ptr<Communicator> c, const std::string&) {
       return make_nccl_communicator(std::move(c), kernels, world);
     };
 #endif
-  return [&kernels](std::unique_ptr<Communicator> c) {
+  return [&kernels](std::unique_ptr<Communicator> c, const std::string&) {
     return make_staged_communicator(std::move(c), kernels);
   };
 }

@@ -36,6 +36,7 @@
 #include "trainer/report_error.h"
 #include "trainer/step_guard.h"
 #include "trainer/trace.h"
+#include "trainer/traced_communicator.h"
 
 namespace trainer {
 
@@ -80,6 +81,11 @@ struct Run {
   BatchSchedule schedule;  // each step's micro-batches (a batch ramp changes them)
   GpuPlacement placement;
   std::unique_ptr<Kernels> kernels;  // before the groups: NCCL communicators need the GPU
+  // [profile]: the trace of the profiled steps (trainer/trace.h). Besides the step's phases
+  // (train_step), it hears the backend's timed operators, each layer's forward and backward
+  // (its recomputation included) and every group's transfers: hooks installed only when a
+  // profile is asked for.
+  Trace trace;
   Groups groups;
   std::unique_ptr<Tokenizer> tokenizer;  // [tokenizer]: samples, checkpoints, the data's check
   // The ranks of this node, who share the decompression of compressed shards.
@@ -252,6 +258,13 @@ struct Run {
     }
   }
 
+  // The groups' wrapper, each group traced when `trace` is given.
+  static GroupWrapper traced_groups(GroupWrapper wrap, Trace* trace) {
+    if (!trace) return wrap;
+    return [wrap, trace](std::unique_ptr<Communicator> c, const std::string& group) {
+      return traced(wrap ? wrap(std::move(c), group) : std::move(c), *trace, group);
+    };
+  }
   // The checkpoint writer's own communicator (a single process writes without MPI-IO).
   static std::unique_ptr<Communicator> writer_comm(World& w) {
     return w.size() > 1 ? w.comm().dup() : nullptr;
@@ -266,7 +279,10 @@ struct Run {
         schedule(c.train, c.model.seq_len, dims.dp(), origin),
         placement(gpu),
         kernels(std::move(k)),
-        groups(make_groups(w, dims, c.parallel, group_wrapper(gpu, w, *kernels))),
+        trace(w.rank()),
+        groups(make_groups(
+            w, dims, c.parallel,
+            traced_groups(group_wrapper(gpu, w, *kernels), c.profile.on() ? &trace : nullptr))),
         tokenizer(load_run_tokenizer(c, origin)),
         train_data(load_sources(c, decompressor)),
         val_data(c.data.val, c.model.vocab_size, c.model.seq_len, c.data.format == "nanogpt",
@@ -356,10 +372,6 @@ struct Run {
   const std::vector<NamedGroup> all_groups = traffic_groups();
   const ParamInfo* tied_embedding = model.table().tied();  // null: middle stage, untied
 
-  // [profile]: the trace of the profiled steps (trainer/trace.h). Besides the step's phases
-  // (train_step), it hears the backend's timed operators and each layer's forward and backward
-  // (its recomputation included): hooks installed only when a profile is asked for.
-  Trace trace{world.rank()};
   Trace::Clock::time_point layer_start;  // layers run one at a time on the main thread
   void install_profiler() {
     kernels->set_op_observer([this](const char* op, double flops, Trace::Clock::time_point t0,

@@ -24,9 +24,11 @@ class Trace {
   bool recording() const { return recording_.load(std::memory_order_relaxed); }
   void set_recording(bool on) { recording_.store(on, std::memory_order_relaxed); }
 
-  // A span from t0 to t1 (thread-safe); flops > 0 for an operator whose FLOPs are known.
+  // A span from t0 to t1 (thread-safe); flops > 0 for an operator whose FLOPs are known, bytes
+  // for a transfer. On the calling thread's track, or on the named one (a communicator's
+  // transfers in flight, which overlap the thread's own spans without nesting in them).
   void add(std::string name, const char* category, Clock::time_point t0, Clock::time_point t1,
-           double flops = 0);
+           double flops = 0, const std::string& track = "", double bytes = 0);
 
   // Records [construction, destruction) as one span when the trace is recording.
   class Span {
@@ -56,7 +58,7 @@ class Trace {
   struct Total {
     std::string name;
     int64_t calls = 0;
-    double seconds = 0, flops = 0;
+    double seconds = 0, flops = 0, bytes = 0;
   };
   std::vector<Total> totals(const std::string& category) const;
 
@@ -64,16 +66,20 @@ class Trace {
   struct Event {
     std::string name;
     const char* category;
-    double ts_us, dur_us, flops;
+    double ts_us, dur_us, flops, bytes;
     int tid;
   };
-  int thread_id();  // small numbers, in order of first appearance (under mu_)
+  // Small numbers, in order of first appearance (under mu_): threads, then named tracks.
+  int thread_id();
+  int track_id(const std::string& track);
 
   int rank_;
   std::atomic<bool> recording_{false};
   mutable std::mutex mu_;
   std::vector<Event> events_;
   std::vector<std::thread::id> threads_;
+  std::vector<std::string> tracks_;  // tids kTrackBase + i
+  static constexpr int kTrackBase = 1000;
 };
 
 }  // namespace trainer
