@@ -258,7 +258,26 @@ std::vector<double> StageExecutor::initial_values(uint64_t seed, const ParamInfo
 }
 
 void StageExecutor::init_parameters(uint64_t seed, DPtr into) {
-  for (const auto& p : table().params) write(p, into, initial_values(seed, p, 0, p.local_numel()));
+  // In chunks: the host holds 8 MB, never a whole parameter (a GPT-2 vocabulary's embedding
+  // would be 154 MB of doubles, and as much again on its way into the buffer).
+  for (const auto& p : table().params)
+    for (int64_t at = 0; at < p.local_numel(); at += kInitChunk) {
+      const int64_t end = std::min(p.local_numel(), at + kInitChunk);
+      write_values(into + p.offset + at, initial_values(seed, p, at, end));
+    }
+}
+
+template <class H>
+void StageExecutor::write_values(DPtr dst, const std::vector<H>& values) {
+  const int64_t n = int64_t(values.size());
+  if (dst.dtype == dtype_of<H>()) {
+    k_.copy_from_host(dst, values.data(), n);
+    return;
+  }
+  DPtr tmp = k_.alloc(n, dtype_of<H>());
+  k_.copy_from_host(tmp, values.data(), n);
+  k_.convert(dst, tmp, n, 0);
+  k_.free(tmp);
 }
 
 // Host values in H to and from a buffer of any dtype, through a temporary in H's dtype.
@@ -279,16 +298,9 @@ std::vector<H> StageExecutor::read(const ParamInfo& p, DPtr buffer) const {
 
 template <class H>
 void StageExecutor::write(const ParamInfo& p, DPtr buffer, const std::vector<H>& values) {
-  const int64_t n = p.local_numel();
-  if (int64_t(values.size()) != n) throw std::invalid_argument("size mismatch for " + p.name);
-  if (buffer.dtype == dtype_of<H>()) {
-    k_.copy_from_host(buffer + p.offset, values.data(), n);
-    return;
-  }
-  DPtr tmp = k_.alloc(n, dtype_of<H>());
-  k_.copy_from_host(tmp, values.data(), n);
-  k_.convert(buffer + p.offset, tmp, n, 0);
-  k_.free(tmp);
+  if (int64_t(values.size()) != p.local_numel())
+    throw std::invalid_argument("size mismatch for " + p.name);
+  write_values(buffer + p.offset, values);
 }
 
 template std::vector<float> StageExecutor::read<float>(const ParamInfo&, DPtr) const;

@@ -146,6 +146,8 @@ class StageExecutor {
   std::vector<H> read(const ParamInfo& p, DPtr buffer) const;
   template <class H>
   void write(const ParamInfo& p, DPtr buffer, const std::vector<H>& values);
+  // Initial values are made and written this many elements at a time.
+  static constexpr int64_t kInitChunk = 1 << 20;
 
   // The whole model (one stage, slot 0): tokens, targets are (B, T) host arrays. With targets,
   // returns the mean loss and keeps the probabilities for backward(); without, returns 0 and
@@ -216,6 +218,9 @@ class StageExecutor {
   void add_layer_hooks(LayerHooks hooks) { layer_hooks_.push_back(std::move(hooks)); }
 
  private:
+  // Host values into dst (any dtype), through a temporary in H's dtype.
+  template <class H>
+  void write_values(DPtr dst, const std::vector<H>& values);
   // Where every activation of a shard goes, in elements of the two slabs: the activation dtype
   // and the statistics (fp32 with 16-bit activations). Planned from shapes alone, by the
   // constructor and by memory_needed().

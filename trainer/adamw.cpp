@@ -112,18 +112,25 @@ void AdamW::init_master(DPtr full) {
 }
 
 void AdamW::init_parameters(uint64_t seed) {
-  for (const ParamInfo& p : model_.table().params) {
-    const std::vector<double> values = model_.initial_values(seed, p, 0, p.local_numel());
-    const std::vector<float> exact(values.begin(), values.end());
-    model_.kernels().upload_f32(model_.params() + p.offset, exact.data(), p.local_numel());
-    if (!master_) continue;
-    for (const Segment& s : segments_) {  // a segment lies within one parameter
-      if (s.offset < p.offset || s.offset >= p.offset + p.numel) continue;
-      const int64_t begin = s.offset - p.offset, end = std::min(begin + s.count, p.local_numel());
-      if (end > begin)
-        write_state(State::weights, s.state_offset, exact.data() + begin, end - begin);
+  // In chunks, as StageExecutor::init_parameters: the host never holds a whole parameter.
+  constexpr int64_t kChunk = StageExecutor::kInitChunk;
+  for (const ParamInfo& p : model_.table().params)
+    for (int64_t at = 0; at < p.local_numel(); at += kChunk) {
+      const int64_t to = std::min(p.local_numel(), at + kChunk);
+      const std::vector<double> values = model_.initial_values(seed, p, at, to);
+      const std::vector<float> exact(values.begin(), values.end());
+      model_.kernels().upload_f32(model_.params() + p.offset + at, exact.data(), to - at);
+      if (!master_) continue;
+      for (const Segment& s : segments_) {  // a segment lies within one parameter
+        if (s.offset < p.offset || s.offset >= p.offset + p.numel) continue;
+        // The segment's elements of this parameter, [begin, end), within the chunk.
+        const int64_t begin = s.offset - p.offset, end = std::min(begin + s.count, p.local_numel());
+        const int64_t lo = std::max(begin, at), hi = std::min(end, to);
+        if (hi > lo)
+          write_state(State::weights, s.state_offset + (lo - begin), exact.data() + (lo - at),
+                      hi - lo);
+      }
     }
-  }
 }
 
 void AdamW::init_shard(uint64_t seed) {
