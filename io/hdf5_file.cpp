@@ -30,15 +30,16 @@ struct Handle {
 // HDF5's metadata cache grows towards 32 MB while a file is written (a checkpoint of a deep
 // model has thousands of datasets, each with its header and chunk index): capped, so that what a
 // checkpoint write holds is bounded and in the memory plan.
-void cap_metadata_cache(hid_t fapl) {
+void cap_metadata_cache(hid_t fapl, const std::string& path) {
   H5AC_cache_config_t c{};
   c.version = H5AC__CURR_CACHE_CONFIG_VERSION;
-  H5Pget_mdc_config(fapl, &c);
+  bool ok = H5Pget_mdc_config(fapl, &c) >= 0;
   c.set_initial_size = true;
   c.min_size = H5File::kMetadataCacheBytes / 4;
   c.initial_size = c.min_size;
   c.max_size = H5File::kMetadataCacheBytes;
-  H5Pset_mdc_config(fapl, &c);
+  ok = ok && H5Pset_mdc_config(fapl, &c) >= 0;
+  if (!ok) throw H5Error(fmt::format("{}: HDF5 refused the metadata cache's settings", path));
 }
 
 }  // namespace
@@ -52,7 +53,7 @@ std::string shape_string(const std::vector<int64_t>& shape) {
 H5File H5File::create(const std::string& path) {
   silence_hdf5();
   Handle fapl{H5Pcreate(H5P_FILE_ACCESS), H5Pclose};
-  cap_metadata_cache(fapl.id);
+  cap_metadata_cache(fapl.id, path);
   hid_t id = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl.id);
   if (id < 0) throw H5Error(fmt::format("{}: cannot create HDF5 file", path));
   return H5File(path, id);
@@ -61,7 +62,7 @@ H5File H5File::create(const std::string& path) {
 H5File H5File::create_parallel(const std::string& path, MPI_Comm comm) {
   silence_hdf5();
   Handle fapl{H5Pcreate(H5P_FILE_ACCESS), H5Pclose};
-  cap_metadata_cache(fapl.id);
+  cap_metadata_cache(fapl.id, path);
   H5Pset_fapl_mpio(fapl.id, comm, MPI_INFO_NULL);
   // Metadata (creating groups, datasets, attributes) is done by all ranks together.
   H5Pset_all_coll_metadata_ops(fapl.id, true);

@@ -258,8 +258,8 @@ std::vector<double> StageExecutor::initial_values(uint64_t seed, const ParamInfo
 }
 
 void StageExecutor::init_parameters(uint64_t seed, DPtr into) {
-  // In chunks: the host holds 8 MB, never a whole parameter (a GPT-2 vocabulary's embedding
-  // would be 154 MB of doubles, and as much again on its way into the buffer).
+  // In chunks: the host holds 8 MB of doubles, never a whole parameter (a GPT-2 vocabulary's
+  // embedding would be 154 MB of them, and as much again on its way into the buffer).
   for (const auto& p : table().params)
     for (int64_t at = 0; at < p.local_numel(); at += kInitChunk) {
       const int64_t end = std::min(p.local_numel(), at + kInitChunk);

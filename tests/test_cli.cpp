@@ -411,7 +411,7 @@ TEST(Planner, StepEstimateFollowsTheLayout) {
   EXPECT_GT(exposed.dp_s, overlapped.dp_s);
   const double params = double(param_table(base.model).total);
   EXPECT_NEAR(exposed.dp_s, 2 * 0.75 * params * 4 / 1e9, 1e-9 * exposed.dp_s);
-  EXPECT_GT(pipeline_imbalance(base.model, 5), 1.0);  // 12 blocks do not split in 5
+  EXPECT_GT(pipeline_imbalance(base.model, 5), 1.0);  // 12 blocks in 5 stages, the head last
   EXPECT_NEAR(estimate(1, 1, 4, 1, 8).compute_s / estimate(4, 1, 1, 1, 2).compute_s,
               pipeline_imbalance(base.model, 4), 1e-9);
 }

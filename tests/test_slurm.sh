@@ -223,7 +223,10 @@ check_job() { # NAME ID SIGNAL: the job's record and log after one preemption
 
 # --- preemption: USR1 to the batch shell, as a preempting scheduler sends it ------------------
 config preempt
-id=$(submit preempt --time=10) || fail preempt "sbatch failed"
+# The data loader made 2 ms slower a step (the same batches, the same weights): the run lasts
+# about a minute instead of ~35 s, longer than a loaded machine's controller has taken to
+# deliver the signal (once in CI, 30 s: the run had finished by then).
+id=$(TRAINER_TEST_DATA_DELAY_MS=2 submit preempt --time=10) || fail preempt "sbatch failed"
 if wait_for_step 500 60 preempt; then
   # A controller slowed by a loaded machine can drop the request ("Unexpected missing socket
   # error", seen once in CI): retried while scancel says it failed.

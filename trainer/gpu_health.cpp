@@ -65,14 +65,17 @@ GpuHealth::GpuHealth(const std::array<std::byte, 16>& uuid, const char* library)
     return fn != nullptr;
   };
   if (!bind(api_->init, "nvmlInit_v2") || !bind(api_->shutdown, "nvmlShutdown") ||
-      !bind(api_->by_uuid, "nvmlDeviceGetHandleByUUID") ||
-      !bind(api_->temperature, "nvmlDeviceGetTemperature") ||
-      !bind(api_->power, "nvmlDeviceGetPowerUsage") ||
-      !bind(api_->ecc, "nvmlDeviceGetTotalEccErrors") ||
-      !bind(api_->throttle, "nvmlDeviceGetCurrentClocksThrottleReasons")) {
-    note_ = fmt::format("{} lacks the functions used", library);
+      !bind(api_->by_uuid, "nvmlDeviceGetHandleByUUID")) {
+    note_ = fmt::format("{} lacks nvmlInit_v2 or nvmlDeviceGetHandleByUUID", library);
     return;
   }
+  // The readings each as the driver has them (a missing one stays unread); the throttle
+  // reasons under their newer name first (the old one is deprecated).
+  bind(api_->temperature, "nvmlDeviceGetTemperature");
+  bind(api_->power, "nvmlDeviceGetPowerUsage");
+  bind(api_->ecc, "nvmlDeviceGetTotalEccErrors");
+  if (!bind(api_->throttle, "nvmlDeviceGetCurrentClocksEventReasons"))
+    bind(api_->throttle, "nvmlDeviceGetCurrentClocksThrottleReasons");
   if (const Return r = api_->init(); r != 0) {
     note_ = fmt::format("nvmlInit failed (NVML error {})", r);
     return;
@@ -97,13 +100,14 @@ GpuReading GpuHealth::read() const {
   GpuReading g;
   if (!device_) return g;
   unsigned value = 0;
-  if (api_->temperature(device_, kTemperatureGpu, &value) == 0) g.temperature_c = value;
-  if (api_->power(device_, &value) == 0) g.power_w = value / 1e3;
+  if (api_->temperature && api_->temperature(device_, kTemperatureGpu, &value) == 0)
+    g.temperature_c = value;
+  if (api_->power && api_->power(device_, &value) == 0) g.power_w = value / 1e3;
   unsigned long long count = 0;
-  if (api_->ecc(device_, kMemoryErrorUncorrected, kVolatileEcc, &count) == 0)
+  if (api_->ecc && api_->ecc(device_, kMemoryErrorUncorrected, kVolatileEcc, &count) == 0)
     g.ecc_uncorrected = double(count);  // not supported (no ECC): stays NaN
   unsigned long long reasons = 0;
-  if (api_->throttle(device_, &reasons) == 0) g.throttle = reasons & kSlowdowns;
+  if (api_->throttle && api_->throttle(device_, &reasons) == 0) g.throttle = reasons & kSlowdowns;
   return g;
 }
 

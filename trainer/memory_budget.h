@@ -75,7 +75,7 @@ struct PlannedAndMeasured {
   double planned_mb = 0, measured_mb = 0;
   double bound_mb = 0;  // of the plan, what is a bound rather than a count (MPI's temporaries)
 };
-class Run;
+struct Run;
 std::vector<PlannedAndMeasured> planned_and_measured(Run& run, ResidentMemory before_model,
                                                      bool snapshot_taken);
 

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 #include <omp.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <thread>
@@ -24,13 +25,19 @@ Candidate planned_step(const Run& run) {
   k.peak_flops = peak;
   const bool cpu = cfg.run.device == "cpu";
   if (cpu) {
-    const double cores = std::thread::hardware_concurrency();
-    k.oversubscription = double(run.world.local_size()) * omp_get_max_threads() / cores;
+    // The cores this rank may run on (its affinity: all of the node's unless bound) are the
+    // node's for the ranks on it.
+    cpu_set_t allowed;
+    const int cores = sched_getaffinity(0, sizeof allowed, &allowed) == 0
+                          ? CPU_COUNT(&allowed)
+                          : int(std::thread::hardware_concurrency());
+    if (cores > 0)
+      k.oversubscription = double(run.world.local_size()) * omp_get_max_threads() / cores;
     if (k.oversubscription > 1) k.peak_flops /= k.oversubscription;
   }
   set_bandwidths(k, cpu, 0, 0);
   Config c = cfg;
-  c.train.grad_accum = run.schedule.accum(0, 0);
+  c.train.grad_accum = run.schedule.accum(0, 0);  // the first step's (with a batch ramp)
   return estimate_layout(c, run.dims, o);
 }
 

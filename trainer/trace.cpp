@@ -55,7 +55,7 @@ void Trace::write(const std::string& path) const {
     if (e.flops > 0)
       j["args"] = {{"flops", e.flops},
                    {"gflop_per_s", e.dur_us > 0 ? e.flops / e.dur_us / 1e3 : 0.0}};
-    if (e.bytes > 0) j["args"] = {{"bytes", e.bytes}};
+    if (e.bytes >= 0) j["args"] = {{"bytes", e.bytes}};
     events.push_back(std::move(j));
   }
   write_file_atomic(path,
@@ -73,7 +73,7 @@ std::vector<Trace::Total> Trace::totals(const std::string& category) const {
       t.calls++;
       t.seconds += e.dur_us / 1e6;
       t.flops += e.flops;
-      t.bytes += e.bytes;
+      t.bytes += std::max(0.0, e.bytes);
     }
   }
   std::vector<Total> v;

@@ -25,10 +25,11 @@ class Trace {
   void set_recording(bool on) { recording_.store(on, std::memory_order_relaxed); }
 
   // A span from t0 to t1 (thread-safe); flops > 0 for an operator whose FLOPs are known, bytes
-  // for a transfer. On the calling thread's track, or on the named one (a communicator's
-  // transfers in flight, which overlap the thread's own spans without nesting in them).
+  // (>= 0) for a transfer. On the calling thread's track, or on the named one: a transfer in
+  // flight overlaps the thread's own spans without nesting in them, so it has a track of its
+  // own, one that no other span overlaps (events on one track must nest).
   void add(std::string name, const char* category, Clock::time_point t0, Clock::time_point t1,
-           double flops = 0, const std::string& track = "", double bytes = 0);
+           double flops = 0, const std::string& track = "", double bytes = -1);
 
   // Records [construction, destruction) as one span when the trace is recording.
   class Span {

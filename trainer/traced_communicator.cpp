@@ -1,5 +1,8 @@
 #include "trainer/traced_communicator.h"
 
+#include <mutex>
+#include <vector>
+
 namespace trainer {
 namespace {
 
@@ -43,6 +46,7 @@ class TracedCommunicator : public Communicator {
     std::string op;
     Trace::Clock::time_point start;
     double bytes;
+    int lane;
     void wait() override {
       const auto t0 = Trace::Clock::now();
       inner.wait();
@@ -56,7 +60,10 @@ class TracedCommunicator : public Communicator {
       return true;
     }
     void done(Trace::Clock::time_point t) {
-      comm->trace_.add(op + " " + comm->group_, "collective", start, t, 0, comm->track_, bytes);
+      const std::string track =
+          lane == 0 ? comm->track_ : comm->track_ + " " + std::to_string(lane + 1);
+      comm->trace_.add(op + " " + comm->group_, "collective", start, t, 0, track, bytes);
+      comm->free_lane(lane);
     }
   };
 
@@ -66,6 +73,7 @@ class TracedCommunicator : public Communicator {
     const int64_t sent = inner_->traffic().bytes_sent;
     auto impl = std::make_unique<Impl>();
     impl->start = Trace::Clock::now();
+    impl->lane = take_lane();
     impl->inner = start();
     impl->comm = this;
     impl->op = op;
@@ -74,9 +82,24 @@ class TracedCommunicator : public Communicator {
     return Request(std::move(impl));
   }
 
+  // The lowest lane no transfer in flight holds.
+  int take_lane() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < lanes_.size(); i++)
+      if (!lanes_[i]) return lanes_[i] = true, int(i);
+    lanes_.push_back(true);
+    return int(lanes_.size()) - 1;
+  }
+  void free_lane(int lane) {
+    std::lock_guard<std::mutex> lock(mu_);
+    lanes_[size_t(lane)] = false;
+  }
+
   std::unique_ptr<Communicator> inner_;
   Trace& trace_;
   std::string group_, track_;
+  std::mutex mu_;
+  std::vector<bool> lanes_;
 };
 
 }  // namespace

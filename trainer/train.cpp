@@ -644,7 +644,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   // ECC errors and clock slowdowns, logged by rank 0. Every rank of a CUDA run takes part (NaN
   // where NVML is absent), so that the gather is collective.
   std::optional<GpuHealth> gpu_health;
-  double ecc_seen = 0;  // uncorrected ECC errors over the ranks at the last reading
+  std::vector<double> ecc_seen;  // each rank's uncorrected ECC errors at its last reading
   if (cfg.run.device == "cuda") {
     gpu_health.emplace(cuda_device_uuid(placement.device));
     double missing = gpu_health->available() ? 0 : 1;
@@ -653,29 +653,31 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
       fmt::print("GPU health: NVML readings skipped on {} rank(s) ({} on rank 0)\n", missing,
                  gpu_health->available() ? "available" : gpu_health->note());
   }
-  // Returns true when a rank's GPU reports uncorrected ECC errors it did not before.
+  // Returns true when a rank's GPU reports uncorrected ECC errors it did not before (a rank
+  // whose count could not be read last time is not compared).
   auto read_gpu_health = [&](int64_t at) {
     const GpuReading g = gpu_health->read();
     double mine[4] = {g.temperature_c, g.power_w, g.ecc_uncorrected, double(g.throttle)};
     std::vector<double> all(4 * size_t(world.size()));
     world.comm().all_gather(host_ptr(mine), host_ptr(all.data()), 4);
-    double ecc = 0;
+    ecc_seen.resize(size_t(world.size()), NAN);
+    std::string grown;
     nlohmann::json ranks = nlohmann::json::array();
     for (int r = 0; r < world.size(); r++) {
       const double* v = &all[4 * size_t(r)];
-      if (std::isfinite(v[2])) ecc += v[2];
+      if (std::isfinite(v[2]) && std::isfinite(ecc_seen[r]) && v[2] > ecc_seen[r])
+        grown += fmt::format("{}rank {}: {:.0f} (were {:.0f})", grown.empty() ? "" : ", ", r, v[2],
+                             ecc_seen[r]);
+      ecc_seen[r] = v[2];
       ranks.push_back({{"temperature_c", v[0]},
                        {"power_w", v[1]},
                        {"ecc_uncorrected", v[2]},
                        {"slowdown", throttle_names(uint64_t(v[3]))}});
     }
     if (leader) log->event({{"step", at}, {"gpu", ranks}});
-    const bool new_errors = ecc > ecc_seen;
-    if (leader && new_errors)
-      fmt::print("step {:6d} | warning: uncorrected ECC errors on a GPU ({:.0f}, were {:.0f})\n",
-                 at, ecc, ecc_seen);
-    ecc_seen = ecc;
-    return new_errors && at > 0;
+    if (leader && !grown.empty())
+      fmt::print("step {:6d} | warning: new uncorrected ECC errors on GPUs: {}\n", at, grown);
+    return !grown.empty();
   };
   if (gpu_health) read_gpu_health(step);  // the counts a run starts from
 
@@ -735,12 +737,11 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
         log->event({{"step", step}, {"protective_checkpoint", step}});
       }
       checkpoint(step, false, true);
-    } else if (gpu_health && step % cfg.train.log_every == 0 && read_gpu_health(step) &&
-               stats.bad.empty() && cfg.checkpoint.protect) {
-      // The step was good but the GPU's memory is failing: save it while it still can be.
-      if (leader) log->event({{"step", step}, {"protective_checkpoint", step}});
-      checkpoint(step, false, true);
     }
+    // The step was good but a GPU's memory is failing: its result is saved (below, as the
+    // step after it) while it still can be.
+    const bool ecc_alarm = gpu_health && step % cfg.train.log_every == 0 && read_gpu_health(step) &&
+                           stats.bad.empty() && cfg.checkpoint.protect;
     if (leader && data_wait.starved(stats.data_s, stats.total_s)) {
       const std::string warning = fmt::format(
           "data loading is on the critical path: rank 0 waited for data more than {:.0f}% of "
@@ -765,7 +766,8 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     }
     // Not in the middle of bad steps: a rollback must find the state from before them.
     const bool every = cfg.checkpoint.every_steps > 0 && step % cfg.checkpoint.every_steps == 0;
-    if ((every || stats.checkpoint_due) && step < cfg.train.steps &&
+    if (ecc_alarm && leader) log->event({{"step", step}, {"protective_checkpoint", step}});
+    if ((every || stats.checkpoint_due || ecc_alarm) && step < cfg.train.steps &&
         run.guard.bad_in_a_row() == 0) {
       const Trace::Span span(&run.trace, "checkpoint", "phase");
       checkpoint(step, false);
