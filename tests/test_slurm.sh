@@ -194,10 +194,13 @@ print(f"{len(names)} tensors compared, {len(bad)} differ {bad[:3]}")
 sys.exit(1 if bad or not names else 0)
 EOF
 }
+# The jobs' data loader is made 2 ms slower a step (the same batches, the same weights): their
+# runs last about a minute instead of ~35 s, so that a signal lands mid-run even when a loaded
+# machine's controller delivers it late (once in CI, 30 s late: the run had finished by then).
 submit() { # NAME SBATCH_OPTIONS...: submits train.sbatch for config NAME; prints the job id
   local name=$1
   shift
-  (cd "$here" && TRAINER=$trainer sbatch --parsable --nodes=1 --ntasks-per-node=2 \
+  (cd "$here" && TRAINER=$trainer TRAINER_TEST_DATA_DELAY_MS=2 sbatch --parsable --nodes=1 --ntasks-per-node=2 \
     --output="$tmp/$name-job.log" "$@" scripts/slurm/train.sbatch "$tmp/$name.toml")
 }
 check_job() { # NAME ID SIGNAL: the job's record and log after one preemption
@@ -223,10 +226,7 @@ check_job() { # NAME ID SIGNAL: the job's record and log after one preemption
 
 # --- preemption: USR1 to the batch shell, as a preempting scheduler sends it ------------------
 config preempt
-# The data loader made 2 ms slower a step (the same batches, the same weights): the run lasts
-# about a minute instead of ~35 s, longer than a loaded machine's controller has taken to
-# deliver the signal (once in CI, 30 s: the run had finished by then).
-id=$(TRAINER_TEST_DATA_DELAY_MS=2 submit preempt --time=10) || fail preempt "sbatch failed"
+id=$(submit preempt --time=10) || fail preempt "sbatch failed"
 if wait_for_step 500 60 preempt; then
   # A controller slowed by a loaded machine can drop the request ("Unexpected missing socket
   # error", seen once in CI): retried while scancel says it failed.
@@ -245,7 +245,7 @@ fi
 
 # --- the time limit's warning: --signal=B:USR1@50 on a one-minute limit -----------------------
 # slurmctld checks time limits every 30 s, so the warning comes 10 to 40 s after the start,
-# or up to a minute early as Slurm allows (seen: 1 to 26 s); the run takes about 50 s, so it
+# or up to a minute early as Slurm allows (seen: 1 to 26 s); the run takes about a minute, so it
 # usually lands mid-run. Once the job has requeued itself, the limit is raised so that the
 # rerun can finish.
 # A warning that lands in the trainer's start-up (it then stops with nothing written, the rerun
