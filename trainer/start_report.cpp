@@ -42,17 +42,18 @@ Candidate planned_step(const Run& run) {
 }
 
 // One line: the estimate and its parts.
-static void print_planned_step(const Run& run, const char* prefix) {
+static double print_planned_step(const Run& run, const char* prefix) {
   const Candidate e = planned_step(run);
-  if (e.total_s() <= 0) return;
+  if (e.total_s() <= 0) return 0;
   fmt::print(
       "{}the planner's estimate: {:.4g} s a step (compute {:.3g}, bubble {:.3g}, tp {:.3g}, cp "
       "{:.3g}, dp {:.3g}, optimizer {:.3g}) at {:.0f}% of the MFU peak\n",
       prefix, e.total_s(), e.compute_s, e.bubble_s, e.tp_s, e.cp_s, e.dp_s, e.optimizer_s,
       100 * PlanOptions().efficiency);
+  return e.total_s();
 }
 
-void print_start(const Run& run) {
+double print_start(const Run& run) {
   const Config& cfg = run.cfg;
   const ParallelDims& dims = run.dims;
   if (cfg.run.device == "cpu")
@@ -159,7 +160,7 @@ void print_start(const Run& run) {
           : "",
       b.collectives > 0 ? fmt::format("reduction temporaries <= {:.2f}, ", b.collectives / MB) : "",
       b.snapshot / MB, b.process / MB);
-  print_planned_step(run, "step: ");
+  const double planned_s = print_planned_step(run, "step: ");
   fmt::print("precision: compute {}, gradients {}, master weights and AdamW state fp32{}\n",
              precision_name(run.model.params().dtype), precision_name(run.model.grad_dtype()),
              cfg.precision.compute != "fp16" ? ""
@@ -185,6 +186,7 @@ void print_start(const Run& run) {
              : peak > 0 ? "the GPU's data sheet"
                         : "unknown GPU: set [run] peak_tflops",
              run.flops_per_token / 1e6);
+  return planned_s;
 }
 
 // --dry-run: what each pipeline stage's ranks would hold (their tensor-parallel ranks and ZeRO

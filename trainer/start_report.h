@@ -6,7 +6,8 @@
 
 namespace trainer {
 
-void print_start(const Run& run);
+// Returns the planner's estimate of a step it printed (0 s: none).
+double print_start(const Run& run);
 void print_dry_run(const Run& run);
 
 // The planner's estimate of a step of this run's layout (trainer/planner.h), on its ranks: their

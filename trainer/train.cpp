@@ -379,8 +379,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     write_file_atomic((fs::path(cfg.run.out_dir) / "config.toml").string(), config_to_toml(cfg));
     log.emplace((fs::path(cfg.run.out_dir) / "metrics.jsonl").string(), !resume.empty());
     remove_incomplete_checkpoints(ckpt_dir);  // a crash mid-write left them
-    print_start(run);
-    if (const double s = planned_step(run).total_s(); s > 0) log->event({{"planned_step_s", s}});
+    if (const double s = print_start(run); s > 0) log->event({{"planned_step_s", s}});
   }
 
   if (run.gatherer) {  // ZeRO-3: this rank's pieces only
