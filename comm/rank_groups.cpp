@@ -26,8 +26,9 @@ std::pair<std::vector<int>, std::vector<int>> split_by_node(const std::vector<in
   for (const auto& [n, members] : by_node)
     if (members.size() != mine.size())
       throw ConfigError(fmt::format(
-          "[parallel] allreduce = \"hierarchical\" needs the same number of data-parallel ranks "
-          "on every node, found {} on node {} and {} on node {} (set ranks_per_node)",
+          "[parallel] allreduce = \"hierarchical\" and [comm.outer] need the same number of "
+          "data-parallel ranks on every node, found {} on node {} and {} on node {} (set "
+          "parallel.ranks_per_node)",
           mine.size(), node(rank), members.size(), n));
   const size_t position = std::find(mine.begin(), mine.end(), rank) - mine.begin();
   std::vector<int> across;
@@ -37,7 +38,7 @@ std::pair<std::vector<int>, std::vector<int>> split_by_node(const std::vector<in
 
 }  // namespace
 
-Groups make_groups(World& world, const ParallelDims& dims, const ParallelConfig& pc,
+Groups make_groups(World& world, const ParallelDims& dims, const ParallelConfig& pc, bool by_node,
                    const GroupWrapper& wrap) {
   const int rank = world.rank();
   // Collective: every rank makes the same groups in the same order.
@@ -56,7 +57,7 @@ Groups make_groups(World& world, const ParallelDims& dims, const ParallelConfig&
   g.emb = group(dims.pp() > 1 && ends ? std::vector<int>{stages.front(), stages.back()}
                                       : std::vector<int>{rank},
                 "emb");
-  if (pc.allreduce == "hierarchical") {
+  if (by_node) {
     auto node = [&](int r) {
       return pc.ranks_per_node > 0 ? r / pc.ranks_per_node : world.node_of(r);
     };

@@ -18,8 +18,10 @@ struct Groups {
   // ranks and, with context parallelism, their context-parallel peers): gradients, ZeRO shards.
   // cp: the context-parallel ring.
   std::unique_ptr<Communicator> dp, cp, tp, pp;
-  std::unique_ptr<Communicator> emb;           // first and last stage: the tied embedding
-  std::unique_ptr<Communicator> intra, inter;  // hierarchical reduction: dp split by node
+  std::unique_ptr<Communicator> emb;  // first and last stage: the tied embedding
+  // dp split by node (the hierarchical reduction, the outer steps): the peers on this rank's
+  // node, and those at its position on the other nodes
+  std::unique_ptr<Communicator> intra, inter;
 };
 
 // Turns each group's MPI communicator into the one the job uses (NCCL or staged for GPU
@@ -27,9 +29,9 @@ struct Groups {
 using GroupWrapper = std::function<std::unique_ptr<Communicator>(std::unique_ptr<Communicator>,
                                                                  const std::string& group)>;
 
-// Throws ConfigError when the hierarchical reduction finds nodes with unequal numbers of
-// data-parallel peers.
-Groups make_groups(World& world, const ParallelDims& dims, const ParallelConfig& pc,
+// by_node: make intra and inter (the hierarchical reduction, the outer steps across nodes).
+// Throws ConfigError when nodes hold unequal numbers of data-parallel peers.
+Groups make_groups(World& world, const ParallelDims& dims, const ParallelConfig& pc, bool by_node,
                    const GroupWrapper& wrap = nullptr);
 
 }  // namespace trainer

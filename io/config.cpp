@@ -382,18 +382,19 @@ Config parse_config(const std::string& text, const std::string& origin,
       throw ConfigError(
           fmt::format("{}: unknown section [{}] (expected run, init, model, data, tokenizer, "
                       "train, optim, parallel, "
-                      "memory, precision, comm.compression, checkpoint or faults)",
+                      "memory, precision, comm.compression, comm.outer, checkpoint or faults)",
                       at, k.str()));
     }
 
-  if (toml::table* comm = root["comm"].as_table())  // [comm] holds [comm.compression] only
+  if (toml::table* comm = root["comm"].as_table())  // [comm] holds its two sections only
     for (auto& [k, v] : *comm)
-      if (k.str() != "compression") {
+      if (k.str() != "compression" && k.str() != "outer") {
         std::string at = where(k.source(), origin);
         for (const auto& [key, o] : origins)
           if (key.starts_with("comm." + std::string(k.str()))) at = o;
         throw ConfigError(
-            fmt::format("{}: unknown section [comm.{}] (expected comm.compression)", at, k.str()));
+            fmt::format("{}: unknown section [comm.{}] (expected comm.compression or comm.outer)",
+                        at, k.str()));
       }
 
   Config c;
@@ -505,7 +506,7 @@ Config parse_config(const std::string& text, const std::string& origin,
   {
     SectionReader r(root, "optim", origin, origins);
     OptimConfig& o = c.optim;
-    r.field("name", o.name, one_of({"adamw"}));
+    r.field("name", o.name, one_of({"adamw", "sgd"}));
     r.field("lr", o.lr, in_range(0, 10));
     r.field("min_lr", o.min_lr, in_range(0, 10));
     r.field("betas", o.betas, [](const std::array<double, 2>& b) -> std::optional<std::string> {
@@ -513,6 +514,7 @@ Config parse_config(const std::string& text, const std::string& origin,
       return fmt::format("each beta must be in [0, 1), found [{}, {}]", b[0], b[1]);
     });
     r.field("eps", o.eps, in_range(0, 1));
+    r.field("momentum", o.momentum, in_range(0, 0.999999));
     r.field("weight_decay", o.weight_decay, in_range(0, 10));
     r.field("max_grad_norm", o.max_grad_norm, at_least(0));
     r.field("warmup_steps", o.warmup_steps, at_least(0));
@@ -632,6 +634,23 @@ Config parse_config(const std::string& text, const std::string& origin,
           "{}: [comm.compression] method: \"{}\" compresses the flat gradient buffer that "
           "parallel.zero = {} does not keep (use zero = 1 with compression)",
           r.origin("method"), z.method, c.parallel.zero));
+  }
+  {
+    SectionReader r(root, "comm.outer", origin, origins);
+    OuterConfig& o = c.comm.outer;
+    r.field("every_steps", o.every_steps, at_least(0));
+    r.field("lr", o.lr, in_range(0, 10));
+    r.field("momentum", o.momentum, in_range(0, 0.999999));
+    r.field("nesterov", o.nesterov);
+    r.field("quantize", o.quantize, one_of({"none", "int8"}));
+    r.finish();
+    // ZeRO-3's parameter gatherer reaches over every data-parallel rank; the outer step keeps
+    // the nodes apart between its exchanges.
+    if (o.on() && c.parallel.zero >= 3)
+      throw ConfigError(fmt::format(
+          "{}: [comm.outer] every_steps: the outer steps work with parallel.zero = 0, 1 or 2, "
+          "found zero = {}",
+          r.origin("every_steps"), c.parallel.zero));
   }
   {
     SectionReader r(root, "checkpoint", origin, origins);
@@ -805,6 +824,7 @@ std::string config_to_toml(const Config& c) {
                             {"min_lr", c.optim.min_lr},
                             {"betas", toml::array{c.optim.betas[0], c.optim.betas[1]}},
                             {"eps", c.optim.eps},
+                            {"momentum", c.optim.momentum},
                             {"weight_decay", c.optim.weight_decay},
                             {"max_grad_norm", c.optim.max_grad_norm},
                             {"warmup_steps", c.optim.warmup_steps},
@@ -843,7 +863,12 @@ std::string config_to_toml(const Config& c) {
                                         {"powersgd_rank", c.comm.compression.powersgd_rank},
                                         {"error_feedback", c.comm.compression.error_feedback},
                                         {"warmup_steps", c.comm.compression.warmup_steps},
-                                        {"min_bucket_kb", c.comm.compression.min_bucket_kb}}}}},
+                                        {"min_bucket_kb", c.comm.compression.min_bucket_kb}}},
+                           {"outer", toml::table{{"every_steps", c.comm.outer.every_steps},
+                                                 {"lr", c.comm.outer.lr},
+                                                 {"momentum", c.comm.outer.momentum},
+                                                 {"nesterov", c.comm.outer.nesterov},
+                                                 {"quantize", c.comm.outer.quantize}}}}},
       {"checkpoint", toml::table{{"every_steps", c.checkpoint.every_steps},
                                  {"every_minutes", c.checkpoint.every_minutes},
                                  {"mtbf_hours", c.checkpoint.mtbf_hours},

@@ -85,11 +85,14 @@ struct TrainConfig {
 };
 
 struct OptimConfig {
+  // adamw | sgd (momentum SGD with decoupled weight decay: m = momentum m + g,
+  // w -= lr (m + weight_decay w); the moments' second buffer is unused)
   std::string name = "adamw";
   double lr = 3e-4;
   double min_lr = 0.0;
   std::array<double, 2> betas = {0.9, 0.95};
   double eps = 1e-8;
+  double momentum = 0;  // sgd
   double weight_decay = 0.1;
   double max_grad_norm = 1.0;  // 0 = no clipping
   int warmup_steps = 0;
@@ -148,8 +151,21 @@ struct CompressionConfig {
   double min_bucket_kb = 0;  // smaller buckets go uncompressed
   bool operator==(const CompressionConfig&) const = default;
 };
+// [comm.outer]: DiLoCo / local SGD across nodes (trainer/outer_optimizer.h). Inside each node
+// the steps are the usual synchronous data-parallel ones; every `every_steps` steps the nodes
+// average how far they moved (the pseudo-gradient) and take an outer SGD step on it.
+struct OuterConfig {
+  int every_steps = 0;  // H, inner steps between outer steps; 0 = off
+  double lr = 0.7;      // DiLoCo's outer learning rate and Nesterov momentum
+  double momentum = 0.9;
+  bool nesterov = true;
+  std::string quantize = "none";  // none | int8: the pseudo-gradient, with error feedback
+  bool on() const { return every_steps > 0; }
+  bool operator==(const OuterConfig&) const = default;
+};
 struct CommConfig {
   CompressionConfig compression;
+  OuterConfig outer;
 };
 
 // [checkpoint]: when checkpoints are written, where, how many are kept, and where a run starts.

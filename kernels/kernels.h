@@ -57,6 +57,8 @@ struct AdamWArgs {
   float lr, beta1, beta2, eps, weight_decay;
   int64_t step;      // 1-based, for bias correction
   float grad_scale;  // multiplies every gradient first (clipping, 1/loss-scale)
+  // Momentum SGD instead (beta1 the momentum; v untouched): see sgd_element in shared_math.h.
+  bool sgd = false;
 };
 
 class Kernels {

@@ -104,9 +104,19 @@ TRAINER_HD void rotate_pair(T& x0, T& x1, T c, T s) {
 template <class T>
 struct AdamWConsts {
   T b1, b2, c1, c2, lr, eps, wd, gs;
+  bool sgd = false;  // sgd_element instead
 };
+// Momentum SGD with decoupled weight decay, b1 the momentum (PyTorch's SGD with dampening 0,
+// the decay applied as AdamW's): linear in the gradient, so that an average of updates is the
+// update of the average (what local SGD's equivalence with data parallelism rests on).
+template <class T>
+TRAINER_HD void sgd_element(T& param, T grad, T& m, const AdamWConsts<T>& a) {
+  m = a.b1 * m + grad * a.gs;
+  param -= a.lr * (m + a.wd * param);
+}
 template <class T, class Sqrt>
 TRAINER_HD void adamw_element(T& param, T grad, T& m, T& v, const AdamWConsts<T>& a, Sqrt sqrt) {
+  if (a.sgd) return sgd_element(param, grad, m, a);
   const T g = grad * a.gs;
   const T mi = a.b1 * m + (T(1) - a.b1) * g;
   const T vi = a.b2 * v + (T(1) - a.b2) * g * g;

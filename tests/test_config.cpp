@@ -58,7 +58,7 @@ TEST(Config, UnknownSection) {
   EXPECT_EQ(
       error_of("[modle]\nn_layer = 2\n"),
       "run.toml:1:2: unknown section [modle] (expected run, init, model, data, tokenizer, train, "
-      "optim, parallel, memory, precision, comm.compression, checkpoint or faults)");
+      "optim, parallel, memory, precision, comm.compression, comm.outer, checkpoint or faults)");
 }
 
 TEST(Config, WrongType) {
@@ -132,7 +132,8 @@ TEST(Config, OverridesUseTheSameRules) {
   EXPECT_EQ(
       error_of("", {"modle.n_layer=2"}),
       "--set modle.n_layer=2: unknown section [modle] (expected run, init, model, data, tokenizer, "
-      "train, optim, parallel, memory, precision, comm.compression, checkpoint or faults)");
+      "train, optim, parallel, memory, precision, comm.compression, comm.outer, checkpoint or "
+      "faults)");
   EXPECT_EQ(error_of("[model]\nd_model = 64\n", {"model.n_head=5"}),
             "--set model.n_head=5: [model] n_head: n_head = 5 must divide d_model = 64");
 }

@@ -455,6 +455,26 @@ TEST(Kernels, AdamWMatchesReference) {
   EXPECT_TRUE(all_close(d.download<float>(vd, n), vw, kRtol, 1e-7));
 }
 
+// Momentum SGD (the flag on the same kernel): m = mu m + g s, w -= lr (m + wd w); v untouched.
+TEST(Kernels, SgdMatchesReference) {
+  Device d;
+  const int n = 257;
+  auto p = random_vector(n, 30), g = random_vector(n, 31), m = random_vector(n, 32, 0.1);
+  const auto v = random_vector(n, 33, 0.1);
+  AdamWArgs a{1e-2f, 0.8f, 0.98f, 1e-6f, 0.1f, 7, 0.5f};
+  a.sgd = true;
+  std::vector<double> pw(n), mw(n);
+  for (int i = 0; i < n; i++) {
+    mw[i] = 0.8 * m[i] + 0.5 * double(g[i]);
+    pw[i] = p[i] - 1e-2 * (mw[i] + 0.1 * p[i]);
+  }
+  DPtr pd = d.upload(p), md = d.upload(m), vd = d.upload(v);
+  d.k->adamw_update(pd, d.upload(g), md, vd, n, a);
+  EXPECT_TRUE(all_close(d.download<float>(pd, n), pw, kRtol, kAtol));
+  EXPECT_TRUE(all_close(d.download<float>(md, n), mw, kRtol, kAtol));
+  EXPECT_EQ(d.download<float>(vd, n), v);
+}
+
 // The CPU's MFU peak is the best rate it has been seen to reach: a floor (configured or
 // measured by bursts) that its own matmul and attention calls raise and nothing lowers. The
 // rate a caller measures around a call (which includes the call's own timing) can never

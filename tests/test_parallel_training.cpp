@@ -384,7 +384,10 @@ TEST_F(MpiCli, BadInputOfOtherKindsUnderMpirun) {
   EXPECT_EQ(count(r.output, path("missing.bin")), 1) << r.output;
   r = mpirun(4, "--set parallel.allreduce=\\\"hierarchical\\\" --set parallel.ranks_per_node=3");
   EXPECT_EQ(r.code, 2) << r.output;
-  EXPECT_EQ(count(r.output, "needs the same number of data-parallel ranks on every node"), 1)
+  EXPECT_EQ(count(r.output,
+                  "need the same number of "
+                  "data-parallel ranks on every node"),
+            1)
       << r.output;
   EXPECT_FALSE(fs::exists(path("out")));
   // An error on rank 0 alone (only it writes the run directory): it ends the other ranks,

@@ -166,9 +166,15 @@ float AdamW::weight_decay(const OptimConfig& cfg, const ParamInfo& p) {
 }
 
 AdamWArgs AdamW::args_of(const Segment& s, float lr, float grad_scale, int64_t step) const {
-  return {
-      lr,        float(cfg_.betas[0]), float(cfg_.betas[1]), float(cfg_.eps), s.weight_decay, step,
-      grad_scale};
+  const bool sgd = cfg_.name == "sgd";
+  return {lr,
+          sgd ? float(cfg_.momentum) : float(cfg_.betas[0]),
+          float(cfg_.betas[1]),
+          float(cfg_.eps),
+          s.weight_decay,
+          step,
+          grad_scale,
+          sgd};
 }
 
 void AdamW::update(float lr, float grad_scale, int64_t step) {

@@ -368,14 +368,17 @@ int64_t file_size_bound(const Snapshot& snap, const ParamTable& full) {
     values += q.logical_numel() * (snap.has_moments ? 3 : 1);
     datasets += snap.has_moments ? 3 : 1;
   }
-  for (int64_t n : snap.comm_state_sizes) values += n, datasets += n > 0;
+  for (const Snapshot::RankState& r : snap.rank_states)
+    for (int64_t n : r.sizes) values += n, datasets += n > 0;
   return values * 4 + datasets * 16384 + int64_t(snap.config_text.size()) +
          int64_t(snap.tokenizer.size()) + (1 << 20);
 }
 
-// Rank r's compression state (empty when it has none).
-std::vector<float> comm_state_of(const H5File& f, int rank) {
-  const std::string name = fmt::format("comm/state/rank_{}", rank);
+constexpr const char* kRankStateGroups[] = {"comm/state", "outer/state"};
+
+// Rank r's state in `group` (empty when it has none).
+std::vector<float> rank_state_of(const H5File& f, const std::string& group, int rank) {
+  const std::string name = fmt::format("{}/rank_{}", group, rank);
   if (!f.exists(name)) return {};
   const std::vector<int64_t> shape = f.shape(name);
   std::vector<float> values(shape.at(0));
@@ -540,13 +543,14 @@ std::string write_checkpoint(const Snapshot& snap, const ModelConfig& model, Com
       write_group("optim/v/", snap.v);
     }
     const int me = comm ? comm->rank() : 0;
-    for (size_t r = 0; r < snap.comm_state_sizes.size(); r++) {
-      const int64_t n = snap.comm_state_sizes[r];
-      if (n == 0) continue;
-      std::vector<Box> mine;
-      if (int(r) == me) mine.push_back({0, 0, 1, n});
-      f.write_part(fmt::format("comm/state/rank_{}", r), {n}, mine, snap.comm_state.data());
-    }
+    for (const Snapshot::RankState& state : snap.rank_states)
+      for (size_t r = 0; r < state.sizes.size(); r++) {
+        const int64_t n = state.sizes[r];
+        if (n == 0) continue;
+        std::vector<Box> mine;
+        if (int(r) == me) mine.push_back({0, 0, 1, n});
+        f.write_part(fmt::format("{}/rank_{}", state.group, r), {n}, mine, state.mine.data());
+      }
     f.flush();  // collective: every rank's data is on the file system before the rename
     f.close();
   } catch (const std::exception& e) {
@@ -709,7 +713,8 @@ void verify_checkpoint(const std::string& state_file, const ModelConfig& model) 
       if (group == "params/" || f.exists(group + q.name))
         f.read(group + q.name, q.shape, values.data());
   }
-  for (int r = 0; r < meta.state.layout.world; r++) comm_state_of(f, r);
+  for (const char* group : kRankStateGroups)
+    for (int r = 0; r < meta.state.layout.world; r++) rank_state_of(f, group, r);
   if (f.exists("tokenizer"))  // checksummed bytes that rebuild a tokenizer
     tokenizer_from_bytes(f.read_bytes("tokenizer"), state_file + ":tokenizer");
 }
@@ -966,8 +971,7 @@ void load_weights(const std::string& state_file, StageExecutor& model, AdamW* op
   load_params(f, model, optimizer);
 }
 
-TrainState load_checkpoint(const std::string& state_file, StageExecutor& model, AdamW* optimizer,
-                           std::vector<float>* comm_state, int rank) {
+TrainState load_checkpoint(const std::string& state_file, StageExecutor& model, AdamW* optimizer) {
   H5File f = H5File::open_read(state_file);
   check_dims(f, state_file, model.config());
   const Meta meta = read_meta(f, state_file);
@@ -976,8 +980,11 @@ TrainState load_checkpoint(const std::string& state_file, StageExecutor& model, 
     upload_state(*optimizer, read_local(f, model, "optim/m/"), AdamW::State::m);
     upload_state(*optimizer, read_local(f, model, "optim/v/"), AdamW::State::v);
   }
-  if (comm_state) *comm_state = comm_state_of(f, rank);
   return meta.state;
+}
+
+std::vector<float> rank_state(const std::string& state_file, const std::string& group, int rank) {
+  return rank_state_of(H5File::open_read(state_file), group, rank);
 }
 
 }  // namespace trainer

@@ -7,6 +7,8 @@
 //   /optim/m/<name>, /optim/v/<name>   AdamW moments, same shapes
 //   /comm/state/rank_<r>        rank r's gradient-compression state (error-feedback residuals,
 //                               PowerSGD's Q), when compressing
+//   /outer/state/rank_<r>       rank r's part of the outer optimizer's state ([comm.outer],
+//                               trainer/outer_optimizer.h)
 //   root attributes: format_version, step, tokens, data_samples, data_skipped, with a blend of
 //   several sources (io/blend.h) data_blend_weights, data_blend_start, data_blend_base and
 //   data_source_samples (each source's samples before data_samples), config (TOML
@@ -83,10 +85,15 @@ struct Snapshot {
     int64_t begin, count, at;
   };
   std::vector<Part> parts;
-  std::vector<float> params, m, v;        // m, v empty without an optimizer
-  bool has_moments = false;               // the same on every rank: m and v are written
-  std::vector<float> comm_state;          // this rank's compression state
-  std::vector<int64_t> comm_state_sizes;  // every rank's, by world rank
+  std::vector<float> params, m, v;  // m, v empty without an optimizer
+  bool has_moments = false;         // the same on every rank: m and v are written
+  // State that is not a tensor, rank by rank, written as <group>/rank_<r> (none where empty).
+  struct RankState {
+    std::string group;           // "comm/state", "outer/state"
+    std::vector<float> mine;     // this rank's
+    std::vector<int64_t> sizes;  // every rank's, by world rank
+  };
+  std::vector<RankState> rank_states;
 };
 
 // Copies this rank's part into `out` (its buffers are reused): with `writes` false, nothing (a
@@ -156,9 +163,9 @@ void load_weights(const std::string& state_file, StageExecutor& model, AdamW* op
 // Loads a checkpoint saved in any parallel layout into this rank's shard, after checking that
 // its model matches: the rank's slice of every parameter (into the fp32 master weights too,
 // when the model is 16-bit) and, with an optimizer, the Adam moments of the elements it holds.
-// With `comm_state`, rank `rank`'s compression state (empty when the checkpoint has none for
-// it). Throws CheckpointError naming the file and the mismatch.
-TrainState load_checkpoint(const std::string& state_file, StageExecutor& model, AdamW* optimizer,
-                           std::vector<float>* comm_state = nullptr, int rank = 0);
+// Throws CheckpointError naming the file and the mismatch.
+TrainState load_checkpoint(const std::string& state_file, StageExecutor& model, AdamW* optimizer);
+// Rank `rank`'s state in `group` (Snapshot::RankState), empty when the checkpoint has none.
+std::vector<float> rank_state(const std::string& state_file, const std::string& group, int rank);
 
 }  // namespace trainer

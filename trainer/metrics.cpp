@@ -63,13 +63,14 @@ void MetricsLog::step(const StepStats& s, bool print) {
     j["offload_update_ms"] = s.offload_update_s * 1e3;
     j["offload_wait_ms"] = s.offload_wait_s * 1e3;
   }
+  if (s.outer_step) j["outer_step"] = true;
   if (!s.bad.empty()) j["bad"] = s.bad;
   out_ << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
   out_.flush();
   if (print)
     fmt::print(
         "step {:6d}/{} | loss {:.4f} | lr {:.2e} | norm {:.3f} | {:7.1f} ms (data {:.1f} {} opt "
-        "{:.1f} comm {:.1f} pipe {:.1f}) | {:.2f} MB sent{} | {:7.0f} tok/s | MFU {:4.1f}% | {} "
+        "{:.1f} comm {:.1f} pipe {:.1f}) | {:.2f} MB sent{}{} | {:7.0f} tok/s | MFU {:4.1f}% | {} "
         "elapsed, ETA {}{}\n",
         s.step, s.total_steps, s.loss, s.lr, s.grad_norm, s.total_s * 1e3, s.data_s * 1e3,
         s.phases_timed ? fmt::format("fwd {:.1f} bwd {:.1f}", s.forward_s * 1e3, s.backward_s * 1e3)
@@ -79,7 +80,8 @@ void MetricsLog::step(const StepStats& s, bool print) {
             ? fmt::format(" (compressed buckets {:.2f} MB as fp32, {:.1f} ms)",
                           double(s.bytes_uncompressed) / 1e6, s.compress_s * 1e3)
             : "",
-        s.tokens_per_s, 100 * s.mfu, clock_time(s.elapsed_s), clock_time(s.eta_s),
+        s.outer_step ? " (outer step)" : "", s.tokens_per_s, 100 * s.mfu, clock_time(s.elapsed_s),
+        clock_time(s.eta_s),
         !s.bad.empty() ? fmt::format(" | SKIPPED ({})", s.bad)
         : s.skipped ? fmt::format(" | SKIPPED (non-finite gradients, loss scale {})", s.loss_scale)
                     : "");

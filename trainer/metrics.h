@@ -52,6 +52,7 @@ struct StepStats {
   // time spent in them (encode, exchange, decode).
   int64_t bytes_uncompressed = 0;
   double compress_s = 0;
+  bool outer_step = false;  // [comm.outer]: the nodes met after this step
 };
 
 // Data loading on the critical path: counts the consecutive steps whose data wait exceeds

@@ -132,24 +132,41 @@ std::string sample_text(Run& run, int64_t step) {
 // way (layout, buckets, method), and the data order at `samples` (-1: where the checkpoint
 // left it). Returns the step it continues from.
 int64_t restore(Run& run, const std::string& file, bool report, int64_t samples) {
-  std::vector<float> comm_state;
-  const TrainState ts =
-      load_checkpoint(file, run.model, &run.optimizer, &comm_state, run.world.rank());
+  const TrainState ts = load_checkpoint(file, run.model, &run.optimizer);
   run.scaler.set_state(ts.scaler);
   run.guard.restore(ts.recent_losses, ts.recent_norms);
   const bool rounded = run.optimizer.master() && run.cfg.precision.stochastic_rounding;
   if (rounded) run.optimizer.round_master(ts.step);  // the last update's rounding, not nearest-even
   // ZeRO: the other ranks' pieces; ZeRO-3: the held units, and windows gathered afresh (after a
   // rollback they hold the abandoned weights).
-  if (rounded || run.gatherer) run.gather_params();
   const Config& cfg = run.cfg;
+  if (run.outer) {
+    // Each node's own weights and moments and the outer state, when saved from this layout and
+    // outer configuration; else the outer steps start afresh from the first node's weights.
+    const Config saved = checkpoint_config(file);
+    const bool same = ts.layout == run.layout() && saved.comm.outer == cfg.comm.outer &&
+                      saved.parallel.ranks_per_node == cfg.parallel.ranks_per_node;
+    std::vector<float> state = rank_state(file, "outer/state", run.world.rank());
+    if (!same) state.clear();
+    if (!run.outer->set_state(state, run.world.comm(), ts.step)) {
+      run.outer->reset();
+      if (report)
+        fmt::print(
+            "outer state: not in the checkpoint for this layout and [comm.outer]; the outer "
+            "steps start from its weights\n");
+    }
+  }
+  if (rounded || run.gatherer || run.outer) run.gather_params();
   if (cfg.comm.compression.method != "none") {
     const Config saved = checkpoint_config(file);
     const bool same_exchange = ts.layout == run.layout() &&
                                saved.parallel.bucket_mb == cfg.parallel.bucket_mb &&
                                saved.parallel.allreduce == cfg.parallel.allreduce &&
                                saved.comm.compression == cfg.comm.compression;
-    double restored = same_exchange && run.reducer.set_compression_state(comm_state) ? 1 : 0;
+    double restored = same_exchange && run.reducer.set_compression_state(
+                                           rank_state(file, "comm/state", run.world.rank()))
+                          ? 1
+                          : 0;
     run.world.comm().all_reduce(host_ptr(&restored), 1, ReduceOp::sum);
     if (report && restored < run.world.size())
       fmt::print(

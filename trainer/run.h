@@ -32,6 +32,7 @@
 #include "trainer/device.h"
 #include "trainer/loss_scaler.h"
 #include "trainer/node_shards.h"
+#include "trainer/outer_optimizer.h"
 #include "trainer/pipeline.h"
 #include "trainer/report_error.h"
 #include "trainer/step_guard.h"
@@ -101,6 +102,8 @@ struct Run {
   // ranges of the optimizer's gradient buffer: one fused sum per step.
   std::vector<Range> norm_ranges = owned_ranges(spans);
   AdamW optimizer;
+  // [comm.outer]: DiLoCo across nodes; the reducer and the optimizer above are then the node's.
+  std::unique_ptr<OuterOptimizer> outer;
   std::optional<DataLoader> loader;   // started where the run starts (and again on a rollback)
   BlendPlan blend;                    // how the sources mix (io/blend.h)
   BlendOrder blend_positions{blend};  // each source's position, for the checkpoints
@@ -281,7 +284,7 @@ struct Run {
         kernels(std::move(k)),
         trace(w.rank()),
         groups(make_groups(
-            w, dims, c.parallel,
+            w, dims, c.parallel, c.parallel.allreduce == "hierarchical" || c.comm.outer.on(),
             traced_groups(group_wrapper(gpu, w, *kernels), c.profile.on() ? &trace : nullptr))),
         tokenizer(load_run_tokenizer(c, origin)),
         train_data(load_sources(c, decompressor)),
@@ -289,9 +292,11 @@ struct Run {
                  decompressor),
         model(c.model, *kernels, compute_dtype(c.precision), c.train.micro_batch, c.model.seq_len,
               model_options(c, me, dims, groups.tp.get(), groups.cp.get())),
+        // With outer steps, the node's ranks alone reduce the gradients of every step.
         reducer(*kernels, model.grads(), c.parallel.zero == 3 ? DPtr{} : model.params(),
-                model.table().total, *groups.dp, groups.intra.get(), groups.inter.get(),
-                reducer_options(c, model)),
+                model.table().total, c.comm.outer.on() ? *groups.intra : *groups.dp,
+                c.comm.outer.on() ? nullptr : groups.intra.get(),
+                c.comm.outer.on() ? nullptr : groups.inter.get(), reducer_options(c, model)),
         gatherer(c.parallel.zero == 3
                      ? std::make_unique<ParamGatherer>(*kernels, model.params(), model.dtype(),
                                                        model.grad_units(), *groups.dp,
@@ -324,6 +329,16 @@ struct Run {
     model.set_grads_ready_hook(
         [this](int64_t frontier, int layers_left) { reducer.ready(frontier, layers_left); });
     if (c.profile.on()) install_profiler();
+    if (c.comm.outer.on()) {
+      if (groups.inter->size() < 2)
+        throw ConfigError(fmt::format(
+            "{}: [comm.outer] every_steps = {}: the outer steps average the nodes' weights, but "
+            "every data-parallel replica of this rank is on one node (set "
+            "parallel.ranks_per_node, or place dp across nodes)",
+            origin, c.comm.outer.every_steps));
+      outer = std::make_unique<OuterOptimizer>(c.comm.outer, model, optimizer, *groups.inter,
+                                               *groups.intra, c.parallel.zero >= 1);
+    }
   }
 
   // After the weights changed (an update, a restore): ZeRO-1 and -2 all-gather every updated
@@ -339,7 +354,13 @@ struct Run {
   bool replica_leader() const { return dims.replica_index(me) == 0; }
   // Whether this rank writes its part of a checkpoint: a data-parallel replica only once, but
   // every ZeRO shard.
-  bool writes_checkpoint() const { return cfg.parallel.zero >= 1 || replica_leader(); }
+  // With outer steps, the first node's (the others' own weights are the outer state's).
+  bool writes_checkpoint() const {
+    if (outer && cfg.parallel.zero >= 1) return groups.inter->rank() == 0;
+    return cfg.parallel.zero >= 1 || replica_leader();
+  }
+  // The ranks whose gradients a step averages: the replicas, or with outer steps the node's.
+  int gradient_replicas() const { return outer ? groups.intra->size() : dims.replicas(); }
   Layout layout() const {
     return {world.size(),      dims.dp(), dims.tp(),         dims.pp(),
             cfg.parallel.zero, dims.cp(), cfg.parallel.order};

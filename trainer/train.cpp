@@ -123,7 +123,7 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
         const Trace::Span wait(&run.trace, "data", "phase");
         return run.loader->next();
       },
-      float(scale / (M * replicas)), [&] { run.reducer.arm(); }, times);
+      float(scale / (M * run.gradient_replicas())), [&] { run.reducer.arm(); }, times);
   run.model.eval_mode();
   inject_overflow(run, step, false);
   s.forward_s = times.forward_s;
@@ -157,20 +157,33 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   // data-parallel replica, each gradient element once.
   const bool zero = cfg.parallel.zero >= 1;
   const DPtr grads = run.optimizer.grads();
-  // The fifth sum is the world's peak FLOP/s: each rank's, this step's matmuls included.
-  double sums[5] = {0, 0, double(stop_requested), double(checkpoint_due),
-                    run.kernels->peak_flops(compute_dtype(cfg.precision))};
+  // The fifth sum is the world's peak FLOP/s: each rank's, this step's matmuls included. With
+  // outer steps each node has gradients of its own: their squared norms follow, one per node
+  // (the first sum is then theirs together).
+  const int workers = run.outer ? run.outer->workers() : 1;
+  std::vector<double> sums(5 + (workers > 1 ? workers : 0));
+  sums[2] = double(stop_requested);
+  sums[3] = double(checkpoint_due);
+  sums[4] = run.kernels->peak_flops(compute_dtype(cfg.precision));
   if (run.model.shard().last_stage() && run.me.tp == 0) sums[0] = loss_sum / M / replicas;
   if (auto it = run.inject_nan.find(step); it != run.inject_nan.end()) {
     run.inject_nan.erase(it);
     if (run.world.rank() == 0) sums[0] = NAN;
   }
-  if (zero || run.replica_leader()) sums[1] = run.kernels->sum_squares(grads, run.norm_ranges);
-  run.world.comm().all_reduce(host_ptr(sums), 5, ReduceOp::sum);
+  // Each element once: a ZeRO piece, or the first replica's (with outer steps, of each node).
+  const bool counts_norm =
+      zero || (run.outer ? run.groups.intra->rank() == 0 : run.replica_leader());
+  if (counts_norm) sums[1] = run.kernels->sum_squares(grads, run.norm_ranges);
+  if (workers > 1) sums[5 + run.groups.inter->rank()] = sums[1];
+  run.world.comm().all_reduce(host_ptr(sums.data()), int64_t(sums.size()), ReduceOp::sum);
   s.stop = sums[2] > 0;  // a signal reached some rank: every rank stops after this step
   s.checkpoint_due = sums[3] > 0;
   s.loss = sums[0];
-  s.grad_norm = std::sqrt(sums[1]) / scale;
+  // The norm the step guard watches is the same on every rank: with outer steps, the nodes'
+  // root mean square; each node clips by its own.
+  s.grad_norm = std::sqrt(sums[1] / workers) / scale;
+  const double own_norm =
+      workers > 1 ? std::sqrt(sums[5 + run.groups.inter->rank()]) / scale : s.grad_norm;
   s.lr = lr_at(cfg.optim, step, cfg.train.steps);
   // Every rank sees the same sums, so every rank skips the same steps.
   const bool overflow = !std::isfinite(s.loss) || !std::isfinite(s.grad_norm);
@@ -181,9 +194,16 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   phase.emplace(&run.trace, "optimizer", "phase");
   if (!s.skipped) {
     const double max_norm = cfg.optim.max_grad_norm;
-    const double clip = max_norm > 0 && s.grad_norm > max_norm ? max_norm / s.grad_norm : 1.0;
+    const double clip = max_norm > 0 && own_norm > max_norm ? max_norm / own_norm : 1.0;
     run.optimizer.update(float(s.lr), float(clip / scale), step + 1);
     run.gather_params();
+  }
+  // The nodes meet (on schedule, whether or not this step updated).
+  if (run.outer && run.outer->due(step, cfg.train.steps)) {
+    phase.emplace(&run.trace, "outer step", "phase");
+    run.outer->step(step + 1);
+    run.gather_params();
+    s.outer_step = true;
   }
   if (run.optimizer.offloaded()) {
     const AdamW::OffloadStats o = run.optimizer.take_offload_stats();
@@ -395,6 +415,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   if (!init.empty())  // a warm start: the weights only, checked by rank 0 above
     load_weights(init, run.model, &run.optimizer);
   if (run.gatherer) run.gather_params();  // ZeRO-3: the held units whole
+  if (run.outer) run.outer->reset();      // the outer weights start as every node's
   if (!init.empty()) {
     if (leader) {
       fmt::print(
@@ -570,11 +591,16 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     snap.config_text = config_to_toml(cfg);
     snap.tokenizer = run.tokenizer->serialize();
     snap.seed = cfg.run.seed;
-    snap.comm_state = protective ? std::vector<float>{} : run.reducer.compression_state();
-    double size = double(snap.comm_state.size());
-    std::vector<double> sizes(world.size());
-    world.comm().all_gather(host_ptr(&size), host_ptr(sizes.data()), 1);
-    snap.comm_state_sizes.assign(sizes.begin(), sizes.end());
+    // A protective checkpoint's step was skipped, but its compression residuals have moved on.
+    snap.rank_states = {
+        {"comm/state", protective ? std::vector<float>{} : run.reducer.compression_state(), {}}};
+    if (run.outer) snap.rank_states.push_back({"outer/state", run.outer->state(), {}});
+    for (Snapshot::RankState& r : snap.rank_states) {
+      double size = double(r.mine.size());
+      std::vector<double> sizes(world.size());
+      world.comm().all_gather(host_ptr(&size), host_ptr(sizes.data()), 1);
+      r.sizes.assign(sizes.begin(), sizes.end());
+    }
     const double mb = double(snap.params.size() * (snap.has_moments ? 3 : 1)) * 4 / (1 << 20);
     // In the background unless asked to wait (the final and the signalled checkpoints, or
     // async = false) or unable to (no writer thread).

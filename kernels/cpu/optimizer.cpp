@@ -34,7 +34,8 @@ void adamw_update(T* param, const T* grad, T* m, T* v, int64_t n, const AdamWArg
                          a.lr,
                          a.eps,
                          a.weight_decay,
-                         a.grad_scale};
+                         a.grad_scale,
+                         a.sgd};
   const auto sqrt = [](T x) { return std::sqrt(x); };
 #pragma omp parallel for simd schedule(static)
   for (int64_t i = 0; i < n; i++) adamw_element(param[i], grad[i], m[i], v[i], c, sqrt);

@@ -116,7 +116,8 @@ void adamw_update(cudaStream_t s, DPtr param, DPtr grad, DPtr m, DPtr v, int64_t
                              a.lr,
                              a.eps,
                              a.weight_decay,
-                             a.grad_scale};
+                             a.grad_scale,
+                             a.sgd};
   float *p = f32(param), *pm = f32(m), *pv = f32(v);
   dispatch(grad.dtype, [&](auto tag) {
     using G = decltype(tag);

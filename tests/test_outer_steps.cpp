@@ -1,0 +1,155 @@
+// [comm.outer] (DiLoCo / local SGD across nodes) under real mpirun: 4 ranks as two simulated
+// nodes of 2 (parallel.ranks_per_node = 2).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "mpi_cli.h"
+
+namespace trainer {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr const char* kTwoNodes = "--set parallel.ranks_per_node=2 ";
+
+// Each step's bytes sent by this rank (rank 0's log) between nodes, and whether an outer step
+// followed it.
+struct Crossing {
+  int64_t step, inter_bytes;
+  bool outer;
+};
+std::vector<Crossing> crossings(const std::string& metrics) {
+  std::vector<Crossing> out;
+  std::ifstream in(metrics);
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (!j.contains("loss")) continue;
+    int64_t inter = 0;
+    if (j.contains("bytes_sent_groups") && j["bytes_sent_groups"].contains("inter"))
+      inter = j["bytes_sent_groups"]["inter"];
+    out.push_back({j["step"], inter, j.value("outer_step", false)});
+  }
+  return out;
+}
+
+// With one inner step between outer steps, an outer learning rate of 1 and no outer momentum,
+// the new weights are the mean of the nodes' updated weights. Momentum SGD is linear in the
+// gradients, so that mean is the update of the mean gradient: plain data parallelism over all 4
+// ranks, to rounding. Without the exchange across nodes the two nodes would drift apart on
+// their own data and the weights would not be these.
+TEST_F(MpiCli, OuterStepsEveryStepWithSgdAreDataParallel) {
+  const std::string common =
+      "--set train.steps=6 --set parallel.dp=4 --set optim.name=\\\"sgd\\\" "
+      "--set optim.momentum=0.9 --set optim.lr=0.05 --set optim.max_grad_norm=0 ";
+  auto r = mpirun(4, common + "--set run.out_dir=" + quoted(path("dp")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  r = mpirun(4, common + kTwoNodes +
+                    "--set comm.outer.every_steps=1 --set comm.outer.lr=1 "
+                    "--set comm.outer.momentum=0 --set run.out_dir=" +
+                    quoted(path("outer")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto dp = steps_of(path("dp/metrics.jsonl")), outer = steps_of(path("outer/metrics.jsonl"));
+  ASSERT_EQ(dp.size(), 6u);
+  ASSERT_EQ(outer.size(), 6u);
+  for (size_t i = 0; i < dp.size(); i++) EXPECT_NEAR(outer[i].loss, dp[i].loss, 1e-5) << i;
+  EXPECT_NE(outer[5].loss, outer[0].loss);  // it trained
+  for (const Crossing& c : crossings(path("outer/metrics.jsonl"))) {
+    EXPECT_TRUE(c.outer) << c.step;
+    EXPECT_GT(c.inter_bytes, 0) << c.step;
+  }
+  double worst = 0;
+  for (const ParamInfo& p : param_table(cli_model()).params) {
+    const auto a = checkpoint_param(path("dp/checkpoints/step_00000006/state.h5"), p.name);
+    const auto b = checkpoint_param(path("outer/checkpoints/step_00000006/state.h5"), p.name);
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); i++) worst = std::max(worst, double(std::abs(a[i] - b[i])));
+  }
+  EXPECT_LT(worst, 1e-6);
+}
+
+// Only the outer steps cross nodes (every 3 steps and after the last); int8 sends a quarter of
+// fp32's bytes (and a scale per 256 values). Inside a node the steps reduce as usual.
+TEST_F(MpiCli, OnlyTheOuterStepsCrossNodes) {
+  const std::string common = std::string("--set train.steps=7 --set parallel.dp=4 ") + kTwoNodes +
+                             "--set comm.outer.every_steps=3 ";
+  auto r = mpirun(4, common + "--set run.out_dir=" + quoted(path("fp32")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(count(r.output, "(outer step)"), 3) << r.output;  // steps 2, 5 and 6 (the last)
+  r = mpirun(4, common + "--set comm.outer.quantize=\\\"int8\\\" --set run.out_dir=" +
+                    quoted(path("int8")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto fp32 = crossings(path("fp32/metrics.jsonl")),
+             int8 = crossings(path("int8/metrics.jsonl"));
+  ASSERT_EQ(fp32.size(), 7u);
+  ASSERT_EQ(int8.size(), 7u);
+  for (size_t i = 0; i < fp32.size(); i++) {
+    const bool due = i == 2 || i == 5 || i == 6;
+    EXPECT_EQ(fp32[i].outer, due) << i;
+    EXPECT_EQ(fp32[i].inter_bytes > 0, due) << i;
+    EXPECT_EQ(int8[i].inter_bytes > 0, due) << i;
+    if (due) {
+      const double ratio = double(int8[i].inter_bytes) / double(fp32[i].inter_bytes);
+      EXPECT_GT(ratio, 0.25) << i;
+      EXPECT_LT(ratio, 0.27) << i;
+    }
+  }
+}
+
+// A resume in the middle of an outer period (step 6 of periods of 4) continues bit for bit: each
+// node's own weights and moments, the outer weights, momentum and int8 residuals come back. In
+// each layout: dp 4 without and with ZeRO-1, and dp 2 x tp 2 (a node holds one replica, split
+// over its 2 ranks by tensor parallelism).
+TEST_F(MpiCli, OuterStepsResumeMidPeriodBitForBit) {
+  const std::vector<std::pair<std::string, std::string>> layouts = {
+      {"dp4", "--set parallel.dp=4 "},
+      {"dp4_zero1", "--set parallel.dp=4 --set parallel.zero=1 "},
+      {"dp2_tp2", "--set parallel.dp=2 --set parallel.tp=2 "}};
+  for (const auto& [name, layout] : layouts) {
+    SCOPED_TRACE(name);
+    const std::string common = "--set train.steps=10 --set checkpoint.every_steps=6 " + layout +
+                               kTwoNodes +
+                               "--set comm.outer.every_steps=4 --set comm.outer.quantize="
+                               "\\\"int8\\\" ";
+    auto r = mpirun(4, common + "--set run.out_dir=" + quoted(path(name + "_full")));
+    ASSERT_EQ(r.code, 0) << r.output;
+    r = mpirun(4, common + "--set run.out_dir=" + quoted(path(name + "_resumed")) +
+                      " --set checkpoint.resume=" +
+                      quoted(path(name + "_full/checkpoints/step_00000006")));
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_EQ(r.output.find("outer state: not in the checkpoint"), std::string::npos) << r.output;
+    const auto full = loss_texts(path(name + "_full/metrics.jsonl"));
+    const auto resumed = loss_texts(path(name + "_resumed/metrics.jsonl"));
+    ASSERT_EQ(resumed.size(), 4u);
+    for (int i = 0; i < 4; i++) EXPECT_EQ(resumed[i], full[6 + i]);
+    expect_same_tensors(path(name + "_full/checkpoints/step_00000010/state.h5"),
+                        path(name + "_resumed/checkpoints/step_00000010/state.h5"));
+  }
+  // Another outer period: the saved outer state does not apply; the run says so and goes on
+  // from the first node's weights.
+  const auto r = mpirun(
+      4, "--set train.steps=10 --set parallel.dp=4 " + std::string(kTwoNodes) +
+             "--set comm.outer.every_steps=5 --set run.out_dir=" + quoted(path("other")) +
+             " --set checkpoint.resume=" + quoted(path("dp4_full/checkpoints/step_00000006")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(count(r.output, "outer state: not in the checkpoint for this layout"), 1) << r.output;
+}
+
+// Outer steps need nodes to average over, and the nodes' parameters whole between them.
+TEST_F(MpiCli, OuterStepsRefuseLayoutsWithoutNodes) {
+  auto r = mpirun(4, "--set parallel.dp=4 --set comm.outer.every_steps=2");  // one node
+  expect_refused(r, "[comm.outer] every_steps = 2: the outer steps average the nodes' weights");
+  EXPECT_FALSE(fs::exists(path("out")));
+  r = mpirun(4, std::string("--set parallel.dp=4 --set parallel.zero=3 ") + kTwoNodes +
+                    "--set comm.outer.every_steps=2");
+  expect_refused(r,
+                 "[comm.outer] every_steps: the outer steps work with parallel.zero = 0, 1 or 2");
+}
+
+}  // namespace
+}  // namespace trainer
