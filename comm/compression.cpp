@@ -88,17 +88,41 @@ class CastCompressor final : public FeedbackCompressor {
 
 // Methods whose messages cannot be summed on the wire: every rank packs its message, all
 // ranks' messages are all-gathered, and each rank decodes and adds them all, in rank order.
+// Exact elements are taken out first and all-reduced as they are; the message packs the rest.
 class GatherCompressor : public FeedbackCompressor {
  public:
-  using FeedbackCompressor::FeedbackCompressor;
+  GatherCompressor(bool error_feedback, int64_t n, const std::vector<ExactRange>& exact)
+      : FeedbackCompressor(error_feedback, n), exact_(n, 0) {
+    for (const ExactRange& r : exact)
+      std::fill(exact_.begin() + r.offset, exact_.begin() + r.offset + r.count, 1);
+    packed_ = n - std::count(exact_.begin(), exact_.end(), 1);
+  }
 
  protected:
+  int64_t packed() const { return packed_; }  // the elements the message carries
   virtual int64_t message_bytes(int64_t n) const = 0;
   virtual void encode(const float* g, int64_t n, std::byte* msg) = 0;
   virtual void add_decoded(const std::byte* msg, int64_t n, float* out) const = 0;
 
  private:
   void exchange(Communicator& group, float* g, int64_t n, float* mine) override {
+    if (packed_ == n) return exchange_packed(group, g, n, mine);
+    std::vector<float> rest, exact, rest_mine(packed_);
+    for (int64_t i = 0; i < n; i++) (exact_[i] ? exact : rest).push_back(g[i]);
+    for (int64_t i = 0; i < n; i++)
+      if (exact_[i]) mine[i] = g[i];
+    group.all_reduce(host_ptr(exact.data()), int64_t(exact.size()), ReduceOp::sum);
+    if (packed_ > 0) exchange_packed(group, rest.data(), packed_, rest_mine.data());
+    for (int64_t i = 0, e = 0, r = 0; i < n; i++) {
+      if (exact_[i]) {
+        g[i] = exact[e++];
+      } else {
+        mine[i] = rest_mine[r];
+        g[i] = rest[r++];
+      }
+    }
+  }
+  void exchange_packed(Communicator& group, float* g, int64_t n, float* mine) {
     const int64_t bytes = message_bytes(n);
     std::vector<std::byte> all(bytes * group.size());
     std::byte* own = all.data() + bytes * group.rank();
@@ -109,6 +133,8 @@ class GatherCompressor : public FeedbackCompressor {
     std::fill(g, g + n, 0.0f);
     for (int r = 0; r < group.size(); r++) add_decoded(all.data() + bytes * r, n, g);
   }
+  std::vector<char> exact_;  // per element: summed exactly
+  int64_t packed_;
 };
 
 // int8 with one absmax scale per chunk: [scales: float x chunks][values: int8 x n].
@@ -176,9 +202,10 @@ class OneBitCompressor final : public GatherCompressor {
 // The k largest magnitudes: [indices: int32 x k][values: float x k].
 class TopKCompressor final : public GatherCompressor {
  public:
-  TopKCompressor(bool error_feedback, int64_t n, double ratio)
-      : GatherCompressor(error_feedback, n),
-        k_(std::clamp<int64_t>(int64_t(std::llround(ratio * double(n))), 1, n)) {}
+  TopKCompressor(bool error_feedback, int64_t n, double ratio, const std::vector<ExactRange>& exact)
+      : GatherCompressor(error_feedback, n, exact),
+        k_(std::clamp<int64_t>(int64_t(std::llround(ratio * double(packed()))), 1,
+                               std::max<int64_t>(1, packed()))) {}
 
  private:
   int64_t message_bytes(int64_t) const override { return 8 * k_; }
@@ -214,13 +241,21 @@ class TopKCompressor final : public GatherCompressor {
 // iteration per step from the previous step's Q: P = M Q, summed over ranks, orthonormalised;
 // Q = M^T P, summed. The sum over ranks of M is then P Q^T; this rank's own share is
 // P (M^T P)^T, the projection of its M on P's columns. Everything else in the bucket (vectors,
-// matrices too small to gain, pieces of matrices cut by the bucket edges) is all-reduced as is.
+// matrices too small to gain, pieces of matrices cut by the bucket edges, matrices with exact
+// elements) is all-reduced as is.
 class PowerSgdCompressor final : public FeedbackCompressor {
  public:
-  PowerSgdCompressor(const CompressionOptions& o, int64_t n, const std::vector<MatrixView>& all)
+  PowerSgdCompressor(const CompressionOptions& o, int64_t n, const std::vector<MatrixView>& all,
+                     const std::vector<ExactRange>& exact)
       : FeedbackCompressor(o.error_feedback, n), rank_(o.powersgd_rank), plain_(n, 1) {
     for (const MatrixView& m : all) {
       if (std::min(m.rows, m.cols) <= 2 * rank_) continue;  // (m + c) r would not be smaller
+      // A copy elsewhere (a tied embedding's other end) sits at another place in its bucket,
+      // where the initial Q would differ.
+      const auto overlaps = [&](const ExactRange& r) {
+        return r.offset < m.offset + m.rows * m.cols && m.offset < r.offset + r.count;
+      };
+      if (std::any_of(exact.begin(), exact.end(), overlaps)) continue;
       matrices_.push_back(m);
       std::fill(plain_.begin() + m.offset, plain_.begin() + m.offset + m.rows * m.cols, 0);
       // The same initial Q on every rank: a function of the seed and the matrix's place.
@@ -351,14 +386,15 @@ class PowerSgdCompressor final : public FeedbackCompressor {
 }  // namespace
 
 std::unique_ptr<Compressor> make_compressor(const CompressionOptions& o, int64_t n,
-                                            const std::vector<MatrixView>& matrices) {
+                                            const std::vector<MatrixView>& matrices,
+                                            const std::vector<ExactRange>& exact) {
   const bool ef = o.error_feedback;
   if (o.method == "fp16") return std::make_unique<CastCompressor<f16>>(ef, n);
   if (o.method == "bf16") return std::make_unique<CastCompressor<bf16>>(ef, n);
-  if (o.method == "int8") return std::make_unique<Int8Compressor>(ef, n);
-  if (o.method == "onebit") return std::make_unique<OneBitCompressor>(ef, n);
-  if (o.method == "topk") return std::make_unique<TopKCompressor>(ef, n, o.topk_ratio);
-  if (o.method == "powersgd") return std::make_unique<PowerSgdCompressor>(o, n, matrices);
+  if (o.method == "int8") return std::make_unique<Int8Compressor>(ef, n, exact);
+  if (o.method == "onebit") return std::make_unique<OneBitCompressor>(ef, n, exact);
+  if (o.method == "topk") return std::make_unique<TopKCompressor>(ef, n, o.topk_ratio, exact);
+  if (o.method == "powersgd") return std::make_unique<PowerSgdCompressor>(o, n, matrices, exact);
   throw std::invalid_argument("unknown compression method " + o.method);
 }
 

@@ -39,6 +39,13 @@ struct CompressionOptions {
 struct MatrixView {
   int64_t offset, rows, cols;
 };
+// Elements summed exactly, never compressed: parameters that the tensor-parallel ranks replicate
+// (norms, biases). Their gradients are equal on those ranks, but a compressor decides from a
+// whole bucket (a chunk's scale, the top k), whose other elements differ from rank to rank:
+// compressed, the copies would drift apart.
+struct ExactRange {
+  int64_t offset, count;
+};
 
 class Compressor {
  public:
@@ -55,9 +62,12 @@ class Compressor {
 };
 
 // One compressor per bucket: it keeps that bucket's residual (and PowerSGD's Q). `matrices`:
-// the weight matrices that lie wholly inside the bucket, offsets relative to its start.
+// the weight matrices that lie wholly inside the bucket, `exact` the elements to sum exactly,
+// offsets relative to its start. (fp16 and bf16 treat equal inputs alike whatever their
+// neighbours; PowerSGD sends matrices with exact elements as they are.)
 std::unique_ptr<Compressor> make_compressor(const CompressionOptions& options, int64_t n,
-                                            const std::vector<MatrixView>& matrices);
+                                            const std::vector<MatrixView>& matrices,
+                                            const std::vector<ExactRange>& exact = {});
 
 // The bytes one rank sends to all-reduce n fp32 values uncompressed with a ring over p ranks:
 // what compression is measured against.

@@ -18,7 +18,13 @@ int64_t GradReducer::window_buffer_elems(const std::vector<GradUnit>& units, int
 
 GradReducer::GradReducer(Kernels& k, DPtr grads, DPtr params, int64_t total, Communicator& dp,
                          Communicator* intra, Communicator* inter, const ReducerOptions& options)
-    : k_(k), opts_(options), dp_(dp), gathers_params_(bool(params)), grads_(grads) {
+    : k_(k),
+      opts_(options),
+      dp_(dp),
+      intra_(intra && inter ? intra : nullptr),
+      inter_(intra && inter ? inter : nullptr),
+      gathers_params_(bool(params)),
+      grads_(grads) {
   const int64_t P = dp.size(), unit = 16 * P;
   if (total % unit) throw std::invalid_argument("GradReducer: total must be a multiple of 16 dp");
   const bool hier = intra && inter;
@@ -85,11 +91,19 @@ GradReducer::GradReducer(Kernels& k, DPtr grads, DPtr params, int64_t total, Com
     if (co.method != "none" && n * 4 >= co.min_bucket_elems * 4) {
       if (grads.dtype != DType::f32)
         throw std::invalid_argument("GradReducer: compression needs fp32 gradients");
+      // Hierarchically only the node's part of the bucket crosses nodes, compressed: this
+      // rank's 1/L of it, summed inside the node.
+      const int64_t lo = hier ? begin + intra->rank() * (n / L) : begin, hi = lo + n / L;
       std::vector<MatrixView> inside;
       for (const MatrixView& m : options.matrices)
-        if (m.offset >= begin && m.offset + m.rows * m.cols <= end)
-          inside.push_back({m.offset - begin, m.rows, m.cols});
-      b.compressor = make_compressor(co, n, inside);
+        if (m.offset >= lo && m.offset + m.rows * m.cols <= hi)
+          inside.push_back({m.offset - lo, m.rows, m.cols});
+      std::vector<ExactRange> exact;
+      for (const ExactRange& r : options.exact) {
+        const int64_t from = std::max(r.offset, lo), to = std::min(r.offset + r.count, hi);
+        if (from < to) exact.push_back({from - lo, to - from});
+      }
+      b.compressor = make_compressor(co, n / L, inside, exact);
     }
     if (!hier) {
       if (options.shard) {
@@ -259,21 +273,28 @@ bool GradReducer::set_compression_state(const std::vector<float>& all) {
 
 // A compressed bucket: a lossy all-reduce over the whole data-parallel group (compressed
 // messages are all-gathered or summed, never reduce-scattered), then ZeRO-1 keeps its piece.
+// Hierarchically, compression is for the links between nodes: the bucket is reduce-scattered
+// inside the node as it is, each rank's part crosses nodes compressed (with its peers at the
+// same place on the other nodes), and the parts are gathered back inside the node.
 void GradReducer::reduce_compressed(Bucket& b) {
   const auto t0 = std::chrono::steady_clock::now();
+  const int64_t L = intra_ ? intra_->size() : 1, part = b.count / L;
+  const DPtr bucket = grads_ + b.begin, mine = intra_ ? scratch_ + b.begin / L : bucket;
+  if (intra_) intra_->reduce_scatter(bucket, mine, part);
+  Communicator& across = intra_ ? *inter_ : dp_;
   // Compressors work on host memory: a GPU's bucket makes a round trip.
-  const DPtr bucket = grads_ + b.begin;
-  if (bucket.device) {
-    host_bucket_.resize(size_t(b.count));
-    k_.copy_to_host(host_bucket_.data(), bucket, b.count);
-    b.compressor->all_reduce(dp_, host_bucket_.data(), b.count);
-    k_.copy_from_host(bucket, host_bucket_.data(), b.count);
+  if (mine.device) {
+    host_bucket_.resize(size_t(part));
+    k_.copy_to_host(host_bucket_.data(), mine, part);
+    b.compressor->all_reduce(across, host_bucket_.data(), part);
+    k_.copy_from_host(mine, host_bucket_.data(), part);
   } else {
-    b.compressor->all_reduce(dp_, bucket.as<float>(), b.count);
+    b.compressor->all_reduce(across, mine.as<float>(), part);
   }
+  if (intra_) intra_->all_gather(mine, bucket, part);
   if (opts_.shard)
     k_.convert(shard_ + b.begin / dp_.size(), grads_ + b.piece_offset, b.count / dp_.size(), 0);
-  compression_stats_.uncompressed_bytes += uncompressed_bytes(b.count, dp_.size());
+  compression_stats_.uncompressed_bytes += uncompressed_bytes(part, across.size());
   compression_stats_.seconds +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }

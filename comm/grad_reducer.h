@@ -43,6 +43,7 @@ struct ReducerOptions {
   bool shard = false;   // ZeRO-1 (and ZeRO-2)
   CompressionOptions compression;
   std::vector<MatrixView> matrices;  // weight matrices in the flat buffer, for PowerSGD
+  std::vector<ExactRange> exact;     // elements compression leaves exact (compression.h)
   // ZeRO-2 (with shard): the gradient units, each a bucket, their boundaries multiples of
   // 16 x dp.size(); `windows` of the largest non-held unit's size are lent in turn.
   std::vector<GradUnit> units;
@@ -180,8 +181,9 @@ class GradReducer : public GradientWindows {
   int64_t window_elems_ = 0, node_ranks_ = 1;
   std::vector<Piece> pieces_;
   Communicator& dp_;
-  bool windowed_ = false;  // ZeRO-2
-  bool gathers_params_;    // a parameter buffer was given (not under ZeRO-3)
+  Communicator *intra_, *inter_;  // hierarchical: dp split by node (else null)
+  bool windowed_ = false;         // ZeRO-2
+  bool gathers_params_;           // a parameter buffer was given (not under ZeRO-3)
   DPtr grads_, scratch_, shard_;
   bool compressing_ = false;
   CompressionStats compression_stats_;

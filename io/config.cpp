@@ -646,6 +646,12 @@ Config parse_config(const std::string& text, const std::string& origin,
     r.finish();
     // ZeRO-3's parameter gatherer reaches over every data-parallel rank; the outer step keeps
     // the nodes apart between its exchanges.
+    // Context-parallel peers hold chunks of the same sequences: they must train as one.
+    if (o.on() && c.parallel.cp > 1)
+      throw ConfigError(fmt::format(
+          "{}: [comm.outer] every_steps: outer steps across nodes do not combine with context "
+          "parallelism (parallel.cp = {})",
+          r.origin("every_steps"), c.parallel.cp));
     if (o.on() && c.parallel.zero >= 3)
       throw ConfigError(fmt::format(
           "{}: [comm.outer] every_steps: the outer steps work with parallel.zero = 0, 1 or 2, "

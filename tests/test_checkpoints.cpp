@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "io/hdf5_file.h"
@@ -334,6 +335,40 @@ TEST_F(MpiCli, ResumeRestoresCompressionState) {
                       quoted(path(method + "_full/checkpoints/step_00000006")));
     ASSERT_EQ(r.code, 0) << r.output;
     EXPECT_EQ(count(r.output, "compression state: not restored on 2 of 2 ranks"), 1) << r.output;
+  }
+}
+
+// Compression beside tensor parallelism (4 ranks: dp 2 x tp 2; two methods with ZeRO-1) and
+// pipeline parallelism (dp 2 x pp 2) resumes bit for bit, for each gathering method and PowerSGD. A
+// run only resumes so when the tensor-parallel ranks' copies of the replicated parameters (norms,
+// biases) are equal, as the checkpoint keeps one: compressed with their ranks' differing neighbours
+// (int8's chunk scales, the top k), they drifted apart; they are now summed exactly
+// (comm/compression.h, ExactRange).
+TEST_F(MpiCli, CompressionBesideTensorParallelismResumesBitForBit) {
+  const std::string tp = "--set parallel.dp=2 --set parallel.tp=2 ";
+  // A pipeline's tied embedding: its two ends' gradients summed exactly (whole buckets of them
+  // with 1 kB buckets).
+  const std::string pp = "--set parallel.dp=2 --set parallel.pp=2 --set parallel.bucket_mb=0.001 ";
+  const std::vector<std::tuple<std::string, std::string, std::string>> runs = {
+      {"int8", tp, "0"},     {"topk", tp, "0"},    {"onebit", tp, "1"},
+      {"powersgd", tp, "1"}, {"topk_pp", pp, "0"}, {"powersgd_pp", pp, "0"}};
+  for (const auto& [name, layout, zero] : runs) {
+    SCOPED_TRACE(name + " zero " + zero);
+    const std::string method = name.substr(0, name.find('_'));
+    const std::string common = "--set train.steps=10 --set checkpoint.every_steps=6 " + layout +
+                               "--set parallel.zero=" + zero +
+                               " --set comm.compression.method=" + quoted(method) + " ";
+    auto r = mpirun(4, common + "--set run.out_dir=" + quoted(path(name + "_full")));
+    ASSERT_EQ(r.code, 0) << r.output;
+    r = mpirun(4, common + "--set run.out_dir=" + quoted(path(name + "_resumed")) +
+                      " --set checkpoint.resume=" +
+                      quoted(path(name + "_full/checkpoints/step_00000006")));
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_EQ(r.output.find("not restored"), std::string::npos) << r.output;
+    const auto full = loss_texts(path(name + "_full/metrics.jsonl"));
+    const auto resumed = loss_texts(path(name + "_resumed/metrics.jsonl"));
+    ASSERT_EQ(resumed.size(), 4u);
+    for (int i = 0; i < 4; i++) EXPECT_EQ(resumed[i], full[6 + i]);
   }
 }
 

@@ -402,6 +402,30 @@ TEST_F(MpiCli, CompressionKnobsChangeWhatIsSent) {
   EXPECT_EQ(state("no_feedback"), 0);
 }
 
+// Hierarchically (two nodes of 2 ranks), compression is for the links between nodes: the node
+// sums each bucket in full precision, only its parts cross nodes compressed, and they are
+// gathered back in full precision. int8 sends a quarter of the inter-node bytes (and a scale per
+// 256 values), the same intra-node bytes.
+TEST_F(MpiCli, HierarchicalCompressionCompressesOnlyWhatCrossesNodes) {
+  auto last_step = [&](const std::string& name, const std::string& method) {
+    const std::string out = path(name);
+    const auto r = mpirun(4, "--set train.steps=2 --set parallel.dp=4 --set parallel.allreduce=" +
+                                 quoted("hierarchical") + " --set parallel.ranks_per_node=2 " +
+                                 "--set comm.compression.method=" + quoted(method) +
+                                 " --set run.out_dir=" + quoted(out));
+    EXPECT_EQ(r.code, 0) << r.output;
+    const auto steps = step_records(out);
+    return steps.empty() ? nlohmann::json{} : steps.back()["bytes_sent_groups"];
+  };
+  const nlohmann::json plain = last_step("plain", "none"), int8 = last_step("int8", "int8");
+  ASSERT_TRUE(plain.contains("inter") && int8.contains("inter")) << plain << int8;
+  EXPECT_EQ(int8["intra"], plain["intra"]);
+  EXPECT_EQ(int8.value("dp", 0), 0) << int8;  // nothing over the whole group
+  const double ratio = double(int8["inter"]) / double(plain["inter"]);
+  EXPECT_GT(ratio, 0.25);
+  EXPECT_LT(ratio, 0.27);
+}
+
 // precision.stochastic_rounding: bf16 weights rounded from the fp32 master stochastically
 // train differently from round-to-nearest, and reproducibly (a function of seed and step).
 TEST_F(MpiCli, StochasticRoundingChangesTheBf16Trajectory) {

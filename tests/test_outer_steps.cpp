@@ -104,12 +104,14 @@ TEST_F(MpiCli, OnlyTheOuterStepsCrossNodes) {
 // A resume in the middle of an outer period (step 6 of periods of 4) continues bit for bit: each
 // node's own weights and moments, the outer weights, momentum and int8 residuals come back. In
 // each layout: dp 4 without and with ZeRO-1, and dp 2 x tp 2 (a node holds one replica, split
-// over its 2 ranks by tensor parallelism).
+// over its 2 ranks by tensor parallelism), and dp 2 x pp 2 with ZeRO-1.
 TEST_F(MpiCli, OuterStepsResumeMidPeriodBitForBit) {
   const std::vector<std::pair<std::string, std::string>> layouts = {
       {"dp4", "--set parallel.dp=4 "},
       {"dp4_zero1", "--set parallel.dp=4 --set parallel.zero=1 "},
-      {"dp2_tp2", "--set parallel.dp=2 --set parallel.tp=2 "}};
+      {"dp2_tp2", "--set parallel.dp=2 --set parallel.tp=2 "},
+      // A node holds a pipeline (its tied embedding's two ends in different ZeRO pieces).
+      {"dp2_pp2_zero1", "--set parallel.dp=2 --set parallel.pp=2 --set parallel.zero=1 "}};
   for (const auto& [name, layout] : layouts) {
     SCOPED_TRACE(name);
     const std::string common = "--set train.steps=10 --set checkpoint.every_steps=6 " + layout +
@@ -130,11 +132,11 @@ TEST_F(MpiCli, OuterStepsResumeMidPeriodBitForBit) {
     expect_same_tensors(path(name + "_full/checkpoints/step_00000010/state.h5"),
                         path(name + "_resumed/checkpoints/step_00000010/state.h5"));
   }
-  // Another outer period: the saved outer state does not apply; the run says so and goes on
-  // from the first node's weights.
+  // Another exchange (fp32 pseudo-gradients, no residuals): the saved outer state does not
+  // apply; the run says so and goes on from the first node's weights.
   const auto r = mpirun(
       4, "--set train.steps=10 --set parallel.dp=4 " + std::string(kTwoNodes) +
-             "--set comm.outer.every_steps=5 --set run.out_dir=" + quoted(path("other")) +
+             "--set comm.outer.every_steps=4 --set run.out_dir=" + quoted(path("other")) +
              " --set checkpoint.resume=" + quoted(path("dp4_full/checkpoints/step_00000006")));
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_EQ(count(r.output, "outer state: not in the checkpoint for this layout"), 1) << r.output;
@@ -149,6 +151,11 @@ TEST_F(MpiCli, OuterStepsRefuseLayoutsWithoutNodes) {
                     "--set comm.outer.every_steps=2");
   expect_refused(r,
                  "[comm.outer] every_steps: the outer steps work with parallel.zero = 0, 1 or 2");
+  r = mpirun(4, std::string("--set parallel.dp=2 --set parallel.cp=2 ") + kTwoNodes +
+                    "--set comm.outer.every_steps=2");
+  expect_refused(r,
+                 "[comm.outer] every_steps: outer steps across nodes do not combine with "
+                 "context parallelism");
 }
 
 }  // namespace

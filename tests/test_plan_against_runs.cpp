@@ -42,6 +42,7 @@ TEST_F(MpiCli, EachRankHoldsWhatThePlanSays) {
            " --set train.grad_accum=" + std::to_string(accum);
   };
   const std::string full = " --set memory.recompute=" + quoted("full");
+  const std::string outer = " --set parallel.ranks_per_node=2 --set comm.outer.every_steps=1";
   const std::vector<Case> cases = {
       {"one process", 1, batch(2, 4)},
       {"dp2", 2, "--set parallel.dp=2" + batch(2, 2)},
@@ -62,6 +63,11 @@ TEST_F(MpiCli, EachRankHoldsWhatThePlanSays) {
       {"dp2 tp2 zero2", 4,
        "--set parallel.dp=2 --set parallel.tp=2 --set parallel.zero=2" + batch(2, 2)},
       {"dp4 full", 4, "--set parallel.dp=4" + batch(2, 1) + full},
+      // Outer steps across two nodes of 2 (their state, and its checkpoint copy).
+      {"dp4 outer", 4, "--set parallel.dp=4" + outer + batch(2, 1)},
+      {"dp4 zero1 outer int8", 4,
+       "--set parallel.dp=4 --set parallel.zero=1 --set comm.outer.quantize=" + quoted("int8") +
+           outer + batch(2, 1)},
   };
   double worst = 0;
   for (const Case& c : cases) {

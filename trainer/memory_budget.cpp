@@ -61,13 +61,16 @@ MemoryBudget memory_budget(const Config& cfg, const ParallelDims& dims, const Ra
                                          o, keeps_probs);
   const ParamTable table = param_table(cfg.model, *o.shard, o.total_multiple);
   const double elems = double(table.total);
-  const double owned = cfg.parallel.zero ? elems / dims.replicas() : elems;
+  // With outer steps a node's ranks share the ZeRO shards and the reductions; else the replicas.
+  const bool outer = cfg.comm.outer.on() && node_ranks > 0;
+  const int shard_ranks = outer ? node_ranks : dims.replicas();
+  const double owned = cfg.parallel.zero ? elems / shard_ranks : elems;
   b.optimizer = owned * 4 * (is_half(dtype) || cfg.memory.offload_optimizer ? 3 : 2);
   if (cfg.memory.offload_optimizer) {
     // Segments: whole parameters, or their ZeRO pieces (at most a piece of the shard).
     double largest = 0;
     for (const ParamInfo& p : table.params) largest = std::max(largest, double(p.numel));
-    if (cfg.parallel.zero) largest = std::min(largest, std::ceil(elems / dims.replicas()));
+    if (cfg.parallel.zero) largest = std::min(largest, std::ceil(elems / shard_ranks));
     b.optimizer += 2 * largest * 4;
     b.offloaded = b.optimizer;
     b.offload_staging = is_half(dtype) ? largest * 4 : 0;
@@ -76,15 +79,15 @@ MemoryBudget memory_budget(const Config& cfg, const ParallelDims& dims, const Ra
   const std::vector<GradUnit> units = grad_units(table);
   const int windows = ReducerOptions().windows;
   if (o.windowed_grads)
-    b.grad_windows =
-        double(GradReducer::window_buffer_elems(units, dims.replicas(), node_ranks, windows)) *
-        dtype_size(*o.grad_dtype);
+    b.grad_windows = double(GradReducer::window_buffer_elems(units, shard_ranks,
+                                                             outer ? 0 : node_ranks, windows)) *
+                     dtype_size(*o.grad_dtype);
   if (o.windowed_params) {
     b.param_shard = owned * dtype_size(dtype);
     b.param_windows = double(ParamGatherer::window_buffer_elems(units, ParamGatherer::kWindows)) *
                       dtype_size(dtype);
   }
-  if (dims.replicas() > 1 && cfg.run.device == "cpu") {
+  if (shard_ranks > 1 && cfg.run.device == "cpu") {
     // ZeRO-2: the windows' reductions and the held units' (started at the end of the step,
     // while the last backward's windows may still be in flight).
     int64_t in_flight = table.total;
@@ -97,6 +100,15 @@ MemoryBudget memory_budget(const Config& cfg, const ParallelDims& dims, const Ra
   // Only the ranks that write take a copy (ZeRO: every rank its piece; otherwise the first
   // replica).
   b.snapshot = cfg.parallel.zero || dims.replica_index(me) == 0 ? owned * 4 * 3 : 0;
+  if (outer) {
+    // Without ZeRO each rank of a node exchanges a slice of the whole model.
+    const double slice = cfg.parallel.zero ? owned : owned / node_ranks;
+    const bool int8 = cfg.comm.outer.quantize == "int8";
+    b.outer = (2 * owned + owned + slice + (int8 ? 2 * slice : 0)) * 4;
+    // Its checkpoint state: the outer weights and momentum, or another node's weights and
+    // moments (at most three of the rank's elements), and the residual.
+    b.snapshot += (3 * owned + (int8 ? slice : 0)) * 4;
+  }
   return b;
 }
 
@@ -122,10 +134,18 @@ double available_bytes(Kernels& kernels, const World& world) {
 // tens of seconds and then fails somewhere).
 void check_memory(const Config& cfg, World& world, Kernels& kernels, const std::string& origin) {
   const ParallelDims dims = Run::layout(cfg, world.size(), origin);
-  const MemoryBudget b =
-      memory_budget(cfg, dims, dims.coords(world.rank()), kernels.attention_keeps_probabilities(),
-                    0);  // hierarchical ZeRO-2's node parts aside (1/ranks-per-node of its windows
-                         // and held units): the groups are not made yet
+  // With outer steps the node's data-parallel ranks share the shards: how many there are, as
+  // make_groups will find them. (Hierarchical ZeRO-2's node parts aside: 1/ranks-per-node of
+  // its windows and held units.)
+  int node_ranks = 0;
+  if (cfg.comm.outer.on()) {
+    auto node = [&](int r) {
+      return cfg.parallel.ranks_per_node > 0 ? r / cfg.parallel.ranks_per_node : world.node_of(r);
+    };
+    for (int r : dims.replica_group(world.rank())) node_ranks += node(r) == node(world.rank());
+  }
+  const MemoryBudget b = memory_budget(cfg, dims, dims.coords(world.rank()),
+                                       kernels.attention_keeps_probabilities(), node_ranks);
   const StageExecutor::Memory& model = b.model;
   // A GPU holds its own part (offloaded state is the host's); on the CPU it is all one memory.
   const bool gpu = kernels.memory().reserved > 0;

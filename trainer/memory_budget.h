@@ -36,6 +36,9 @@ struct MemoryBudget {
   // own, not counted.
   double collectives = 0;
   double snapshot = 0;
+  // [comm.outer]: the outer weights and momentum of this rank's elements, the int8 residual, and
+  // an outer step's pseudo-gradient. Host memory.
+  double outer = 0;
   // The process's own, beyond the buffers above: thread stacks, the allocator's slack, the
   // libraries' working sets (OpenBLAS's, MPI's, HDF5's while a checkpoint is written, its
   // metadata cache capped at 4 MB). A constant, from measurement: 11 to 30 MB a rank over the
@@ -44,15 +47,15 @@ struct MemoryBudget {
   double process = kProcessBytes;
   double total() const {
     return double(model.total()) + optimizer + grad_shard + grad_windows + param_shard +
-           param_windows + collectives + snapshot + offload_staging + process;
+           param_windows + collectives + snapshot + offload_staging + outer + process;
   }
   // What a GPU holds: all but the host's (the offloaded state, the checkpoint's copy, the
   // process's own).
-  double device() const { return total() - offloaded - snapshot - process; }
+  double device() const { return total() - offloaded - snapshot - outer - process; }
 };
 
-// node_ranks: the data-parallel ranks on this rank's node under the hierarchical all-reduce
-// (0 otherwise), for ZeRO-2's windows.
+// node_ranks: the data-parallel ranks on this rank's node under the hierarchical all-reduce or
+// the outer steps (0 otherwise), for ZeRO-2's windows and, with outer steps, ZeRO's shards.
 MemoryBudget memory_budget(const Config& cfg, const ParallelDims& dims, const RankCoords& me,
                            bool keeps_probs, int node_ranks);
 

@@ -30,9 +30,23 @@ OuterOptimizer::OuterOptimizer(const OuterConfig& cfg, StageExecutor& model, Ada
   outer_.resize(n_);
   momentum_.assign(n_, 0.0f);
   if (cfg.quantize == "int8") {
+    // Copies that must stay equal are exchanged exact: tensor-parallel replicas sit among
+    // other neighbours, and a tied embedding's two ends are cut into other ZeRO pieces.
+    std::vector<ExactRange> exact;
+    const int64_t lo = split_ ? intra.rank() * slice_ : 0, hi = lo + slice_;
+    int64_t at = 0;
+    for (const AdamW::Segment& s : inner.segments()) {
+      for (const ParamInfo& p : model.table().params)
+        if (p.offset <= s.offset && s.offset < p.offset + p.numel &&
+            ((p.split_dim < 0 && p.tp_size > 1) || (p.tied && model.shard().stages > 1))) {
+          const int64_t from = std::max(at, lo), to = std::min(at + s.count, hi);
+          if (from < to) exact.push_back({from - lo, to - from});
+        }
+      at += aligned(s.count);
+    }
     CompressionOptions o;
     o.method = "int8";
-    quantizer_ = make_compressor(o, slice_, {});
+    quantizer_ = make_compressor(o, slice_, {}, exact);
   }
 }
 

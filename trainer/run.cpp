@@ -144,7 +144,9 @@ int64_t restore(Run& run, const std::string& file, bool report, int64_t samples)
     // Each node's own weights and moments and the outer state, when saved from this layout and
     // outer configuration; else the outer steps start afresh from the first node's weights.
     const Config saved = checkpoint_config(file);
-    const bool same = ts.layout == run.layout() && saved.comm.outer == cfg.comm.outer &&
+    // (Its learning rate, momentum and period may change: the state means the same.)
+    const bool same = ts.layout == run.layout() && saved.comm.outer.on() &&
+                      saved.comm.outer.quantize == cfg.comm.outer.quantize &&
                       saved.parallel.ranks_per_node == cfg.parallel.ranks_per_node;
     std::vector<float> state = rank_state(file, "outer/state", run.world.rank());
     if (!same) state.clear();

@@ -174,11 +174,15 @@ struct Run {
     o.compression = {z.method,         z.topk_ratio,   z.powersgd_rank,
                      z.error_feedback, z.warmup_steps, int64_t(z.min_bucket_kb * 1024 / 4),
                      c.run.seed};
-    for (const ParamInfo& p : model.table().params)  // matrices as this rank holds them
+    for (const ParamInfo& p : model.table().params) {  // matrices as this rank holds them
       if (p.shape.size() == 2) {
         const int64_t cols = p.local_shape()[1];
         o.matrices.push_back({p.offset, p.numel / cols, cols});
       }
+      // Copies that must stay equal: on every tensor-parallel rank, on both ends of the pipeline.
+      if ((p.split_dim < 0 && p.tp_size > 1) || (p.tied && c.parallel.pp > 1))
+        o.exact.push_back({p.offset, p.numel});
+    }
     return o;
   }
 
@@ -330,6 +334,15 @@ struct Run {
         [this](int64_t frontier, int layers_left) { reducer.ready(frontier, layers_left); });
     if (c.profile.on()) install_profiler();
     if (c.comm.outer.on()) {
+      // Every data-parallel group spans as many nodes (uneven hosts could make them differ).
+      double nodes[2] = {double(groups.inter->size()), -double(groups.inter->size())};
+      w.comm().all_reduce(host_ptr(nodes), 2, ReduceOp::max);
+      if (nodes[0] != -nodes[1])
+        throw ConfigError(fmt::format(
+            "{}: [comm.outer] every_steps: the data-parallel groups span between {} and {} nodes; "
+            "outer steps need each to span the same nodes (set parallel.ranks_per_node, or place "
+            "the ranks evenly)",
+            origin, -nodes[1], nodes[0]));
       if (groups.inter->size() < 2)
         throw ConfigError(fmt::format(
             "{}: [comm.outer] every_steps = {}: the outer steps average the nodes' weights, but "

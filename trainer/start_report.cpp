@@ -135,7 +135,8 @@ double print_start(const Run& run) {
   // One line from the plan the buffers are allocated by (and that check_memory refuses by).
   fmt::print(
       "memory: recompute {}{}, rank 0 expects {:.1f} MB (weights {:.2f}{}, gradients {:.2f}, "
-      "activations {:.2f}, AdamW {:.2f}{}{}, {}checkpoint copy {:.2f}, the process's own {:.0f})\n",
+      "activations {:.2f}, AdamW {:.2f}{}{}, {}{}checkpoint copy {:.2f}, the process's own "
+      "{:.0f})\n",
       cfg.memory.recompute,
       cfg.memory.recompute != "none" && cfg.memory.recompute_layers > 0
           ? fmt::format(" (first {} blocks of each stage)", cfg.memory.recompute_layers)
@@ -153,13 +154,14 @@ double print_start(const Run& run) {
                       : "",
       cfg.parallel.zero
           ? fmt::format(" (ZeRO-{}: 1/{} of the whole) + its gradient shard {:.2f}{}",
-                        cfg.parallel.zero, dims.replicas(), b.grad_shard / MB,
+                        cfg.parallel.zero, run.gradient_replicas(), b.grad_shard / MB,
                         cfg.parallel.zero >= 2
                             ? fmt::format(" + gradient windows {:.2f}", b.grad_windows / MB)
                             : "")
           : "",
       b.collectives > 0 ? fmt::format("reduction temporaries <= {:.2f}, ", b.collectives / MB) : "",
-      b.snapshot / MB, b.process / MB);
+      b.outer > 0 ? fmt::format("outer steps {:.2f}, ", b.outer / MB) : "", b.snapshot / MB,
+      b.process / MB);
   const double planned_s = print_planned_step(run, "step: ");
   fmt::print("precision: compute {}, gradients {}, master weights and AdamW state fp32{}\n",
              precision_name(run.model.params().dtype), precision_name(run.model.grad_dtype()),

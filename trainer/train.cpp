@@ -751,8 +751,9 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     }
     // The first bad step after good ones was skipped: the weights are still the last good
     // state. A checkpoint of it (unless one is recent) makes a rollback after more bad steps
-    // lose little.
+    // lose little. (Not when the nodes met after it: the outer step moved the weights.)
     if (cfg.checkpoint.protect && !stats.bad.empty() && run.guard.bad_in_a_row() == 1 &&
+        !stats.outer_step &&
         (last_checkpoint_step < 0 ||
          step - last_checkpoint_step > cfg.checkpoint.protect_min_steps)) {
       if (leader) {
