@@ -10,12 +10,8 @@
 
 namespace trainer {
 
-// The data-parallel peers split by node: those on this rank's node, and those on other nodes
-// at the same position within theirs. Every node must hold the same number of peers.
-namespace {
-
-std::pair<std::vector<int>, std::vector<int>> split_by_node(const std::vector<int>& peers, int rank,
-                                                            const std::function<int(int)>& node) {
+NodeSplit split_by_node(const std::vector<int>& peers, int rank,
+                        const std::function<int(int)>& node) {
   std::map<int, std::vector<int>> by_node;
   std::vector<int> node_order;
   for (int r : peers) {
@@ -36,7 +32,11 @@ std::pair<std::vector<int>, std::vector<int>> split_by_node(const std::vector<in
   return {mine, across};
 }
 
-}  // namespace
+std::function<int(int)> node_of(World& world, const ParallelConfig& pc) {
+  return [&world, per_node = pc.ranks_per_node](int r) {
+    return per_node > 0 ? r / per_node : world.node_of(r);
+  };
+}
 
 Groups make_groups(World& world, const ParallelDims& dims, const ParallelConfig& pc, bool by_node,
                    const GroupWrapper& wrap) {
@@ -58,10 +58,7 @@ Groups make_groups(World& world, const ParallelDims& dims, const ParallelConfig&
                                       : std::vector<int>{rank},
                 "emb");
   if (by_node) {
-    auto node = [&](int r) {
-      return pc.ranks_per_node > 0 ? r / pc.ranks_per_node : world.node_of(r);
-    };
-    auto [intra, inter] = split_by_node(dims.replica_group(rank), rank, node);
+    auto [intra, inter] = split_by_node(dims.replica_group(rank), rank, node_of(world, pc));
     g.intra = group(intra, "intra");
     g.inter = group(inter, "inter");
   }

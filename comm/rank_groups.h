@@ -5,6 +5,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "comm/communicator.h"
 #include "comm/parallel_dims.h"
@@ -28,6 +29,16 @@ struct Groups {
 // buffers; traced when profiling), given the group's name ("dp", "tp", ...); null keeps MPI.
 using GroupWrapper = std::function<std::unique_ptr<Communicator>(std::unique_ptr<Communicator>,
                                                                  const std::string& group)>;
+
+// The ranks of `peers` on `rank`'s node, and those on the other nodes at its position within
+// theirs (in node order). Throws ConfigError when nodes hold unequal numbers of peers.
+struct NodeSplit {
+  std::vector<int> intra, inter;
+};
+NodeSplit split_by_node(const std::vector<int>& peers, int rank,
+                        const std::function<int(int)>& node);
+// The node of each world rank: parallel.ranks_per_node consecutive ranks a node, or the hosts.
+std::function<int(int)> node_of(World& world, const ParallelConfig& pc);
 
 // by_node: make intra and inter (the hierarchical reduction, the outer steps across nodes).
 // Throws ConfigError when nodes hold unequal numbers of data-parallel peers.

@@ -386,14 +386,17 @@ Config parse_config(const std::string& text, const std::string& origin,
                       at, k.str()));
     }
 
-  if (toml::table* comm = root["comm"].as_table())  // [comm] holds its two sections only
+  // [comm] holds its two sections and two values (read below).
+  if (toml::table* comm = root["comm"].as_table())
     for (auto& [k, v] : *comm)
-      if (k.str() != "compression" && k.str() != "outer") {
+      if (k.str() != "compression" && k.str() != "outer" &&
+          !((k.str() == "budget_ms" || k.str() == "inter_node_gbps") && !v.is_table())) {
         std::string at = where(k.source(), origin);
         for (const auto& [key, o] : origins)
           if (key.starts_with("comm." + std::string(k.str()))) at = o;
         throw ConfigError(
-            fmt::format("{}: unknown section [comm.{}] (expected comm.compression or comm.outer)",
+            fmt::format("{}: unknown section [comm.{}] (expected comm.compression or comm.outer; "
+                        "[comm] itself holds budget_ms and inter_node_gbps)",
                         at, k.str()));
       }
 
@@ -612,24 +615,32 @@ Config parse_config(const std::string& text, const std::string& origin,
           r.origin("stochastic_rounding"), p.compute));
   }
   {
+    SectionReader comm(root, "comm", origin, origins);  // its sections are checked above
+    comm.field("budget_ms", c.comm.budget_ms, at_least(0));
+    comm.field("inter_node_gbps", c.comm.inter_node_gbps, at_least(0));
     SectionReader r(root, "comm.compression", origin, origins);
     CompressionConfig& z = c.comm.compression;
     r.field("method", z.method,
-            one_of({"none", "fp16", "bf16", "int8", "onebit", "topk", "powersgd"}));
+            one_of({"none", "fp16", "bf16", "int8", "onebit", "topk", "powersgd", "auto"}));
     r.field("topk_ratio", z.topk_ratio, in_range(1e-6, 1));
     r.field("powersgd_rank", z.powersgd_rank, in_range(1, 1024));
     r.field("error_feedback", z.error_feedback);
     r.field("warmup_steps", z.warmup_steps, at_least(0));
     r.field("min_bucket_kb", z.min_bucket_kb, at_least(0));
     r.finish();
-    if (z.method != "none" && c.precision.grads != "fp32")
+    if (z.method == "auto" && c.comm.budget_ms <= 0)
+      throw ConfigError(fmt::format(
+          "{}: [comm.compression] method: \"auto\" chooses by [comm] budget_ms, which is not set",
+          r.origin("method")));
+    // ("auto" chooses among what the run allows.)
+    if (z.method != "none" && z.method != "auto" && c.precision.grads != "fp32")
       throw ConfigError(
           fmt::format("{}: [comm.compression] method: \"{}\" compresses fp32 gradients, but "
                       "precision.grads = \"{}\" (set it to \"fp32\")",
                       r.origin("method"), z.method, c.precision.grads));
     // The compressors exchange whole buckets of the step's summed gradients; ZeRO-2 and -3
     // reduce each micro-batch's as its units finish and keep no bucket whole.
-    if (z.method != "none" && c.parallel.zero >= 2)
+    if (z.method != "none" && z.method != "auto" && c.parallel.zero >= 2)
       throw ConfigError(fmt::format(
           "{}: [comm.compression] method: \"{}\" compresses the flat gradient buffer that "
           "parallel.zero = {} does not keep (use zero = 1 with compression)",
@@ -863,7 +874,9 @@ std::string config_to_toml(const Config& c) {
                                 {"min_scale", c.precision.min_scale},
                                 {"max_min_scale_overflows", c.precision.max_min_scale_overflows},
                                 {"stochastic_rounding", c.precision.stochastic_rounding}}},
-      {"comm", toml::table{{"compression",
+      {"comm", toml::table{{"budget_ms", c.comm.budget_ms},
+                           {"inter_node_gbps", c.comm.inter_node_gbps},
+                           {"compression",
                             toml::table{{"method", c.comm.compression.method},
                                         {"topk_ratio", c.comm.compression.topk_ratio},
                                         {"powersgd_rank", c.comm.compression.powersgd_rank},

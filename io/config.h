@@ -143,7 +143,8 @@ struct PrecisionConfig {
 
 // [comm.compression]: lossy data-parallel gradient reduction (see comm/compression.h).
 struct CompressionConfig {
-  std::string method = "none";  // none | fp16 | bf16 | int8 | onebit | topk | powersgd
+  // none | fp16 | bf16 | int8 | onebit | topk | powersgd | auto ([comm] budget_ms)
+  std::string method = "none";
   double topk_ratio = 0.01;
   int powersgd_rank = 4;
   bool error_feedback = true;
@@ -166,6 +167,11 @@ struct OuterConfig {
 struct CommConfig {
   CompressionConfig compression;
   OuterConfig outer;
+  // A budget of inter-node communication exposed per step (ms; 0 = none): the start-up report
+  // says which way of crossing nodes keeps within it, and compression.method = "auto" takes it
+  // (trainer/comm_budget.h). The inter-node bandwidth: measured at start-up when 0.
+  double budget_ms = 0;
+  double inter_node_gbps = 0;
 };
 
 // [checkpoint]: when checkpoints are written, where, how many are kept, and where a run starts.

@@ -139,9 +139,7 @@ void check_memory(const Config& cfg, World& world, Kernels& kernels, const std::
   // its windows and held units.)
   int node_ranks = 0;
   if (cfg.comm.outer.on()) {
-    auto node = [&](int r) {
-      return cfg.parallel.ranks_per_node > 0 ? r / cfg.parallel.ranks_per_node : world.node_of(r);
-    };
+    const auto node = node_of(world, cfg.parallel);
     for (int r : dims.replica_group(world.rank())) node_ranks += node(r) == node(world.rank());
   }
   const MemoryBudget b = memory_budget(cfg, dims, dims.coords(world.rank()),

@@ -29,6 +29,7 @@
 #include "trainer/checkpoint.h"
 #include "trainer/checkpoint_interval.h"
 #include "trainer/checkpoint_writer.h"
+#include "trainer/comm_budget.h"
 #include "trainer/device.h"
 #include "trainer/gpu_health.h"
 #include "trainer/hf_format.h"
@@ -346,6 +347,12 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
               config_path, cfg.train.steps, resume, at, at));
       }))
     return *failed;
+  // [comm] budget_ms: the way across nodes that keeps within it (method = "auto" takes it, so
+  // before anything is sized by the config).
+  CommAdvice comm_advice;
+  if (auto failed = agree_on_setup(
+          world, [&] { comm_advice = advise_communication(cfg, world, config_path); }))
+    return *failed;
   if (auto failed = agree_on_setup(world, [&] {
         placement = place_on_gpus(cfg, world, config_path);
         kernels = make_kernels(cfg, placement);
@@ -400,6 +407,17 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     log.emplace((fs::path(cfg.run.out_dir) / "metrics.jsonl").string(), !resume.empty());
     remove_incomplete_checkpoints(ckpt_dir);  // a crash mid-write left them
     if (const double s = print_start(run); s > 0) log->event({{"planned_step_s", s}});
+    if (!comm_advice.ways.empty()) {
+      fmt::print("{}\n", comm_advice.line);
+      nlohmann::json ways = nlohmann::json::array();
+      for (const CommWay& w : comm_advice.ways)
+        ways.push_back({{"way", w.name}, {"inter_bytes", w.bytes}, {"ms", w.ms}});
+      log->event({{"comm_budget_ms", cfg.comm.budget_ms},
+                  {"inter_node_gbps", comm_advice.gbps},
+                  {"comm_ways", ways},
+                  {"comm_chosen", comm_advice.ways[size_t(comm_advice.chosen)].name},
+                  {"comm_auto", comm_advice.applied}});
+    }
   }
 
   if (run.gatherer) {  // ZeRO-3: this rank's pieces only

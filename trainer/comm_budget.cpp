@@ -1,0 +1,109 @@
+#include "trainer/comm_budget.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+
+#include "comm/rank_groups.h"
+#include "model/model_definition.h"
+#include "trainer/run.h"
+
+namespace trainer {
+namespace {
+
+// The slowest inter-node group's bandwidth in Gbit/s, as a rank sends in a ring all-reduce of
+// 16 MB (the best of three after a warm-up).
+double measure_gbps(Communicator& inter, Communicator& world) {
+  constexpr int64_t n = 4 << 20;
+  std::vector<float> buf(n, 1.0f);
+  double best = 1e30;
+  for (int i = 0; i < 4; i++) {
+    world.barrier();
+    const auto t0 = std::chrono::steady_clock::now();
+    inter.all_reduce(host_ptr(buf.data()), n, ReduceOp::sum);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (i > 0) best = std::min(best, s);
+  }
+  world.all_reduce(host_ptr(&best), 1, ReduceOp::max);
+  const double bytes = 2.0 * 4 * n * (inter.size() - 1) / inter.size();
+  return bytes * 8 / best / 1e9;
+}
+
+}  // namespace
+
+CommAdvice advise_communication(Config& cfg, World& world, const std::string& origin) {
+  CommAdvice a;
+  if (cfg.comm.budget_ms <= 0) return a;
+  const ParallelDims dims = Run::layout(cfg, world.size(), origin);
+  const int rank = world.rank();
+  const NodeSplit split =
+      split_by_node(dims.replica_group(rank), rank, node_of(world, cfg.parallel));
+  // Collective: every rank makes its group.
+  const std::unique_ptr<Communicator> inter = world.group(split.inter);
+  a.nodes = int(split.inter.size());
+  const int L = int(split.intra.size()), N = a.nodes;
+  // The largest stage's elements (every rank's ways are computed alike from it).
+  const RankCoords me = dims.coords(rank);
+  const ModelShard shard = ModelShard::make(cfg.model, me.tp, dims.tp(), me.pp, dims.pp());
+  double elems = double(param_table(cfg.model, shard, 16 * int64_t(dims.replicas())).total);
+  world.comm().all_reduce(host_ptr(&elems), 1, ReduceOp::max);
+  a.gbps = cfg.comm.inter_node_gbps;
+  if (N > 1 && a.gbps <= 0) {
+    a.gbps = measure_gbps(*inter, world.comm());
+    a.measured = true;
+  }
+  auto way = [&](std::string name, double bytes, std::string method, int every) {
+    const double ms = a.gbps > 0 ? bytes * 8 / (a.gbps * 1e9) * 1e3 : 0;
+    a.ways.push_back({std::move(name), bytes, ms, std::move(method), every});
+  };
+  // A rank's part of the node's sum crosses nodes: ring all-reduce of it, or (int8) an
+  // all-gather of its int8 message with a scale per 256 values.
+  const double part = elems / L, ring = 2.0 * (N - 1) / N, gather = N - 1;
+  const double int8_bytes = gather * part * (1 + 4.0 / 256);
+  way("fp32 all-reduce", ring * 4 * part, "none", 0);
+  // Compression needs the flat fp32 gradients (ZeRO 0 or 1).
+  const bool compressible = cfg.precision.grads == "fp32" && cfg.parallel.zero <= 1;
+  if (compressible) {
+    way("fp16", ring * 2 * part, "fp16", 0);
+    way("int8", int8_bytes, "int8", 0);
+  }
+  if (cfg.parallel.cp == 1 && cfg.parallel.zero <= 2)
+    for (int every : {10, 25, 50, 100, 250, 500})
+      way(fmt::format("outer steps every {} (int8)", every), int8_bytes / every, "none", every);
+  for (size_t i = 0; i < a.ways.size() && a.chosen < 0; i++)
+    if (N == 1 || a.ways[i].ms <= cfg.comm.budget_ms) a.chosen = int(i);
+  if (a.chosen < 0) a.chosen = int(a.ways.size()) - 1;
+  const CommWay& chosen = a.ways[size_t(a.chosen)];
+  if (cfg.comm.compression.method == "auto") {
+    cfg.comm.compression.method = chosen.method;
+    if (chosen.outer_every > 0) {
+      cfg.comm.outer.every_steps = chosen.outer_every;
+      cfg.comm.outer.quantize = "int8";
+    } else if (N > 1) {
+      cfg.parallel.allreduce = "hierarchical";  // compress only what crosses nodes
+    }
+    a.applied = true;
+  }
+  std::string ways;
+  for (const CommWay& w : a.ways)
+    ways += fmt::format("{}{} {:.3g} ms", ways.empty() ? "" : ", ", w.name, w.ms);
+  a.line = N == 1 ? fmt::format(
+                        "comm: budget {:.3g} ms a step between nodes: the data-parallel ranks "
+                        "are on one node, nothing crosses nodes{}",
+                        cfg.comm.budget_ms, a.applied ? " (method = \"auto\": none)" : "")
+                  : fmt::format(
+                        "comm: {} nodes at {:.3g} Gbit/s ({}), budget {:.3g} ms a step: {} | "
+                        "{} {}{}",
+                        N, a.gbps, a.measured ? "measured" : "[comm] inter_node_gbps",
+                        cfg.comm.budget_ms, ways,
+                        a.ways[size_t(a.chosen)].ms <= cfg.comm.budget_ms ? "within it:"
+                                                                          : "none fits; the least:",
+                        chosen.name,
+                        a.applied ? " (method = \"auto\": used)"
+                                  : " (compression.method = \"auto\" would use it)");
+  return a;
+}
+
+}  // namespace trainer
