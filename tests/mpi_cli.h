@@ -16,6 +16,9 @@
 
 namespace trainer {
 
+inline std::string quoted(const std::string& s);
+inline std::vector<std::string> loss_texts(const std::string& metrics);
+
 // The binary under mpirun when something is wrong: every rank stops, one line says why, the
 // exit code is 2, nothing is written, and nothing hangs (timeout would exit 124).
 class MpiCli : public test::TempDirTest {
@@ -73,6 +76,25 @@ class MpiCli : public test::TempDirTest {
   static void expect_refused(const test::CommandResult& r, const std::string& why) {
     EXPECT_EQ(r.code, 2) << r.output;
     EXPECT_NE(r.output.find(why), std::string::npos) << r.output;
+  }
+  // Trains `settings` (whose train.steps is `steps`, with a checkpoint every `at` steps) into
+  // <name>_full, resumes it from step `at` into <name>_resumed, and expects each resumed step's
+  // loss to be the full run's, bit for bit. Returns the resumed run's output.
+  std::string expect_resumes_bit_for_bit(int ranks, const std::string& settings,
+                                         const std::string& name, int at, int steps) {
+    auto r = mpirun(ranks, settings + " --set run.out_dir=" + quoted(path(name + "_full")));
+    EXPECT_EQ(r.code, 0) << r.output;
+    char step_dir[32];
+    std::snprintf(step_dir, sizeof step_dir, "/checkpoints/step_%08d", at);
+    r = mpirun(ranks, settings + " --set run.out_dir=" + quoted(path(name + "_resumed")) +
+                          " --set checkpoint.resume=" + quoted(path(name + "_full") + step_dir));
+    EXPECT_EQ(r.code, 0) << r.output;
+    const auto full = loss_texts(path(name + "_full/metrics.jsonl"));
+    const auto resumed = loss_texts(path(name + "_resumed/metrics.jsonl"));
+    EXPECT_EQ(resumed.size(), size_t(steps - at));
+    for (size_t i = 0; i < resumed.size() && at + i < full.size(); i++)
+      EXPECT_EQ(resumed[i], full[at + i]);
+    return r.output;
   }
   static int count(const std::string& text, const std::string& what) {
     int n = 0;

@@ -318,19 +318,11 @@ TEST_F(MpiCli, ResumeRestoresCompressionState) {
         "--set train.steps=12 --set checkpoint.every_steps=6 --set parallel.dp=2 "
         "--set comm.compression.method=" +
         method + " ";
-    auto r = mpirun(2, common + "--set run.out_dir=" + quoted(path(method + "_full")));
-    ASSERT_EQ(r.code, 0) << r.output;
-    r = mpirun(2, common + "--set run.out_dir=" + quoted(path(method + "_resumed")) +
-                      " --set checkpoint.resume=" +
-                      quoted(path(method + "_full/checkpoints/step_00000006")));
-    ASSERT_EQ(r.code, 0) << r.output;
-    EXPECT_EQ(r.output.find("not restored"), std::string::npos) << r.output;
-    const auto full = loss_texts(path(method + "_full/metrics.jsonl"));
-    const auto resumed = loss_texts(path(method + "_resumed/metrics.jsonl"));
-    ASSERT_EQ(resumed.size(), 6u);
-    for (int i = 0; i < 6; i++) EXPECT_EQ(resumed[i], full[6 + i]);
+    const std::string output = expect_resumes_bit_for_bit(2, common, method, 6, 12);
+    EXPECT_EQ(output.find("not restored"), std::string::npos) << output;
     // Buckets cut differently: the saved state would land in the wrong places, so it is not used.
-    r = mpirun(2, common + "--set parallel.bucket_mb=0.01 --set run.out_dir=" +
+    const auto r =
+        mpirun(2, common + "--set parallel.bucket_mb=0.01 --set run.out_dir=" +
                       quoted(path(method + "_rebucketed")) + " --set checkpoint.resume=" +
                       quoted(path(method + "_full/checkpoints/step_00000006")));
     ASSERT_EQ(r.code, 0) << r.output;
@@ -358,17 +350,8 @@ TEST_F(MpiCli, CompressionBesideTensorParallelismResumesBitForBit) {
     const std::string common = "--set train.steps=10 --set checkpoint.every_steps=6 " + layout +
                                "--set parallel.zero=" + zero +
                                " --set comm.compression.method=" + quoted(method) + " ";
-    auto r = mpirun(4, common + "--set run.out_dir=" + quoted(path(name + "_full")));
-    ASSERT_EQ(r.code, 0) << r.output;
-    r = mpirun(4, common + "--set run.out_dir=" + quoted(path(name + "_resumed")) +
-                      " --set checkpoint.resume=" +
-                      quoted(path(name + "_full/checkpoints/step_00000006")));
-    ASSERT_EQ(r.code, 0) << r.output;
-    EXPECT_EQ(r.output.find("not restored"), std::string::npos) << r.output;
-    const auto full = loss_texts(path(name + "_full/metrics.jsonl"));
-    const auto resumed = loss_texts(path(name + "_resumed/metrics.jsonl"));
-    ASSERT_EQ(resumed.size(), 4u);
-    for (int i = 0; i < 4; i++) EXPECT_EQ(resumed[i], full[6 + i]);
+    const std::string output = expect_resumes_bit_for_bit(4, common, name, 6, 10);
+    EXPECT_EQ(output.find("not restored"), std::string::npos) << output;
   }
 }
 

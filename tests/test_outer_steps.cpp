@@ -118,17 +118,8 @@ TEST_F(MpiCli, OuterStepsResumeMidPeriodBitForBit) {
                                kTwoNodes +
                                "--set comm.outer.every_steps=4 --set comm.outer.quantize="
                                "\\\"int8\\\" ";
-    auto r = mpirun(4, common + "--set run.out_dir=" + quoted(path(name + "_full")));
-    ASSERT_EQ(r.code, 0) << r.output;
-    r = mpirun(4, common + "--set run.out_dir=" + quoted(path(name + "_resumed")) +
-                      " --set checkpoint.resume=" +
-                      quoted(path(name + "_full/checkpoints/step_00000006")));
-    ASSERT_EQ(r.code, 0) << r.output;
-    EXPECT_EQ(r.output.find("outer state: not in the checkpoint"), std::string::npos) << r.output;
-    const auto full = loss_texts(path(name + "_full/metrics.jsonl"));
-    const auto resumed = loss_texts(path(name + "_resumed/metrics.jsonl"));
-    ASSERT_EQ(resumed.size(), 4u);
-    for (int i = 0; i < 4; i++) EXPECT_EQ(resumed[i], full[6 + i]);
+    const std::string output = expect_resumes_bit_for_bit(4, common, name, 6, 10);
+    EXPECT_EQ(output.find("outer state: not in the checkpoint"), std::string::npos) << output;
     expect_same_tensors(path(name + "_full/checkpoints/step_00000010/state.h5"),
                         path(name + "_resumed/checkpoints/step_00000010/state.h5"));
   }
@@ -203,4 +194,3 @@ TEST_F(MpiCli, OuterStepsRefuseLayoutsWithoutNodes) {
 
 }  // namespace
 }  // namespace trainer
-
