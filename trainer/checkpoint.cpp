@@ -547,8 +547,13 @@ std::string write_checkpoint(const Snapshot& snap, const ModelConfig& model, Com
       for (size_t r = 0; r < state.sizes.size(); r++) {
         const int64_t n = state.sizes[r];
         if (n == 0) continue;
+        // In writes of about a chunk: one collective write of a filtered dataset holds buffers
+        // for every chunk it touches (a node's whole weights and moments, for outer steps).
+        constexpr int64_t kWrite = 1 << 20;
         std::vector<Box> mine;
-        if (int(r) == me) mine.push_back({0, 0, 1, n});
+        if (int(r) == me)
+          for (int64_t at = 0; at < n; at += kWrite)
+            mine.push_back({0, at, 1, std::min(kWrite, n - at)});
         f.write_part(fmt::format("{}/rank_{}", state.group, r), {n}, mine, state.mine.data());
       }
     f.flush();  // collective: every rank's data is on the file system before the rename

@@ -97,17 +97,24 @@ MemoryBudget memory_budget(const Config& cfg, const ParallelDims& dims, const Ra
     }
     b.collectives = double(in_flight) * dtype_size(*o.grad_dtype);
   }
-  // Only the ranks that write take a copy (ZeRO: every rank its piece; otherwise the first
-  // replica).
-  b.snapshot = cfg.parallel.zero || dims.replica_index(me) == 0 ? owned * 4 * 3 : 0;
+  // Only the ranks that write take a copy (ZeRO: every rank its piece, with outer steps on the
+  // first node only; otherwise the first replica). (With outer steps a node's replicas are
+  // consecutive: the first node's are the first node_ranks.)
+  const int index = dims.replica_index(me);
+  const bool writes = cfg.parallel.zero ? !outer || index < node_ranks : index == 0;
+  b.snapshot = writes ? owned * 4 * 3 : 0;
   if (outer) {
     // Without ZeRO each rank of a node exchanges a slice of the whole model.
     const double slice = cfg.parallel.zero ? owned : owned / node_ranks;
     const bool int8 = cfg.comm.outer.quantize == "int8";
     b.outer = (2 * owned + owned + slice + (int8 ? 2 * slice : 0)) * 4;
-    // Its checkpoint state: the outer weights and momentum, or another node's weights and
-    // moments (at most three of the rank's elements), and the residual.
-    b.snapshot += (3 * owned + (int8 ? slice : 0)) * 4;
+    // Its checkpoint state (trainer/outer_optimizer.cpp, state()): on the first node the outer
+    // weights and momentum, on the others the node's weights and moments, kept by every rank
+    // under ZeRO and otherwise by each node's first (the replicas of a node are consecutive);
+    // and the residual.
+    const bool saves = cfg.parallel.zero > 0 || index % node_ranks == 0;
+    const double kept = saves ? (index < node_ranks ? 2 : 3) * owned : 0;
+    b.snapshot += (kept + (int8 ? slice : 0)) * 4;
   }
   return b;
 }

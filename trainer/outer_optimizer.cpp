@@ -133,6 +133,8 @@ void OuterOptimizer::step(int64_t update) {
 // all hold the same) the first alone; and every rank's error-feedback residual.
 std::vector<float> OuterOptimizer::state() const {
   std::vector<float> out;
+  const int64_t kept = saves() ? (inter_.rank() == 0 ? 2 : 3) * n_ : 0;
+  out.reserve(size_t(kept + (quantizer_ ? quantizer_->state_size() : 0)));  // one allocation
   if (saves() && inter_.rank() == 0) {
     out.insert(out.end(), outer_.begin(), outer_.end());
     out.insert(out.end(), momentum_.begin(), momentum_.end());
