@@ -70,7 +70,12 @@ struct ParamInfo {
   bool tied = false;
   bool tied_copy = false;
 
-  int64_t logical_numel() const;             // of the full tensor
+  int64_t logical_numel() const;  // of the full tensor
+  // Whether other ranks hold copies of these elements that must stay equal: tensor-parallel
+  // replicas (norms, biases), a tied embedding's two ends in a pipeline.
+  bool has_copies(int stages) const {
+    return (split_dim < 0 && tp_size > 1) || (tied && stages > 1);
+  }
   std::vector<int64_t> local_shape() const;  // this rank's real elements (no padding)
   int64_t local_numel() const;
   // The index into the full logical tensor (row-major) of this rank's local element i.

@@ -4,17 +4,6 @@
 #include <stdexcept>
 
 namespace trainer {
-namespace {
-// The int8 quantizer's chunk (one scale per 256 values): each segment starts on a chunk, so
-// that a parameter's quantization depends on its own values alone. Tensor-parallel ranks hold
-// the same replicated parameters (norms, biases) among different neighbours; they must stay
-// equal.
-constexpr int64_t kAlign = 256;
-int64_t aligned(int64_t n) {
-  return (n + kAlign - 1) / kAlign * kAlign;
-}
-}  // namespace
-
 OuterOptimizer::OuterOptimizer(const OuterConfig& cfg, StageExecutor& model, AdamW& inner,
                                Communicator& inter, Communicator& intra, bool sharded)
     : cfg_(cfg),
@@ -25,8 +14,8 @@ OuterOptimizer::OuterOptimizer(const OuterConfig& cfg, StageExecutor& model, Ada
       sharded_(sharded),
       split_(!sharded && intra.size() > 1) {
   if (!cfg.on()) throw std::invalid_argument("OuterOptimizer: [comm.outer] every_steps is 0");
-  for (const AdamW::Segment& s : inner.segments()) n_ += aligned(s.count);
-  slice_ = split_ ? aligned((n_ + intra.size() - 1) / intra.size()) : n_;
+  for (const AdamW::Segment& s : inner.segments()) n_ += s.count;
+  slice_ = split_ ? (n_ + intra.size() - 1) / intra.size() : n_;
   outer_.resize(n_);
   momentum_.assign(n_, 0.0f);
   if (cfg.quantize == "int8") {
@@ -38,11 +27,11 @@ OuterOptimizer::OuterOptimizer(const OuterConfig& cfg, StageExecutor& model, Ada
     for (const AdamW::Segment& s : inner.segments()) {
       for (const ParamInfo& p : model.table().params)
         if (p.offset <= s.offset && s.offset < p.offset + p.numel &&
-            ((p.split_dim < 0 && p.tp_size > 1) || (p.tied && model.shard().stages > 1))) {
+            p.has_copies(model.shard().stages)) {
           const int64_t from = std::max(at, lo), to = std::min(at + s.count, hi);
           if (from < to) exact.push_back({from - lo, to - from});
         }
-      at += aligned(s.count);
+      at += s.count;
     }
     CompressionOptions o;
     o.method = "int8";
@@ -56,8 +45,7 @@ void OuterOptimizer::read_weights(float* dst) const {
       inner_.read_state(AdamW::State::weights, s.state_offset, dst, s.count);
     else  // an fp32 model's own weights
       model_.kernels().download_f32(dst, model_.params() + s.offset, s.count);
-    std::fill(dst + s.count, dst + aligned(s.count), 0.0f);
-    dst += aligned(s.count);
+    dst += s.count;
   }
 }
 
@@ -67,7 +55,7 @@ void OuterOptimizer::write_weights(const float* src, int64_t update) {
       inner_.write_state(AdamW::State::weights, s.state_offset, src, s.count);
     else
       model_.kernels().upload_f32(model_.params() + s.offset, src, s.count);
-    src += aligned(s.count);
+    src += s.count;
   }
   inner_.round_master(update);  // a 16-bit model's compute copy from the master
 }
@@ -75,15 +63,14 @@ void OuterOptimizer::write_weights(const float* src, int64_t update) {
 void OuterOptimizer::read_moments(AdamW::State which, float* dst) const {
   for (const AdamW::Segment& s : inner_.segments()) {
     inner_.read_state(which, s.state_offset, dst, s.count);
-    std::fill(dst + s.count, dst + aligned(s.count), 0.0f);
-    dst += aligned(s.count);
+    dst += s.count;
   }
 }
 
 void OuterOptimizer::write_moments(AdamW::State which, const float* src) {
   for (const AdamW::Segment& s : inner_.segments()) {
     inner_.write_state(which, s.state_offset, src, s.count);
-    src += aligned(s.count);
+    src += s.count;
   }
 }
 

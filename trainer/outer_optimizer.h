@@ -68,8 +68,7 @@ class OuterOptimizer {
   AdamW& inner_;
   Communicator &inter_, &intra_;
   bool sharded_, split_;  // split_: the node's ranks exchange a slice each (no ZeRO)
-  // This rank's elements (its segments, each padded to a multiple of 256), and the slice of
-  // them it exchanges.
+  // This rank's elements (its segments in turn), and the slice of them it exchanges.
   int64_t n_ = 0, slice_ = 0;
   std::vector<float> outer_, momentum_;
   std::unique_ptr<Compressor> quantizer_;  // int8 with error feedback, or null

@@ -180,8 +180,7 @@ struct Run {
         o.matrices.push_back({p.offset, p.numel / cols, cols});
       }
       // Copies that must stay equal: on every tensor-parallel rank, on both ends of the pipeline.
-      if ((p.split_dim < 0 && p.tp_size > 1) || (p.tied && c.parallel.pp > 1))
-        o.exact.push_back({p.offset, p.numel});
+      if (p.has_copies(c.parallel.pp)) o.exact.push_back({p.offset, p.numel});
     }
     return o;
   }
