@@ -78,6 +78,9 @@ outer=(--set comm.outer.quantize='"int8"')
     run "powersgd_r$rank" --set comm.compression.method='"powersgd"' \
       --set comm.compression.powersgd_rank="$rank"
   done
+  for freeze in 25 50 100; do
+    run "onebit_adam_f$freeze" --set optim.name='"onebit_adam"' --set optim.freeze_step="$freeze"
+  done
   run diloco_h10 --set comm.outer.every_steps=10
   run diloco_h10_int8 --set comm.outer.every_steps=10 "${outer[@]}"
   run diloco_h25_int8 --set comm.outer.every_steps=25 "${outer[@]}"

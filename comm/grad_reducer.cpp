@@ -88,7 +88,7 @@ GradReducer::GradReducer(Kernels& k, DPtr grads, DPtr params, int64_t total, Com
     pieces_.push_back({begin + piece_index * piece, piece, begin / P});
     b.piece_offset = begin + piece_index * piece;
     const CompressionOptions& co = options.compression;
-    if (co.method != "none" && n * 4 >= co.min_bucket_elems * 4) {
+    if (co.method != "none" && (n >= co.min_bucket_elems || options.exchange_momentum)) {
       if (grads.dtype != DType::f32)
         throw std::invalid_argument("GradReducer: compression needs fp32 gradients");
       // Hierarchically only the node's part of the bucket crosses nodes, compressed: this
@@ -103,7 +103,11 @@ GradReducer::GradReducer(Kernels& k, DPtr grads, DPtr params, int64_t total, Com
         const int64_t from = std::max(r.offset, lo), to = std::min(r.offset + r.count, hi);
         if (from < to) exact.push_back({from - lo, to - from});
       }
-      b.compressor = make_compressor(co, n / L, inside, exact);
+      b.fresh_compressor = [co, part = n / L, inside, exact] {
+        return make_compressor(co, part, inside, exact);
+      };
+      b.compressor = b.fresh_compressor();
+      if (options.exchange_momentum) b.momentum.assign(size_t(n / L), 0.0f);
     }
     if (!hier) {
       if (options.shard) {
@@ -253,22 +257,61 @@ std::vector<float> GradReducer::compression_state() const {
     if (it->compressor) {
       const std::vector<float> s = it->compressor->state();
       out.insert(out.end(), s.begin(), s.end());
+      out.insert(out.end(), it->momentum.begin(), it->momentum.end());
     }
+  if (opts_.exchange_momentum) out.push_back(momentum_ready_ ? 1.0f : 0.0f);
   return out;
 }
 
 bool GradReducer::set_compression_state(const std::vector<float>& all) {
-  int64_t total = 0;
+  int64_t total = opts_.exchange_momentum ? 1 : 0;
   for (const Bucket& b : buckets_)
-    if (b.compressor) total += b.compressor->state_size();
+    if (b.compressor) total += b.compressor->state_size() + int64_t(b.momentum.size());
   if (total != int64_t(all.size())) return false;
   int64_t at = 0;
   for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it)
     if (it->compressor) {
       it->compressor->set_state(all.data() + at);
       at += it->compressor->state_size();
+      std::copy_n(all.data() + at, it->momentum.size(), it->momentum.begin());
+      at += int64_t(it->momentum.size());
     }
+  if (opts_.exchange_momentum) momentum_ready_ = all.back() != 0;
   return true;
+}
+
+void GradReducer::reset_compression_state() {
+  for (Bucket& b : buckets_) {
+    if (!b.compressor) continue;
+    b.compressor = b.fresh_compressor();
+    std::fill(b.momentum.begin(), b.momentum.end(), 0.0f);
+  }
+  momentum_ready_ = false;
+}
+
+void GradReducer::start_momentum(const std::function<void(int64_t, float*, int64_t)>& read) {
+  Communicator& across = intra_ ? *inter_ : dp_;
+  const int64_t L = intra_ ? intra_->size() : 1;
+  for (Bucket& b : buckets_) {
+    if (!b.compressor) continue;
+    const int64_t part = b.count / L;
+    if (!opts_.shard) {  // the optimizer holds the whole buffer, as it is laid out
+      read(b.begin + (intra_ ? intra_->rank() : 0) * part, b.momentum.data(), part);
+      continue;
+    }
+    // Each rank exchanging the part holds one piece of it: they are gathered by a sum.
+    const int64_t piece = b.count / dp_.size();
+    std::fill(b.momentum.begin(), b.momentum.end(), 0.0f);
+    read(b.begin / dp_.size(), b.momentum.data() + across.rank() * piece, piece);
+    across.all_reduce(host_ptr(b.momentum.data()), part, ReduceOp::sum);
+  }
+  momentum_ready_ = true;
+}
+
+void GradReducer::skip() {
+  started_.assign(buckets_.size(), -1);
+  for (Bucket& b : buckets_) b.launched = false;
+  armed_ = false;
 }
 
 // A compressed bucket: a lossy all-reduce over the whole data-parallel group (compressed
@@ -286,11 +329,17 @@ void GradReducer::reduce_compressed(Bucket& b) {
   if (mine.device) {
     host_bucket_.resize(size_t(part));
     k_.copy_to_host(host_bucket_.data(), mine, part);
-    b.compressor->all_reduce(across, host_bucket_.data(), part);
-    k_.copy_from_host(mine, host_bucket_.data(), part);
-  } else {
-    b.compressor->all_reduce(across, mine.as<float>(), part);
   }
+  float* x = mine.device ? host_bucket_.data() : mine.as<float>();
+  if (opts_.exchange_momentum) {  // this rank's share of the momentum, with its gradients
+    if (!momentum_ready_) throw std::logic_error("GradReducer: momentum exchanged before start");
+    const float beta = opts_.beta1, kept = beta / float(across.size());
+    const float added = (1 - beta) * gradient_scale_;
+    for (int64_t i = 0; i < part; i++) x[i] = kept * b.momentum[i] + added * x[i];
+  }
+  b.compressor->all_reduce(across, x, part);
+  if (opts_.exchange_momentum) std::copy_n(x, part, b.momentum.begin());
+  if (mine.device) k_.copy_from_host(mine, host_bucket_.data(), part);
   if (intra_) intra_->all_gather(mine, bucket, part);
   if (opts_.shard)
     k_.convert(shard_ + b.begin / dp_.size(), grads_ + b.piece_offset, b.count / dp_.size(), 0);

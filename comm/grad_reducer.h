@@ -21,6 +21,16 @@
 // into its shard; the window is lent again once its reduction is done. A unit held for the
 // whole step (a tied embedding's) is reduced from the flat buffer at finish(), as ZeRO-1.
 //
+// 1-bit Adam (exchange_momentum; Tang et al. 2021, "1-bit Adam: Communication Efficient
+// Large-Scale Training with Adam's Convergence Speed") exchanges momentum instead of gradients
+// once compression starts: each rank keeps the momentum m of its part of every bucket (all of
+// it, or hierarchically its 1/L), the same on the ranks it is exchanged with. Its compressor
+// gets u = beta1 m / R + (1 - beta1) s g over the R ranks it is exchanged with (g: the gradients
+// summed so far, s: set_gradient_scale()), so that the sum of the u is the momentum AdamW would
+// have; the (compressed) sum is the new m, and what the reducer leaves in the gradients' place
+// for the optimizer. The signs of a momentum change far less from step to step than a
+// gradient's, which is what lets 1 bit with error feedback keep Adam's convergence.
+//
 // Every reduction in flight, of any bucket and backward, is one entry of a queue in the order
 // they were started: each kind of chain step is issued in that order on its communicator (the
 // same on every rank), and finished reductions are retired from its front, so that the sums
@@ -44,6 +54,9 @@ struct ReducerOptions {
   CompressionOptions compression;
   std::vector<MatrixView> matrices;  // weight matrices in the flat buffer, for PowerSGD
   std::vector<ExactRange> exact;     // elements compression leaves exact (compression.h)
+  // 1-bit Adam: compressed steps exchange momentum (see above; every bucket is compressed).
+  bool exchange_momentum = false;
+  float beta1 = 0.9f;
   // ZeRO-2 (with shard): the gradient units, each a bucket, their boundaries multiples of
   // 16 x dp.size(); `windows` of the largest non-held unit's size are lent in turn.
   std::vector<GradUnit> units;
@@ -113,6 +126,18 @@ class GradReducer : public GradientWindows {
   const std::vector<int>& started_with_layers_left() const { return started_; }
 
   bool compressing() const { return compressing_; }
+  // 1-bit Adam: this step (after start_step) exchanges momentum, not gradients.
+  bool exchanges_momentum() const { return compressing_ && opts_.exchange_momentum; }
+  // Whether the momentum is there to continue from (a restored state, or start_momentum()).
+  bool momentum_ready() const { return momentum_ready_; }
+  // The momentum from the optimizer's, read(at, dst, n) giving n values at state offset `at`
+  // (pieces' shard offsets under ZeRO, where the ranks exchanging a part gather theirs, or
+  // the flat buffer's): at the first step that exchanges it, or after a restore without it.
+  void start_momentum(const std::function<void(int64_t at, float* dst, int64_t n)>& read);
+  // What multiplies the gradients as they join the momentum (clipping, 1 / loss scale).
+  void set_gradient_scale(float scale) { gradient_scale_ = scale; }
+  // A step whose gradients are not reduced (the step guard skips it, before finish()).
+  void skip();
   // Per step: what the compressed buckets would have sent uncompressed, and the seconds spent
   // compressing them (encode, exchange, decode).
   struct CompressionStats {
@@ -121,10 +146,13 @@ class GradReducer : public GradientWindows {
   };
   CompressionStats take_compression_stats();
   // The compressors' state (error-feedback residuals, PowerSGD's Q) of every bucket,
-  // concatenated in buffer order (empty without compression), for checkpoints.
+  // concatenated in buffer order (empty without compression), for checkpoints; with 1-bit Adam
+  // each bucket's momentum follows its compressor's, and a last value says if it is there.
   std::vector<float> compression_state() const;
   // Restores it; false (and nothing changed) if the length differs (another layout or method).
   bool set_compression_state(const std::vector<float>& all);
+  // Back to a fresh run's: residuals zero, PowerSGD's first Q, no momentum.
+  void reset_compression_state();
 
  private:
   // Where one reduction of a bucket reads its gradients, keeps its 1/L part summed inside the
@@ -144,7 +172,9 @@ class GradReducer : public GradientWindows {
     bool held = false;                       // ZeRO-2: reduced from the flat buffer at finish()
     int layers_left = -1;                    // when it was launched: see started_with_layers_left()
     std::unique_ptr<Compressor> compressor;  // null: reduced uncompressed
-    int64_t piece_offset = 0;                // this rank's piece (ZeRO), in the buffer
+    std::function<std::unique_ptr<Compressor>()> fresh_compressor;
+    std::vector<float> momentum;  // 1-bit Adam: this rank's part's
+    int64_t piece_offset = 0;     // this rank's piece (ZeRO), in the buffer
   };
   // One reduction in flight: a bucket's chain on some buffers (a window's, or -1).
   struct Flight {
@@ -186,6 +216,8 @@ class GradReducer : public GradientWindows {
   bool gathers_params_;           // a parameter buffer was given (not under ZeRO-3)
   DPtr grads_, scratch_, shard_;
   bool compressing_ = false;
+  bool momentum_ready_ = false;
+  float gradient_scale_ = 1;
   CompressionStats compression_stats_;
   std::vector<float> host_bucket_;  // a device bucket's copy for the (host) compressors
   int64_t shard_elems_ = 0, bucket_bytes_ = 0;

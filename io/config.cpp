@@ -509,7 +509,8 @@ Config parse_config(const std::string& text, const std::string& origin,
   {
     SectionReader r(root, "optim", origin, origins);
     OptimConfig& o = c.optim;
-    r.field("name", o.name, one_of({"adamw", "sgd"}));
+    r.field("name", o.name, one_of({"adamw", "sgd", "onebit_adam"}));
+    r.field("freeze_step", o.freeze_step, at_least(1));
     r.field("lr", o.lr, in_range(0, 10));
     r.field("min_lr", o.min_lr, in_range(0, 10));
     r.field("betas", o.betas, [](const std::array<double, 2>& b) -> std::optional<std::string> {
@@ -668,6 +669,28 @@ Config parse_config(const std::string& text, const std::string& origin,
           "{}: [comm.outer] every_steps: the outer steps work with parallel.zero = 0, 1 or 2, "
           "found zero = {}",
           r.origin("every_steps"), c.parallel.zero));
+  }
+  if (c.optim.name == "onebit_adam") {
+    // 1-bit Adam exchanges its momentum itself, in whole buckets of the flat gradient buffer
+    // (comm/grad_reducer.h), and every node keeps one optimizer state.
+    const std::string at = SectionReader(root, "optim", origin, origins).origin("name");
+    auto refuse = [&](const std::string& why) {
+      throw ConfigError(fmt::format("{}: [optim] name: \"onebit_adam\" {}", at, why));
+    };
+    if (c.comm.compression.method != "none")
+      refuse(fmt::format(
+          "exchanges its momentum in 1 bit after freeze_step itself: [comm.compression] method "
+          "must be \"none\", found \"{}\"",
+          c.comm.compression.method));
+    if (c.precision.grads != "fp32")
+      refuse(fmt::format("exchanges fp32 momentum: precision.grads must be \"fp32\", found \"{}\"",
+                         c.precision.grads));
+    if (c.parallel.zero >= 2)
+      refuse(fmt::format(
+          "needs the flat gradient buffer that parallel.zero = {} does not keep (use 0 or 1)",
+          c.parallel.zero));
+    if (c.comm.outer.on())
+      refuse("and [comm.outer] every_steps are two ways across nodes: choose one");
   }
   {
     SectionReader r(root, "checkpoint", origin, origins);
@@ -842,6 +865,7 @@ std::string config_to_toml(const Config& c) {
                             {"betas", toml::array{c.optim.betas[0], c.optim.betas[1]}},
                             {"eps", c.optim.eps},
                             {"momentum", c.optim.momentum},
+                            {"freeze_step", c.optim.freeze_step},
                             {"weight_decay", c.optim.weight_decay},
                             {"max_grad_norm", c.optim.max_grad_norm},
                             {"warmup_steps", c.optim.warmup_steps},

@@ -86,8 +86,11 @@ struct TrainConfig {
 
 struct OptimConfig {
   // adamw | sgd (momentum SGD with decoupled weight decay: m = momentum m + g,
-  // w -= lr (m + weight_decay w); the moments' second buffer is unused)
+  // w -= lr (m + weight_decay w); the moments' second buffer is unused) | onebit_adam (1-bit
+  // Adam, Tang et al. 2021: AdamW for freeze_step steps, then v frozen and the momentum, not
+  // the gradient, exchanged across the data-parallel ranks in 1 bit with error feedback)
   std::string name = "adamw";
+  int freeze_step = 100;  // onebit_adam: the updates of its uncompressed warm-up
   double lr = 3e-4;
   double min_lr = 0.0;
   std::array<double, 2> betas = {0.9, 0.95};

@@ -573,6 +573,108 @@ TEST(Mpi, CompressionBytesAndErrorFeedback) {
   }
 }
 
+// 1-bit Adam's momentum bookkeeping: each rank sends beta1 m / R + (1 - beta1) s g, compressed
+// to signs with error feedback, and the sum received is the new momentum. Summed over the ranks,
+// what was received and what the residuals kept is exactly the momentum of the summed
+// gradients (plus the residuals carried in), step after step; the momentum is the same on every
+// rank, and under ZeRO it starts from the pieces the ranks hold. Hierarchically (two nodes of
+// two) the node sums its part first, and only the ranks holding the same part exchange it.
+TEST(Mpi, OnebitAdamMomentumIsTheCompressedSumsBookkeeping) {
+  World& w = *g_world;
+  Communicator& c = w.comm();
+  const int r = c.rank(), P = c.size();
+  auto k = make_cpu_kernels();
+  const int64_t bucket = 16 * P * 8, total = bucket * 6;
+  auto intra = w.group(r < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3});
+  auto inter = w.group(r % 2 == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3});
+  const float beta = 0.9f;
+  for (bool hierarchical : {false, true})
+    for (bool shard : {false, true}) {
+      SCOPED_TRACE(testing::Message() << "hierarchical " << hierarchical << " shard " << shard);
+      std::vector<float> g(total), params(total);
+      ReducerOptions o;
+      o.bucket_elems = bucket;
+      o.shard = shard;
+      o.compression.method = "onebit";
+      o.exchange_momentum = true;
+      o.beta1 = beta;
+      GradReducer reducer(*k, ptr(g), ptr(params), total, c, hierarchical ? intra.get() : nullptr,
+                          hierarchical ? inter.get() : nullptr, o);
+      ASSERT_EQ(reducer.buckets(), 6);
+      // The optimizer's momentum, the same on every rank (held whole, or as pieces).
+      std::vector<double> m(total);
+      for (int64_t i = 0; i < total; i++) m[i] = 0.01 * std::sin(0.37 * double(i));
+      auto read = [&](int64_t at, float* dst, int64_t n) {
+        if (!shard) {
+          for (int64_t i = 0; i < n; i++) dst[i] = float(m[at + i]);
+          return;
+        }
+        for (const GradReducer::Piece& p : reducer.pieces())
+          if (at >= p.shard_offset && at + n <= p.shard_offset + p.count) {
+            for (int64_t i = 0; i < n; i++) dst[i] = float(m[p.offset + at - p.shard_offset + i]);
+            return;
+          }
+        FAIL() << "no piece at shard offset " << at;
+      };
+      // Where this rank's part of bucket b is, in the flat buffer.
+      const int64_t L = hierarchical ? 2 : 1, part = bucket / L;
+      auto part_begin = [&](int64_t b) {
+        return b * bucket + (hierarchical ? intra->rank() : 0) * part;
+      };
+      std::vector<double> carried(total, 0.0);  // the ranks' residuals summed, from the last step
+      std::mt19937 rng(7 + r);
+      std::normal_distribution<float> normal;
+      for (int step = 0; step < 3; step++) {
+        SCOPED_TRACE(step);
+        const float scale = 0.5f + 0.25f * float(step);
+        std::vector<double> sum_g(total);
+        for (int64_t i = 0; i < total; i++) sum_g[i] = g[i] = normal(rng) * 0.1f;
+        c.all_reduce(ptr(sum_g), total, ReduceOp::sum);
+        reducer.start_step(step);
+        ASSERT_TRUE(reducer.exchanges_momentum());
+        EXPECT_EQ(reducer.momentum_ready(), step > 0);
+        if (!reducer.momentum_ready()) reducer.start_momentum(read);
+        reducer.set_gradient_scale(scale);
+        reducer.arm();
+        reducer.ready(0);
+        reducer.finish();
+        // The state: per bucket, its residual then its momentum (this rank's part), then "ready".
+        const std::vector<float> state = reducer.compression_state();
+        ASSERT_EQ(int64_t(state.size()), 6 * 2 * part + 1);
+        EXPECT_EQ(state.back(), 1.0f);
+        std::vector<double> residuals(total, 0.0);
+        for (int64_t b = 0; b < 6; b++)
+          for (int64_t i = 0; i < part; i++) {
+            residuals[part_begin(b) + i] = state[b * 2 * part + i];
+            // The momentum kept is what was received.
+            ASSERT_EQ(state[b * 2 * part + part + i], g[part_begin(b) + i]) << b << " " << i;
+          }
+        c.all_reduce(ptr(residuals), total, ReduceOp::sum);
+        std::vector<double> highest(g.begin(), g.end()), negated_lowest(total);
+        for (int64_t i = 0; i < total; i++) negated_lowest[i] = -double(g[i]);
+        c.all_reduce(ptr(highest), total, ReduceOp::max);
+        c.all_reduce(ptr(negated_lowest), total, ReduceOp::max);
+        for (int64_t i = 0; i < total; i++)
+          ASSERT_EQ(highest[i], -negated_lowest[i]) << "every rank has the same momentum, " << i;
+        for (int64_t i = 0; i < total; i++) {
+          const double want = beta * m[i] + (1 - beta) * scale * sum_g[i] + carried[i];
+          ASSERT_NEAR(g[i] + residuals[i], want, 1e-5) << "received + residuals, element " << i;
+        }
+        if (shard) {  // ZeRO keeps its pieces of it
+          for (const GradReducer::Piece& p : reducer.pieces())
+            for (int64_t i = 0; i < p.count; i++)
+              ASSERT_EQ(reducer.shard_grads().as<float>()[p.shard_offset + i], g[p.offset + i]);
+        }
+        // 1 bit: the residual is far from zero (a sign per value cannot carry the values).
+        double dropped = 0;
+        for (double x : residuals) dropped += std::abs(x);
+        EXPECT_GT(dropped, 1e-3 * double(total));
+        m.assign(g.begin(), g.end());
+        carried = residuals;
+      }
+    }
+}
+
 }  // namespace
 }  // namespace trainer
 

@@ -475,6 +475,29 @@ TEST(Kernels, SgdMatchesReference) {
   EXPECT_EQ(d.download<float>(vd, n), v);
 }
 
+// 1-bit Adam after its warm-up: the gradient is the momentum already exchanged (it replaces m,
+// scaled), v stays as it was, and its bias correction is the one of the step it froze at.
+TEST(Kernels, FrozenVarianceAdamMatchesReference) {
+  Device d;
+  const int n = 257;
+  auto p = random_vector(n, 40), g = random_vector(n, 41), m = random_vector(n, 42, 0.1);
+  auto v = random_vector(n, 43, 0.1);
+  for (float& x : v) x = std::abs(x) + 1e-3f;
+  AdamWArgs a{1e-2f, 0.8f, 0.98f, 1e-6f, 0.1f, 17, 0.5f};
+  a.variance_step = 5;
+  std::vector<double> pw(n), mw(n);
+  const double c1 = 1 / (1 - std::pow(0.8, 17)), c2 = 1 / (1 - std::pow(0.98, 5));
+  for (int i = 0; i < n; i++) {
+    mw[i] = 0.5 * double(g[i]);
+    pw[i] = p[i] - 1e-2 * (mw[i] * c1 / (std::sqrt(v[i] * c2) + 1e-6) + 0.1 * p[i]);
+  }
+  DPtr pd = d.upload(p), md = d.upload(m), vd = d.upload(v);
+  d.k->adamw_update(pd, d.upload(g), md, vd, n, a);
+  EXPECT_TRUE(all_close(d.download<float>(pd, n), pw, kRtol, kAtol));
+  EXPECT_TRUE(all_close(d.download<float>(md, n), mw, kRtol, kAtol));
+  EXPECT_EQ(d.download<float>(vd, n), v);
+}
+
 // The CPU's MFU peak is the best rate it has been seen to reach: a floor (configured or
 // measured by bursts) that its own matmul and attention calls raise and nothing lowers. The
 // rate a caller measures around a call (which includes the call's own timing) can never

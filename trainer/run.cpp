@@ -159,17 +159,19 @@ int64_t restore(Run& run, const std::string& file, bool report, int64_t samples)
     }
   }
   if (rounded || run.gatherer || run.outer) run.gather_params();
-  if (cfg.comm.compression.method != "none") {
+  // (1-bit Adam's momentum is kept there too; without it, it starts from the optimizer's.)
+  if (cfg.comm.compression.method != "none" || cfg.optim.name == "onebit_adam") {
     const Config saved = checkpoint_config(file);
-    const bool same_exchange = ts.layout == run.layout() &&
-                               saved.parallel.bucket_mb == cfg.parallel.bucket_mb &&
-                               saved.parallel.allreduce == cfg.parallel.allreduce &&
-                               saved.comm.compression == cfg.comm.compression;
+    const bool same_exchange =
+        ts.layout == run.layout() && saved.parallel.bucket_mb == cfg.parallel.bucket_mb &&
+        saved.parallel.allreduce == cfg.parallel.allreduce &&
+        saved.comm.compression == cfg.comm.compression && saved.optim.name == cfg.optim.name;
     double restored = same_exchange && run.reducer.set_compression_state(
                                            rank_state(file, "comm/state", run.world.rank()))
                           ? 1
                           : 0;
     run.world.comm().all_reduce(host_ptr(&restored), 1, ReduceOp::sum);
+    if (restored < run.world.size()) run.reducer.reset_compression_state();
     if (report && restored < run.world.size())
       fmt::print(
           "compression state: not restored on {} of {} ranks (saved with another layout, "

@@ -101,6 +101,9 @@ struct Run {
   // Of the spans, those this rank counts in the global gradient norm (each element once), as
   // ranges of the optimizer's gradient buffer: one fused sum per step.
   std::vector<Range> norm_ranges = owned_ranges(spans);
+  // Those of this rank's own gradients, before any reduction, as ranges of the flat buffer: what
+  // 1-bit Adam's steps measure, since they exchange momentum, not gradients.
+  std::vector<Range> local_norm_ranges = owned_ranges(whole_spans(model.table()));
   AdamW optimizer;
   // [comm.outer]: DiLoCo across nodes; the reducer and the optimizer above are then the node's.
   std::unique_ptr<OuterOptimizer> outer;
@@ -174,6 +177,11 @@ struct Run {
     o.compression = {z.method,         z.topk_ratio,   z.powersgd_rank,
                      z.error_feedback, z.warmup_steps, int64_t(z.min_bucket_kb * 1024 / 4),
                      c.run.seed};
+    if (c.optim.name == "onebit_adam") {  // uncompressed warm-up, then 1-bit momentum
+      o.compression = {"onebit", 0, 0, true, c.optim.freeze_step, 0, c.run.seed};
+      o.exchange_momentum = true;
+      o.beta1 = float(c.optim.betas[0]);
+    }
     for (const ParamInfo& p : model.table().params) {  // matrices as this rank holds them
       if (p.shape.size() == 2) {
         const int64_t cols = p.local_shape()[1];

@@ -139,12 +139,11 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
     run.groups.emb->all_reduce(run.model.grad(*run.tied_embedding), run.tied_embedding->numel,
                                ReduceOp::sum);
   run.reducer.ready(0);
-  run.reducer.finish();
+  // 1-bit Adam's compressed steps exchange momentum: what joins it is first clipped by the
+  // norm of the gradients before their exchange, and a skipped step exchanges nothing.
+  const bool exchanges_momentum = run.reducer.exchanges_momentum();
+  if (!exchanges_momentum) run.reducer.finish();
   inject_overflow(run, step, true);
-  const std::vector<int>& started = run.reducer.started_with_layers_left();
-  s.buckets = int(started.size());
-  for (int layers_left : started) s.buckets_overlapped += layers_left > 0;
-  s.first_bucket_layers_left = started.empty() ? -1 : started.front();
   if (run.gatherer) {
     const ParamGatherer::Stats g = run.gatherer->take_stats();
     s.param_gathers = g.gathers;
@@ -172,9 +171,15 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
     if (run.world.rank() == 0) sums[0] = NAN;
   }
   // Each element once: a ZeRO piece, or the first replica's (with outer steps, of each node).
+  // Before an exchange of momentum, each rank's own gradients: the norm is then the replicas'
+  // root mean square, an upper bound of the mean gradient's (Cauchy-Schwarz).
   const bool counts_norm =
       zero || (run.outer ? run.groups.intra->rank() == 0 : run.replica_leader());
-  if (counts_norm) sums[1] = run.kernels->sum_squares(grads, run.norm_ranges);
+  if (exchanges_momentum)
+    sums[1] = run.kernels->sum_squares(run.model.grads(), run.local_norm_ranges) *
+              run.gradient_replicas();
+  else if (counts_norm)
+    sums[1] = run.kernels->sum_squares(grads, run.norm_ranges);
   if (workers > 1) sums[5 + run.groups.inter->rank()] = sums[1];
   run.world.comm().all_reduce(host_ptr(sums.data()), int64_t(sums.size()), ReduceOp::sum);
   s.stop = sums[2] > 0;  // a signal reached some rank: every rank stops after this step
@@ -192,11 +197,32 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   s.rollback = verdict == StepGuard::Verdict::rollback;
   s.skipped = overflow || verdict != StepGuard::Verdict::good;
   run.scaler.update(overflow);
+  const double max_norm = cfg.optim.max_grad_norm;
+  const double clip = max_norm > 0 && own_norm > max_norm ? max_norm / own_norm : 1.0;
+  // The gradients scaled (clipped, the loss scale undone) where they are used: in the update, or
+  // as they join the momentum exchanged.
+  double update_scale = clip / scale;
+  if (exchanges_momentum) {
+    phase.emplace(&run.trace, "momentum exchange", "phase");
+    if (s.skipped) {
+      run.reducer.skip();
+    } else {
+      if (!run.reducer.momentum_ready())
+        run.reducer.start_momentum([&](int64_t at, float* dst, int64_t n) {
+          run.optimizer.read_state(AdamW::State::m, at, dst, n);
+        });
+      run.reducer.set_gradient_scale(float(update_scale));
+      run.reducer.finish();
+      update_scale = 1;
+    }
+  }
+  const std::vector<int>& started = run.reducer.started_with_layers_left();
+  s.buckets = int(started.size());
+  for (int layers_left : started) s.buckets_overlapped += layers_left > 0;
+  s.first_bucket_layers_left = started.empty() ? -1 : started.front();
   phase.emplace(&run.trace, "optimizer", "phase");
   if (!s.skipped) {
-    const double max_norm = cfg.optim.max_grad_norm;
-    const double clip = max_norm > 0 && own_norm > max_norm ? max_norm / own_norm : 1.0;
-    run.optimizer.update(float(s.lr), float(clip / scale), step + 1);
+    run.optimizer.update(float(s.lr), float(update_scale), step + 1);
     run.gather_params();
   }
   // The nodes meet (on schedule, whether or not this step updated).

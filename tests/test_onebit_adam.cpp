@@ -1,0 +1,126 @@
+// [optim] name = "onebit_adam" (1-bit Adam) under real mpirun: 4 ranks, as two simulated nodes
+// of 2 where the exchange is hierarchical. The reducer's bookkeeping of the momentum is checked
+// in tests/test_comm_mpi.cpp; here the optimizer, the step and the checkpoints around it.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "mpi_cli.h"
+
+namespace trainer {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr const char* kTwoNodes =
+    "--set parallel.ranks_per_node=2 --set parallel.allreduce=\\\"hierarchical\\\" ";
+constexpr const char* kOnebitAdam = "--set optim.name=\\\"onebit_adam\\\" ";
+
+// Each step's bytes rank 0 sent to the other node.
+std::vector<int64_t> inter_bytes(const std::string& metrics) {
+  std::vector<int64_t> out;
+  std::ifstream in(metrics);
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (!j.contains("loss")) continue;
+    out.push_back(j.contains("bytes_sent_groups") ? j["bytes_sent_groups"].value("inter", 0) : 0);
+  }
+  return out;
+}
+
+std::vector<float> moment(const std::string& state_file, const std::string& which,
+                          const ParamInfo& p) {
+  H5File f = H5File::open_read(state_file);
+  std::vector<float> v(p.logical_numel());
+  f.read("optim/" + which + "/" + p.name, p.shape, v.data());
+  return v;
+}
+
+// After freeze_step (4) updates, v is never touched again, while the weights and m move on. m is
+// then what the nodes exchanged: the sum of two nodes' 1-bit messages, each a sign times one
+// scale per 256 values, has at most 4 distinct values per 256 (AdamW's would be all different).
+// What crosses nodes falls from fp32's to about a 32nd of it.
+TEST_F(MpiCli, OnebitAdamFreezesTheVarianceAndExchangesOneBitMomentum) {
+  const auto r =
+      mpirun(4, std::string("--set train.steps=8 --set parallel.dp=4 ") + kTwoNodes + kOnebitAdam +
+                    "--set optim.freeze_step=4 --set checkpoint.every_steps=4");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::string at4 = path("out/checkpoints/step_00000004/state.h5");
+  const std::string at8 = path("out/checkpoints/step_00000008/state.h5");
+  std::set<float> distinct_m;
+  int64_t values = 0;
+  for (const ParamInfo& p : param_table(cli_model()).params) {
+    EXPECT_EQ(moment(at4, "v", p), moment(at8, "v", p)) << p.name;
+    EXPECT_NE(moment(at4, "m", p), moment(at8, "m", p)) << p.name;
+    EXPECT_NE(checkpoint_param(at4, p.name), checkpoint_param(at8, p.name)) << p.name;
+    for (float x : moment(at8, "m", p)) distinct_m.insert(x);
+    values += p.logical_numel();
+  }
+  // Each rank's part of the one bucket starts a run of 256-value chunks: a few more chunks than
+  // values / 256.
+  EXPECT_LE(int64_t(distinct_m.size()), 4 * (values / 256 + 4)) << values << " values";
+  const std::vector<int64_t> inter = inter_bytes(path("out/metrics.jsonl"));
+  ASSERT_EQ(inter.size(), 8u);
+  for (int s = 0; s < 4; s++) EXPECT_EQ(inter[s], inter[0]) << s;
+  for (int s = 4; s < 8; s++) {
+    EXPECT_GT(inter[s], 0) << s;
+    EXPECT_LT(inter[s] * 25, inter[0]) << s;
+  }
+}
+
+// A resume in the 1-bit phase continues bit for bit (the residuals and the momentum come back),
+// and so does one from the warm-up, whose saved state has no momentum yet: it starts from the
+// optimizer's at freeze_step, as the uninterrupted run's did. In each layout: two nodes of dp 2
+// without and with ZeRO-1 (the momentum gathered from the pieces), dp 2 x tp 2 (tensor-parallel
+// replicas of norms and biases exchanged exactly) and dp 2 x pp 2 with ZeRO-1.
+TEST_F(MpiCli, OnebitAdamResumesBitForBit) {
+  // name, layout, freeze_step (the resume is at step 6)
+  const std::vector<std::tuple<std::string, std::string, int>> layouts = {
+      {"dp4", std::string("--set parallel.dp=4 ") + kTwoNodes, 3},
+      {"dp4_warm_up", std::string("--set parallel.dp=4 ") + kTwoNodes, 8},
+      {"dp4_zero1", std::string("--set parallel.dp=4 --set parallel.zero=1 ") + kTwoNodes, 3},
+      {"dp2_tp2", "--set parallel.dp=2 --set parallel.tp=2 ", 3},
+      {"dp2_pp2_zero1", "--set parallel.dp=2 --set parallel.pp=2 --set parallel.zero=1 ", 3}};
+  for (const auto& [name, layout, freeze] : layouts) {
+    SCOPED_TRACE(name);
+    const std::string common = "--set train.steps=10 --set checkpoint.every_steps=6 " + layout +
+                               kOnebitAdam + "--set optim.freeze_step=" + std::to_string(freeze);
+    const std::string output = expect_resumes_bit_for_bit(4, common, name, 6, 10);
+    EXPECT_EQ(output.find("compression state: not restored"), std::string::npos) << output;
+    expect_same_tensors(path(name + "_full/checkpoints/step_00000010/state.h5"),
+                        path(name + "_resumed/checkpoints/step_00000010/state.h5"));
+  }
+  // In another layout the saved exchange does not apply: the momentum starts from the
+  // optimizer's (resharded), the residuals from zero, and the run says so.
+  const auto r = mpirun(
+      4,
+      std::string("--set train.steps=10 --set parallel.dp=4 ") + kOnebitAdam +
+          "--set optim.freeze_step=3 --set run.out_dir=" + quoted(path("other")) +
+          " --set checkpoint.resume=" + quoted(path("dp4_zero1_full/checkpoints/step_00000006")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(count(r.output, "compression state: not restored on 4 of 4 ranks"), 1) << r.output;
+  EXPECT_EQ(steps_of(path("other/metrics.jsonl")).size(), 4u);
+}
+
+TEST_F(MpiCli, OnebitAdamRefusesWhatItCannotExchange) {
+  const std::string onebit = std::string("--set parallel.dp=2 ") + kOnebitAdam;
+  auto r = mpirun(2, onebit + "--set comm.compression.method=\\\"int8\\\"");
+  expect_refused(r, "[optim] name: \"onebit_adam\" exchanges its momentum in 1 bit");
+  EXPECT_FALSE(fs::exists(path("out")));
+  r = mpirun(2, onebit + "--set parallel.zero=2");
+  expect_refused(r, "[optim] name: \"onebit_adam\" needs the flat gradient buffer");
+  r = mpirun(2,
+             onebit + "--set precision.grads=\\\"compute\\\" --set precision.compute=\\\"bf16\\\"");
+  expect_refused(r, "[optim] name: \"onebit_adam\" exchanges fp32 momentum");
+  r = mpirun(4, std::string("--set parallel.dp=4 --set parallel.ranks_per_node=2 ") + kOnebitAdam +
+                    "--set comm.outer.every_steps=2");
+  expect_refused(r, "[optim] name: \"onebit_adam\" and [comm.outer] every_steps are two ways");
+}
+
+}  // namespace
+}  // namespace trainer
