@@ -78,8 +78,13 @@ outer=(--set comm.outer.quantize='"int8"')
     run "powersgd_r$rank" --set comm.compression.method='"powersgd"' \
       --set comm.compression.powersgd_rank="$rank"
   done
+  # 1-bit Adam: v frozen after 25, 50 or 100 steps; the warm-up uncompressed, or in int8.
   for freeze in 25 50 100; do
     run "onebit_adam_f$freeze" --set optim.name='"onebit_adam"' --set optim.freeze_step="$freeze"
+  done
+  for freeze in 50 100; do
+    run "onebit_adam_f${freeze}_int8" --set optim.name='"onebit_adam"' \
+      --set optim.freeze_step="$freeze" --set comm.compression.method='"int8"'
   done
   run diloco_h10 --set comm.outer.every_steps=10
   run diloco_h10_int8 --set comm.outer.every_steps=10 "${outer[@]}"

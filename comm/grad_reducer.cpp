@@ -88,7 +88,8 @@ GradReducer::GradReducer(Kernels& k, DPtr grads, DPtr params, int64_t total, Com
     pieces_.push_back({begin + piece_index * piece, piece, begin / P});
     b.piece_offset = begin + piece_index * piece;
     const CompressionOptions& co = options.compression;
-    if (co.method != "none" && (n >= co.min_bucket_elems || options.exchange_momentum)) {
+    const bool gradients_compressed = co.method != "none" && n >= co.min_bucket_elems;
+    if (gradients_compressed || options.momentum.on) {
       if (grads.dtype != DType::f32)
         throw std::invalid_argument("GradReducer: compression needs fp32 gradients");
       // Hierarchically only the node's part of the bucket crosses nodes, compressed: this
@@ -103,11 +104,14 @@ GradReducer::GradReducer(Kernels& k, DPtr grads, DPtr params, int64_t total, Com
         const int64_t from = std::max(r.offset, lo), to = std::min(r.offset + r.count, hi);
         if (from < to) exact.push_back({from - lo, to - from});
       }
-      b.fresh_compressor = [co, part = n / L, inside, exact] {
-        return make_compressor(co, part, inside, exact);
+      b.make_compressor = [part = n / L, inside, exact](const CompressionOptions& o) {
+        return make_compressor(o, part, inside, exact);
       };
-      b.compressor = b.fresh_compressor();
-      if (options.exchange_momentum) b.momentum.assign(size_t(n / L), 0.0f);
+      if (gradients_compressed) b.compressor = b.make_compressor(co);
+      if (options.momentum.on) {
+        b.momentum_compressor = b.make_compressor(options.momentum.compression);
+        b.momentum.assign(size_t(n / L), 0.0f);
+      }
     }
     if (!hier) {
       if (options.shard) {
@@ -212,7 +216,9 @@ void GradReducer::retire_front() {
 }
 
 void GradReducer::start_step(int64_t step) {
-  compressing_ = opts_.compression.method != "none" && step >= opts_.compression.warmup_steps;
+  exchanging_momentum_ = opts_.momentum.on && step >= opts_.momentum.from_step;
+  compressing_ = exchanging_momentum_ ||
+                 (opts_.compression.method != "none" && step >= opts_.compression.warmup_steps);
   if (windowed_) k_.zero(shard_, shard_elems_);
 }
 
@@ -253,58 +259,68 @@ GradReducer::CompressionStats GradReducer::take_compression_stats() {
 
 std::vector<float> GradReducer::compression_state() const {
   std::vector<float> out;
-  for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it)
-    if (it->compressor) {
-      const std::vector<float> s = it->compressor->state();
-      out.insert(out.end(), s.begin(), s.end());
-      out.insert(out.end(), it->momentum.begin(), it->momentum.end());
+  auto add = [&out](const std::vector<float>& s) { out.insert(out.end(), s.begin(), s.end()); };
+  for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it) {
+    if (it->compressor) add(it->compressor->state());
+    if (it->momentum_compressor) {
+      add(it->momentum_compressor->state());
+      add(it->momentum);
     }
-  if (opts_.exchange_momentum) out.push_back(momentum_ready_ ? 1.0f : 0.0f);
+  }
+  if (opts_.momentum.on) out.push_back(momentum_ready_ ? 1.0f : 0.0f);
   return out;
 }
 
 bool GradReducer::set_compression_state(const std::vector<float>& all) {
-  int64_t total = opts_.exchange_momentum ? 1 : 0;
-  for (const Bucket& b : buckets_)
-    if (b.compressor) total += b.compressor->state_size() + int64_t(b.momentum.size());
+  int64_t total = opts_.momentum.on ? 1 : 0;
+  for (const Bucket& b : buckets_) {
+    if (b.compressor) total += b.compressor->state_size();
+    if (b.momentum_compressor)
+      total += b.momentum_compressor->state_size() + int64_t(b.momentum.size());
+  }
   if (total != int64_t(all.size())) return false;
-  int64_t at = 0;
-  for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it)
+  const float* at = all.data();
+  for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it) {
     if (it->compressor) {
-      it->compressor->set_state(all.data() + at);
+      it->compressor->set_state(at);
       at += it->compressor->state_size();
-      std::copy_n(all.data() + at, it->momentum.size(), it->momentum.begin());
-      at += int64_t(it->momentum.size());
     }
-  if (opts_.exchange_momentum) momentum_ready_ = all.back() != 0;
+    if (it->momentum_compressor) {
+      it->momentum_compressor->set_state(at);
+      at += it->momentum_compressor->state_size();
+      std::copy_n(at, it->momentum.size(), it->momentum.begin());
+      at += it->momentum.size();
+    }
+  }
+  if (opts_.momentum.on) momentum_ready_ = all.back() != 0;
   return true;
 }
 
 void GradReducer::reset_compression_state() {
   for (Bucket& b : buckets_) {
-    if (!b.compressor) continue;
-    b.compressor = b.fresh_compressor();
+    if (b.compressor) b.compressor = b.make_compressor(opts_.compression);
+    if (b.momentum_compressor)
+      b.momentum_compressor = b.make_compressor(opts_.momentum.compression);
     std::fill(b.momentum.begin(), b.momentum.end(), 0.0f);
   }
   momentum_ready_ = false;
 }
 
-void GradReducer::start_momentum(const std::function<void(int64_t, float*, int64_t)>& read) {
+void GradReducer::read_part(const Bucket& b, const OptimizerReader& read, float* dst) {
   Communicator& across = intra_ ? *inter_ : dp_;
-  const int64_t L = intra_ ? intra_->size() : 1;
-  for (Bucket& b : buckets_) {
-    if (!b.compressor) continue;
-    const int64_t part = b.count / L;
-    if (!opts_.shard) {  // the optimizer holds the whole buffer, as it is laid out
-      read(b.begin + (intra_ ? intra_->rank() : 0) * part, b.momentum.data(), part);
-      continue;
-    }
-    // Each rank exchanging the part holds one piece of it: they are gathered by a sum.
-    const int64_t piece = b.count / dp_.size();
-    std::fill(b.momentum.begin(), b.momentum.end(), 0.0f);
-    read(b.begin / dp_.size(), b.momentum.data() + across.rank() * piece, piece);
-    across.all_reduce(host_ptr(b.momentum.data()), part, ReduceOp::sum);
-  }
+  const int64_t part = b.count / node_ranks_;
+  if (!opts_.shard)  // the optimizer holds the whole buffer, as it is laid out
+    return read(b.begin + (intra_ ? intra_->rank() : 0) * part, dst, part);
+  // Each rank exchanging the part holds one piece of it: they are gathered by a sum.
+  const int64_t piece = b.count / dp_.size();
+  std::fill(dst, dst + part, 0.0f);
+  read(b.begin / dp_.size(), dst + across.rank() * piece, piece);
+  across.all_reduce(host_ptr(dst), part, ReduceOp::sum);
+}
+
+void GradReducer::start_momentum(const OptimizerReader& momentum) {
+  for (Bucket& b : buckets_)
+    if (b.momentum_compressor) read_part(b, momentum, b.momentum.data());
   momentum_ready_ = true;
 }
 
@@ -331,14 +347,15 @@ void GradReducer::reduce_compressed(Bucket& b) {
     k_.copy_to_host(host_bucket_.data(), mine, part);
   }
   float* x = mine.device ? host_bucket_.data() : mine.as<float>();
-  if (opts_.exchange_momentum) {  // this rank's share of the momentum, with its gradients
-    if (!momentum_ready_) throw std::logic_error("GradReducer: momentum exchanged before start");
-    const float beta = opts_.beta1, kept = beta / float(across.size());
+  if (exchanging_momentum_) {  // this rank's share of the momentum, with its gradients
+    if (!momentum_ready_)
+      throw std::logic_error("GradReducer: momentum exchanged before start_momentum()");
+    const float beta = opts_.momentum.beta1, kept = beta / float(across.size());
     const float added = (1 - beta) * gradient_scale_;
     for (int64_t i = 0; i < part; i++) x[i] = kept * b.momentum[i] + added * x[i];
   }
-  b.compressor->all_reduce(across, x, part);
-  if (opts_.exchange_momentum) std::copy_n(x, part, b.momentum.begin());
+  active(b)->all_reduce(across, x, part);
+  if (exchanging_momentum_) std::copy_n(x, part, b.momentum.begin());
   if (mine.device) k_.copy_from_host(mine, host_bucket_.data(), part);
   if (intra_) intra_->all_gather(mine, bucket, part);
   if (opts_.shard)
@@ -367,7 +384,7 @@ void GradReducer::finish() {
   for (Bucket& b : buckets_) started_.push_back(std::exchange(b.layers_left, -1));
   if (compressing_) {
     for (Bucket& b : buckets_) {
-      if (b.compressor) {
+      if (active(b)) {
         reduce_compressed(b);
       } else {
         launch(b, flat_buffers(b));

@@ -21,15 +21,18 @@
 // into its shard; the window is lent again once its reduction is done. A unit held for the
 // whole step (a tied embedding's) is reduced from the flat buffer at finish(), as ZeRO-1.
 //
-// 1-bit Adam (exchange_momentum; Tang et al. 2021, "1-bit Adam: Communication Efficient
+// 1-bit Adam (ReducerOptions::momentum; Tang et al. 2021, "1-bit Adam: Communication Efficient
 // Large-Scale Training with Adam's Convergence Speed") exchanges momentum instead of gradients
-// once compression starts: each rank keeps the momentum m of its part of every bucket (all of
-// it, or hierarchically its 1/L), the same on the ranks it is exchanged with. Its compressor
-// gets u = beta1 m / R + (1 - beta1) s g over the R ranks it is exchanged with (g: the gradients
-// summed so far, s: set_gradient_scale()), so that the sum of the u is the momentum AdamW would
-// have; the (compressed) sum is the new m, and what the reducer leaves in the gradients' place
-// for the optimizer. The signs of a momentum change far less from step to step than a
-// gradient's, which is what lets 1 bit with error feedback keep Adam's convergence.
+// from a given step on, with Adam's variance frozen. Each rank keeps the momentum m of its part
+// of every bucket (all of it, or hierarchically its 1/L), the same on the ranks it is exchanged
+// with. Its compressor gets u = beta1 m / R + (1 - beta1) s g over the R ranks it is exchanged
+// with (g: the gradients summed so far, s: set_gradient_scale()), so that the sum of the u is
+// the momentum AdamW would have; their compressed sum is the new m, and what the reducer leaves
+// in the gradients' place for the optimizer. The signs of a momentum change far less from step
+// to step than a gradient's, which is what lets 1 bit with error feedback keep Adam's
+// convergence. (Exchanging m / (sqrt(v) + eps) instead, the update's direction, bounds each
+// element's error by its chunk's mean update; measured on tiny.toml it did worse: +2.2% against
+// +0.4% validation loss with v frozen at step 50 of 1000, bench/compression_quality.sh.)
 //
 // Every reduction in flight, of any bucket and backward, is one entry of a queue in the order
 // they were started: each kind of chain step is issued in that order on its communicator (the
@@ -54,9 +57,14 @@ struct ReducerOptions {
   CompressionOptions compression;
   std::vector<MatrixView> matrices;  // weight matrices in the flat buffer, for PowerSGD
   std::vector<ExactRange> exact;     // elements compression leaves exact (compression.h)
-  // 1-bit Adam: compressed steps exchange momentum (see above; every bucket is compressed).
-  bool exchange_momentum = false;
-  float beta1 = 0.9f;
+  // 1-bit Adam: from step from_step on, every bucket exchanges momentum (see above), compressed
+  // with `compression` (1 bit); before it the gradients, with ReducerOptions::compression.
+  struct MomentumExchange {
+    bool on = false;
+    float beta1 = 0.9f;
+    int64_t from_step = 0;
+    CompressionOptions compression;
+  } momentum;
   // ZeRO-2 (with shard): the gradient units, each a bucket, their boundaries multiples of
   // 16 x dp.size(); `windows` of the largest non-held unit's size are lent in turn.
   std::vector<GradUnit> units;
@@ -127,13 +135,15 @@ class GradReducer : public GradientWindows {
 
   bool compressing() const { return compressing_; }
   // 1-bit Adam: this step (after start_step) exchanges momentum, not gradients.
-  bool exchanges_momentum() const { return compressing_ && opts_.exchange_momentum; }
+  bool exchanges_momentum() const { return exchanging_momentum_; }
   // Whether the momentum is there to continue from (a restored state, or start_momentum()).
   bool momentum_ready() const { return momentum_ready_; }
-  // The momentum from the optimizer's, read(at, dst, n) giving n values at state offset `at`
-  // (pieces' shard offsets under ZeRO, where the ranks exchanging a part gather theirs, or
-  // the flat buffer's): at the first step that exchanges it, or after a restore without it.
-  void start_momentum(const std::function<void(int64_t at, float* dst, int64_t n)>& read);
+  // n values of the optimizer's at state offset `at` (its pieces' shard offsets under ZeRO,
+  // else the flat buffer's).
+  using OptimizerReader = std::function<void(int64_t at, float* dst, int64_t n)>;
+  // The momentum from the optimizer's (collective): at the first step that exchanges it, or
+  // after a restore without it. Under ZeRO the ranks exchanging a part gather their pieces.
+  void start_momentum(const OptimizerReader& momentum);
   // What multiplies the gradients as they join the momentum (clipping, 1 / loss scale).
   void set_gradient_scale(float scale) { gradient_scale_ = scale; }
   // A step whose gradients are not reduced (the step guard skips it, before finish()).
@@ -172,7 +182,8 @@ class GradReducer : public GradientWindows {
     bool held = false;                       // ZeRO-2: reduced from the flat buffer at finish()
     int layers_left = -1;                    // when it was launched: see started_with_layers_left()
     std::unique_ptr<Compressor> compressor;  // null: reduced uncompressed
-    std::function<std::unique_ptr<Compressor>()> fresh_compressor;
+    std::unique_ptr<Compressor> momentum_compressor;  // 1-bit Adam's
+    std::function<std::unique_ptr<Compressor>(const CompressionOptions&)> make_compressor;
     std::vector<float> momentum;  // 1-bit Adam: this rank's part's
     int64_t piece_offset = 0;     // this rank's piece (ZeRO), in the buffer
   };
@@ -190,6 +201,12 @@ class GradReducer : public GradientWindows {
     bool lent = false;
   };
   void reduce_compressed(Bucket& b);
+  // The compressor of this step's exchange of b (null: uncompressed).
+  Compressor* active(const Bucket& b) const {
+    return exchanging_momentum_ ? b.momentum_compressor.get() : b.compressor.get();
+  }
+  // This rank's part of b from the optimizer's state, into dst (the part's size).
+  void read_part(const Bucket& b, const OptimizerReader& read, float* dst);
   Buffers flat_buffers(const Bucket& b) const;
   void launch(Bucket& b, Buffers at, int window = -1);
   void progress();  // starts each flight's next step, keeping every step kind in flight order
@@ -215,7 +232,7 @@ class GradReducer : public GradientWindows {
   bool windowed_ = false;         // ZeRO-2
   bool gathers_params_;           // a parameter buffer was given (not under ZeRO-3)
   DPtr grads_, scratch_, shard_;
-  bool compressing_ = false;
+  bool compressing_ = false, exchanging_momentum_ = false;
   bool momentum_ready_ = false;
   float gradient_scale_ = 1;
   CompressionStats compression_stats_;

@@ -677,11 +677,12 @@ Config parse_config(const std::string& text, const std::string& origin,
     auto refuse = [&](const std::string& why) {
       throw ConfigError(fmt::format("{}: [optim] name: \"onebit_adam\" {}", at, why));
     };
-    if (c.comm.compression.method != "none")
+    const std::string& warm_up = c.comm.compression.method;
+    if (warm_up != "none" && warm_up != "fp16" && warm_up != "bf16" && warm_up != "int8")
       refuse(fmt::format(
-          "exchanges its momentum in 1 bit after freeze_step itself: [comm.compression] method "
-          "must be \"none\", found \"{}\"",
-          c.comm.compression.method));
+          "exchanges its momentum in 1 bit after freeze_step itself; [comm.compression] method "
+          "is the warm-up's, one of none, fp16, bf16 or int8, found \"{}\"",
+          warm_up));
     if (c.precision.grads != "fp32")
       refuse(fmt::format("exchanges fp32 momentum: precision.grads must be \"fp32\", found \"{}\"",
                          c.precision.grads));

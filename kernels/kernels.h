@@ -59,8 +59,9 @@ struct AdamWArgs {
   float grad_scale;  // multiplies every gradient first (clipping, 1/loss-scale)
   // Momentum SGD instead (beta1 the momentum; v untouched): see sgd_element in shared_math.h.
   bool sgd = false;
-  // > 0: 1-bit Adam after its warm-up (trainer/adamw.h): the gradient is the momentum, exchanged
-  // across the ranks, and v is frozen as update variance_step left it (its bias correction too).
+  // > 0: 1-bit Adam after its warm-up (trainer/adamw.h): the gradient is the momentum,
+  // exchanged across the ranks, and v is frozen as update variance_step left it (its bias
+  // correction too).
   int64_t variance_step = 0;
 };
 

@@ -105,7 +105,7 @@ template <class T>
 struct AdamWConsts {
   T b1, b2, c1, c2, lr, eps, wd, gs;
   bool sgd = false;     // sgd_element instead
-  bool frozen = false;  // 1-bit Adam's compression stage: the gradient is the momentum, v frozen
+  bool frozen = false;  // 1-bit Adam after warm-up: the gradient is the momentum, v frozen
 };
 // Momentum SGD with decoupled weight decay, b1 the momentum (PyTorch's SGD with dampening 0,
 // the decay applied as AdamW's): linear in the gradient, so that an average of updates is the
@@ -118,7 +118,7 @@ TRAINER_HD void sgd_element(T& param, T grad, T& m, const AdamWConsts<T>& a) {
 template <class T, class Sqrt>
 TRAINER_HD void adamw_element(T& param, T grad, T& m, T& v, const AdamWConsts<T>& a, Sqrt sqrt) {
   if (a.sgd) return sgd_element(param, grad, m, a);
-  if (a.frozen) {
+  if (a.frozen) {  // grad: the momentum, exchanged
     m = grad * a.gs;
     param -= a.lr * ((m * a.c1) / (sqrt(v * a.c2) + a.eps) + a.wd * param);
     return;

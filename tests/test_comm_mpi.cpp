@@ -575,10 +575,10 @@ TEST(Mpi, CompressionBytesAndErrorFeedback) {
 
 // 1-bit Adam's momentum bookkeeping: each rank sends beta1 m / R + (1 - beta1) s g, compressed
 // to signs with error feedback, and the sum received is the new momentum. Summed over the ranks,
-// what was received and what the residuals kept is exactly the momentum of the summed
-// gradients (plus the residuals carried in), step after step; the momentum is the same on every
-// rank, and under ZeRO it starts from the pieces the ranks hold. Hierarchically (two nodes of
-// two) the node sums its part first, and only the ranks holding the same part exchange it.
+// what was received and what the residuals kept is exactly the momentum of the summed gradients
+// (plus the residuals carried in), step after step; the momentum is the same on every rank, and
+// under ZeRO it starts from the pieces the ranks hold. Hierarchically (two nodes of two) the
+// node sums its part first, and only the ranks holding the same part exchange it.
 TEST(Mpi, OnebitAdamMomentumIsTheCompressedSumsBookkeeping) {
   World& w = *g_world;
   Communicator& c = w.comm();
@@ -595,27 +595,30 @@ TEST(Mpi, OnebitAdamMomentumIsTheCompressedSumsBookkeeping) {
       ReducerOptions o;
       o.bucket_elems = bucket;
       o.shard = shard;
-      o.compression.method = "onebit";
-      o.exchange_momentum = true;
-      o.beta1 = beta;
+      o.momentum = {true, beta, 0, CompressionOptions{}};
+      o.momentum.compression.method = "onebit";
       GradReducer reducer(*k, ptr(g), ptr(params), total, c, hierarchical ? intra.get() : nullptr,
                           hierarchical ? inter.get() : nullptr, o);
       ASSERT_EQ(reducer.buckets(), 6);
       // The optimizer's momentum, the same on every rank (held whole, or as pieces).
       std::vector<double> m(total);
-      for (int64_t i = 0; i < total; i++) m[i] = 0.01 * std::sin(0.37 * double(i));
-      auto read = [&](int64_t at, float* dst, int64_t n) {
-        if (!shard) {
-          for (int64_t i = 0; i < n; i++) dst[i] = float(m[at + i]);
-          return;
-        }
-        for (const GradReducer::Piece& p : reducer.pieces())
-          if (at >= p.shard_offset && at + n <= p.shard_offset + p.count) {
-            for (int64_t i = 0; i < n; i++) dst[i] = float(m[p.offset + at - p.shard_offset + i]);
+      for (int64_t i = 0; i < total; i++) m[i] = double(float(0.01 * std::sin(0.37 * double(i))));
+      auto reader = [&](const std::vector<double>& values) {
+        return [&](int64_t at, float* dst, int64_t n) {
+          if (!shard) {
+            for (int64_t i = 0; i < n; i++) dst[i] = float(values[at + i]);
             return;
           }
-        FAIL() << "no piece at shard offset " << at;
+          for (const GradReducer::Piece& p : reducer.pieces())
+            if (at >= p.shard_offset && at + n <= p.shard_offset + p.count) {
+              for (int64_t i = 0; i < n; i++)
+                dst[i] = float(values[p.offset + at - p.shard_offset + i]);
+              return;
+            }
+          FAIL() << "no piece at shard offset " << at;
+        };
       };
+      std::vector<double> d = m;  // what is exchanged
       // Where this rank's part of bucket b is, in the flat buffer.
       const int64_t L = hierarchical ? 2 : 1, part = bucket / L;
       auto part_begin = [&](int64_t b) {
@@ -633,7 +636,7 @@ TEST(Mpi, OnebitAdamMomentumIsTheCompressedSumsBookkeeping) {
         reducer.start_step(step);
         ASSERT_TRUE(reducer.exchanges_momentum());
         EXPECT_EQ(reducer.momentum_ready(), step > 0);
-        if (!reducer.momentum_ready()) reducer.start_momentum(read);
+        if (!reducer.momentum_ready()) reducer.start_momentum(reader(m));
         reducer.set_gradient_scale(scale);
         reducer.arm();
         reducer.ready(0);
@@ -657,7 +660,7 @@ TEST(Mpi, OnebitAdamMomentumIsTheCompressedSumsBookkeeping) {
         for (int64_t i = 0; i < total; i++)
           ASSERT_EQ(highest[i], -negated_lowest[i]) << "every rank has the same momentum, " << i;
         for (int64_t i = 0; i < total; i++) {
-          const double want = beta * m[i] + (1 - beta) * scale * sum_g[i] + carried[i];
+          const double want = beta * d[i] + (1 - beta) * scale * sum_g[i] + carried[i];
           ASSERT_NEAR(g[i] + residuals[i], want, 1e-5) << "received + residuals, element " << i;
         }
         if (shard) {  // ZeRO keeps its pieces of it
@@ -669,7 +672,7 @@ TEST(Mpi, OnebitAdamMomentumIsTheCompressedSumsBookkeeping) {
         double dropped = 0;
         for (double x : residuals) dropped += std::abs(x);
         EXPECT_GT(dropped, 1e-3 * double(total));
-        m.assign(g.begin(), g.end());
+        d.assign(g.begin(), g.end());
         carried = residuals;
       }
     }

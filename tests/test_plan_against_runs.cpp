@@ -17,7 +17,7 @@
 namespace trainer {
 namespace {
 
-// Each rank's memory plan against its measured peak, for 16 layouts of a Llama of 10 blocks (384
+// Each rank's memory plan against its measured peak, for 20 layouts of a Llama of 10 blocks (384
 // wide, 16M parameters; T 64; one process, and 2 and 4 ranks): the peak resident memory above
 // what the process held before the model was allocated, less the file pages mapped since (the
 // token files), within 10% on every rank (130 to 500 MB a rank). A checkpoint is taken after the
@@ -68,6 +68,14 @@ TEST_F(MpiCli, EachRankHoldsWhatThePlanSays) {
       {"dp4 zero1 outer int8", 4,
        "--set parallel.dp=4 --set parallel.zero=1 --set comm.outer.quantize=" + quoted("int8") +
            outer + batch(2, 1)},
+      // Compression's residuals and messages; 1-bit Adam's momentum beside them.
+      {"dp2 int8", 2,
+       "--set parallel.dp=2 --set comm.compression.method=" + quoted("int8") + batch(2, 2)},
+      {"dp4 zero1 onebit_adam", 4,
+       "--set parallel.dp=4 --set parallel.zero=1 --set parallel.ranks_per_node=2 "
+       "--set parallel.allreduce=" +
+           quoted("hierarchical") + " --set optim.name=" + quoted("onebit_adam") +
+           " --set optim.freeze_step=1" + batch(2, 1)},
   };
   double worst = 0;
   for (const Case& c : cases) {

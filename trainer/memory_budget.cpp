@@ -116,6 +116,29 @@ MemoryBudget memory_budget(const Config& cfg, const ParallelDims& dims, const Ra
     const double kept = saves ? (index < node_ranks ? 2 : 3) * owned : 0;
     b.snapshot += (kept + (int8 ? slice : 0)) * 4;
   }
+  const std::string& method = cfg.comm.compression.method;
+  const bool onebit_adam = cfg.optim.name == "onebit_adam";
+  if ((method != "none" || onebit_adam) && shard_ranks > 1 && !outer) {
+    const int L = cfg.parallel.allreduce == "hierarchical" && node_ranks > 0 ? node_ranks : 1;
+    const double part = elems / L;
+    // One bucket's messages from every rank it is exchanged with (a scale per 256 values).
+    const double bucket = std::min(elems, cfg.parallel.bucket_mb * (1 << 20) / 4) / L;
+    const double peers = double(shard_ranks) / L, scales = bucket / 256 * 4;
+    auto gathered = [&](const std::string& m) {
+      return m == "int8"     ? peers * (bucket + scales)
+             : m == "onebit" ? peers * (bucket / 8 + scales)
+             : m == "topk"   ? peers * bucket * cfg.comm.compression.topk_ratio * 8
+                             : 0.0;
+    };
+    // A compressor's residual and its message decoded; 1-bit Adam's own, and the momentum. The
+    // checkpoint copies the residuals and the momentum.
+    const double gradients = method != "none" ? 2 * part : 0;
+    const double momentum = onebit_adam ? 3 * part : 0;
+    b.compression = (gradients + momentum) * 4 +
+                    std::max(gathered(method), onebit_adam ? gathered("onebit") : 0.0);
+    const double residual = method != "none" && cfg.comm.compression.error_feedback ? part : 0;
+    b.snapshot += (residual + (onebit_adam ? 2 * part : 0)) * 4;
+  }
   return b;
 }
 

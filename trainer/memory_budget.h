@@ -39,6 +39,11 @@ struct MemoryBudget {
   // [comm.outer]: the outer weights and momentum of this rank's elements, the int8 residual, and
   // an outer step's pseudo-gradient. Host memory.
   double outer = 0;
+  // Gradient compression's state, of this rank's part of the buffer (all of it, or under the
+  // hierarchical all-reduce 1/node_ranks): each compressor's residual and its own message
+  // decoded, 1-bit Adam's momentum, and one bucket's all-gathered messages (int8, onebit, topk).
+  // Host memory (a checkpoint's copy of the residuals and momentum is in `snapshot`).
+  double compression = 0;
   // The process's own, beyond the buffers above: thread stacks, the allocator's slack, the
   // libraries' working sets (OpenBLAS's, MPI's, HDF5's while a checkpoint is written, its
   // metadata cache capped at 4 MB). A constant, from measurement: 11 to 30 MB a rank over the
@@ -47,11 +52,11 @@ struct MemoryBudget {
   double process = kProcessBytes;
   double total() const {
     return double(model.total()) + optimizer + grad_shard + grad_windows + param_shard +
-           param_windows + collectives + snapshot + offload_staging + outer + process;
+           param_windows + collectives + snapshot + offload_staging + outer + compression + process;
   }
   // What a GPU holds: all but the host's (the offloaded state, the checkpoint's copy, the
   // process's own).
-  double device() const { return total() - offloaded - snapshot - outer - process; }
+  double device() const { return total() - offloaded - snapshot - outer - compression - process; }
 };
 
 // node_ranks: the data-parallel ranks on this rank's node under the hierarchical all-reduce or

@@ -177,11 +177,9 @@ struct Run {
     o.compression = {z.method,         z.topk_ratio,   z.powersgd_rank,
                      z.error_feedback, z.warmup_steps, int64_t(z.min_bucket_kb * 1024 / 4),
                      c.run.seed};
-    if (c.optim.name == "onebit_adam") {  // uncompressed warm-up, then 1-bit momentum
-      o.compression = {"onebit", 0, 0, true, c.optim.freeze_step, 0, c.run.seed};
-      o.exchange_momentum = true;
-      o.beta1 = float(c.optim.betas[0]);
-    }
+    if (c.optim.name == "onebit_adam")  // the warm-up as configured, then 1-bit momentum
+      o.momentum = {true, float(c.optim.betas[0]), c.optim.freeze_step,
+                    CompressionOptions{"onebit", 0, 0, true, 0, 0, c.run.seed}};
     for (const ParamInfo& p : model.table().params) {  // matrices as this rank holds them
       if (p.shape.size() == 2) {
         const int64_t cols = p.local_shape()[1];

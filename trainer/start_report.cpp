@@ -135,7 +135,7 @@ double print_start(const Run& run) {
   // One line from the plan the buffers are allocated by (and that check_memory refuses by).
   fmt::print(
       "memory: recompute {}{}, rank 0 expects {:.1f} MB (weights {:.2f}{}, gradients {:.2f}, "
-      "activations {:.2f}, AdamW {:.2f}{}{}, {}{}checkpoint copy {:.2f}, the process's own "
+      "activations {:.2f}, AdamW {:.2f}{}{}, {}{}{}checkpoint copy {:.2f}, the process's own "
       "{:.0f})\n",
       cfg.memory.recompute,
       cfg.memory.recompute != "none" && cfg.memory.recompute_layers > 0
@@ -160,8 +160,9 @@ double print_start(const Run& run) {
                             : "")
           : "",
       b.collectives > 0 ? fmt::format("reduction temporaries <= {:.2f}, ", b.collectives / MB) : "",
-      b.outer > 0 ? fmt::format("outer steps {:.2f}, ", b.outer / MB) : "", b.snapshot / MB,
-      b.process / MB);
+      b.outer > 0 ? fmt::format("outer steps {:.2f}, ", b.outer / MB) : "",
+      b.compression > 0 ? fmt::format("compression {:.2f}, ", b.compression / MB) : "",
+      b.snapshot / MB, b.process / MB);
   const double planned_s = print_planned_step(run, "step: ");
   fmt::print("precision: compute {}, gradients {}, master weights and AdamW state fp32{}\n",
              precision_name(run.model.params().dtype), precision_name(run.model.grad_dtype()),
