@@ -3,6 +3,7 @@
 // for the device, so that the CPU tests exercise the same formulas the GPU runs: rounding to
 // bf16, the counter-based random bits of stochastic rounding and of dropout, GELU, SiLU, the
 // rotation of RoPE, and one AdamW element. Everything works on raw bits or plain arithmetic.
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -107,6 +108,23 @@ struct AdamWConsts {
   bool sgd = false;     // sgd_element instead
   bool frozen = false;  // 1-bit Adam after warm-up: the gradient is the momentum, v frozen
 };
+// The constants of one update from its arguments (AdamWArgs, kernels/kernels.h), on the host, in
+// T: the CPU and CUDA backends compute the bias corrections alike.
+template <class T, class Args>
+AdamWConsts<T> adamw_consts(const Args& a) {
+  const T b1 = a.beta1, b2 = a.beta2;
+  const int64_t variance_step = a.variance_step ? a.variance_step : a.step;
+  return {b1,
+          b2,
+          T(1) / (T(1) - std::pow(b1, T(a.step))),
+          T(1) / (T(1) - std::pow(b2, T(variance_step))),
+          a.lr,
+          a.eps,
+          a.weight_decay,
+          a.grad_scale,
+          a.sgd,
+          a.variance_step > 0};
+}
 // Momentum SGD with decoupled weight decay, b1 the momentum (PyTorch's SGD with dampening 0,
 // the decay applied as AdamW's): linear in the gradient, so that an average of updates is the
 // update of the average (what local SGD's equivalence with data parallelism rests on).

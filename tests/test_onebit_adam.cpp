@@ -3,6 +3,7 @@
 // in tests/test_comm_mpi.cpp; here the optimizer, the step and the checkpoints around it.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -86,6 +87,23 @@ TEST_F(MpiCli, OnebitAdamFreezesTheVarianceAndExchangesOneBitMomentum) {
     EXPECT_GT(warm[s] * 5, inter[0]) << s;
   }
   for (int s = 4; s < 8; s++) EXPECT_EQ(warm[s], inter[s]) << s;
+  // A step with a non-finite gradient after the freeze (rank 2's, step 5) is skipped on every
+  // rank before anything is exchanged: nothing crosses nodes, the momentum and residuals are
+  // untouched, and training goes on.
+  const auto inf =
+      mpirun(4,
+             std::string("--set train.steps=8 --set parallel.dp=4 ") + kTwoNodes + kOnebitAdam +
+                 "--set optim.freeze_step=4 --set run.out_dir=" + quoted(path("inf")),
+             "TRAINER_TEST_INJECT_INF=5,2 ");
+  ASSERT_EQ(inf.code, 0) << inf.output;
+  const auto skipped = steps_of(path("inf/metrics.jsonl"));
+  const std::vector<int64_t> crossed = inter_bytes(path("inf/metrics.jsonl"));
+  ASSERT_EQ(skipped.size(), 8u);
+  for (int s = 0; s < 8; s++) {
+    EXPECT_EQ(skipped[s].skipped, s == 5) << s;
+    EXPECT_EQ(crossed[s] == 0, s == 5) << s;
+    EXPECT_TRUE(std::isfinite(skipped[s].loss)) << s;
+  }
 }
 
 // A resume in the 1-bit phase continues bit for bit (the residuals and the momentum come back),
@@ -193,6 +211,10 @@ TEST_F(MpiCli, OnebitAdamRefusesWhatItCannotExchange) {
   r = mpirun(4, std::string("--set parallel.dp=4 --set parallel.ranks_per_node=2 ") + kOnebitAdam +
                     "--set comm.outer.every_steps=2");
   expect_refused(r, "[optim] name: \"onebit_adam\" and [comm.outer] every_steps are two ways");
+  // One node exchanging between nodes: nobody to exchange the momentum with.
+  r = mpirun(2, onebit + "--set parallel.ranks_per_node=2 --set parallel.allreduce=" +
+                    quoted("hierarchical"));
+  expect_refused(r, "exchanges the momentum between data-parallel replicas on different nodes");
 }
 
 }  // namespace

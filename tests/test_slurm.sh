@@ -125,13 +125,13 @@ done
 }
 echo "cluster up: node $host, $cpus CPUs, ports $port-$((port + 1))"
 
-# --- the run: 2 ranks (dp 2), about 2 ms a step, 50 s in all -------------------------------
+# --- the run: 2 ranks (dp 2), about 2 ms a step, 10 s in all -------------------------------
 "$trainer" prepare --input "$here/tests/data/pride_and_prejudice_opening.txt" \
   --out-dir "$tmp/data" >/dev/null || {
   fail prepare "trainer prepare failed"
   exit 1
 }
-steps=25000
+steps=5000
 config() { # NAME: a config whose run directory is $tmp/NAME
   cat >"$tmp/$1.toml" <<EOF
 [run]
@@ -194,13 +194,20 @@ print(f"{len(names)} tensors compared, {len(bad)} differ {bad[:3]}")
 sys.exit(1 if bad or not names else 0)
 EOF
 }
-# The jobs' data loader is made 2 ms slower a step (the same batches, the same weights): their
-# runs last about a minute instead of ~35 s, so that a signal lands mid-run even when a loaded
-# machine's controller delivers it late (once in CI, 30 s late: the run had finished by then).
+# A job's first attempt has its data loader 16 ms slower a step (the same batches, the same
+# weights): ~80 s, so that a signal lands mid-run even when a loaded machine's controller
+# delivers it late (once in CI, 30 s late) or the time limit's warning comes 40 s in. The
+# requeued attempt (SLURM_RESTART_COUNT set) trains the rest at full speed.
+cat >"$tmp/trainer_first_slow" <<EOF
+#!/usr/bin/env bash
+((\${SLURM_RESTART_COUNT:-0} > 0)) || export TRAINER_TEST_DATA_DELAY_MS=16
+exec "$trainer" "\$@"
+EOF
+chmod 755 "$tmp/trainer_first_slow"
 submit() { # NAME SBATCH_OPTIONS...: submits train.sbatch for config NAME; prints the job id
   local name=$1
   shift
-  (cd "$here" && TRAINER=$trainer TRAINER_TEST_DATA_DELAY_MS=2 sbatch --parsable --nodes=1 --ntasks-per-node=2 \
+  (cd "$here" && TRAINER=$tmp/trainer_first_slow sbatch --parsable --nodes=1 --ntasks-per-node=2 \
     --output="$tmp/$name-job.log" "$@" scripts/slurm/train.sbatch "$tmp/$name.toml")
 }
 check_job() { # NAME ID SIGNAL: the job's record and log after one preemption
@@ -245,8 +252,8 @@ fi
 
 # --- the time limit's warning: --signal=B:USR1@50 on a one-minute limit -----------------------
 # slurmctld checks time limits every 30 s, so the warning comes 10 to 40 s after the start,
-# or up to a minute early as Slurm allows (seen: 1 to 26 s); the run takes about a minute, so it
-# usually lands mid-run. Once the job has requeued itself, the limit is raised so that the
+# or up to a minute early as Slurm allows (seen: 1 to 26 s); its first attempt takes about 80 s,
+# so it usually lands mid-run. Once the job has requeued itself, the limit is raised so that the
 # rerun can finish.
 # A warning that lands in the trainer's start-up (it then stops with nothing written, the rerun
 # trains from the start) does not exercise the resume: that attempt is repeated once.

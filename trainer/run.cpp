@@ -165,7 +165,8 @@ int64_t restore(Run& run, const std::string& file, bool report, int64_t samples)
     const bool same_exchange =
         ts.layout == run.layout() && saved.parallel.bucket_mb == cfg.parallel.bucket_mb &&
         saved.parallel.allreduce == cfg.parallel.allreduce &&
-        saved.comm.compression == cfg.comm.compression && saved.optim.name == cfg.optim.name;
+        saved.comm.compression == cfg.comm.compression && saved.optim.name == cfg.optim.name &&
+        saved.optim.freeze_step == cfg.optim.freeze_step;
     double restored = same_exchange && run.reducer.set_compression_state(
                                            rank_state(file, "comm/state", run.world.rank()))
                           ? 1
@@ -174,9 +175,10 @@ int64_t restore(Run& run, const std::string& file, bool report, int64_t samples)
     if (restored < run.world.size()) run.reducer.reset_compression_state();
     if (report && restored < run.world.size())
       fmt::print(
-          "compression state: not restored on {} of {} ranks (saved with another layout, "
-          "buckets or method); it starts from zero\n",
-          run.world.size() - int(restored), run.world.size());
+          "compression state: not restored on {} of {} ranks (not in the checkpoint, or saved "
+          "with another layout, buckets or method); the residuals start from zero{}\n",
+          run.world.size() - int(restored), run.world.size(),
+          cfg.optim.name == "onebit_adam" ? ", 1-bit Adam's momentum from the checkpoint's" : "");
   }
   run.resume_blend(ts, report);
   run.data_skipped = ts.data_skipped + (samples >= 0 ? samples - ts.data_samples : 0);

@@ -357,6 +357,19 @@ struct Run {
       outer = std::make_unique<OuterOptimizer>(c.comm.outer, model, optimizer, *groups.inter,
                                                *groups.intra, c.parallel.zero >= 1);
     }
+    if (c.optim.name == "onebit_adam") {
+      // The momentum is exchanged among the ranks the reducer compresses across: alone, it
+      // would only be quantized.
+      const Communicator& across = groups.inter && !outer ? *groups.inter : *groups.dp;
+      double alone = across.size() < 2 ? 1 : 0;
+      w.comm().all_reduce(host_ptr(&alone), 1, ReduceOp::max);
+      if (alone > 0)
+        throw ConfigError(fmt::format(
+            "{}: [optim] name = \"onebit_adam\" exchanges the momentum between data-parallel "
+            "replicas{}, but this rank has none to exchange it with (dp = {})",
+            origin, groups.inter ? " on different nodes (allreduce = \"hierarchical\")" : "",
+            dims.dp()));
+    }
   }
 
   // After the weights changed (an update, a restore): ZeRO-1 and -2 all-gather every updated

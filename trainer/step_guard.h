@@ -26,6 +26,8 @@ class StepGuard {
   std::vector<double> recent_losses() const { return {loss_.values.begin(), loss_.values.end()}; }
   std::vector<double> recent_norms() const { return {norm_.values.begin(), norm_.values.end()}; }
   void restore(const std::vector<double>& losses, const std::vector<double>& norms);
+  // The norms' window starts afresh (when the norm starts meaning something else).
+  void forget_norms() { norm_.values.clear(); }
   int bad_in_a_row() const { return bad_in_a_row_; }
 
  private:

@@ -193,6 +193,9 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   s.lr = lr_at(cfg.optim, step, cfg.train.steps);
   // Every rank sees the same sums, so every rank skips the same steps.
   const bool overflow = !std::isfinite(s.loss) || !std::isfinite(s.grad_norm);
+  // From 1-bit Adam's freeze on the norm is the replicas' root mean square, larger than the
+  // mean gradient's the guard's window holds: the window starts afresh.
+  if (exchanges_momentum && step == cfg.optim.freeze_step) run.guard.forget_norms();
   const StepGuard::Verdict verdict = run.guard.check(s.loss, s.grad_norm, s.bad);
   s.rollback = verdict == StepGuard::Verdict::rollback;
   s.skipped = overflow || verdict != StepGuard::Verdict::good;
@@ -635,9 +638,11 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     snap.config_text = config_to_toml(cfg);
     snap.tokenizer = run.tokenizer->serialize();
     snap.seed = cfg.run.seed;
-    // A protective checkpoint's step was skipped, but its compression residuals have moved on.
+    // A protective checkpoint's step was skipped, but its compression residuals have moved on
+    // (not 1-bit Adam's: a skipped step exchanges nothing).
+    const bool moved_on = protective && !run.reducer.exchanges_momentum();
     snap.rank_states = {
-        {"comm/state", protective ? std::vector<float>{} : run.reducer.compression_state(), {}}};
+        {"comm/state", moved_on ? std::vector<float>{} : run.reducer.compression_state(), {}}};
     if (run.outer) snap.rank_states.push_back({"outer/state", run.outer->state(), {}});
     for (Snapshot::RankState& r : snap.rank_states) {
       double size = double(r.mine.size());

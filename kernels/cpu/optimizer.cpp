@@ -26,18 +26,7 @@ double sum_squares(const T* x, int64_t n) {
 
 template <class T>
 void adamw_update(T* param, const T* grad, T* m, T* v, int64_t n, const AdamWArgs& a) {
-  const T b1 = a.beta1, b2 = a.beta2;
-  const AdamWConsts<T> c{
-      b1,
-      b2,
-      T(1) / (T(1) - std::pow(b1, T(a.step))),
-      T(1) / (T(1) - std::pow(b2, T(a.variance_step ? a.variance_step : a.step))),
-      a.lr,
-      a.eps,
-      a.weight_decay,
-      a.grad_scale,
-      a.sgd,
-      a.variance_step > 0};
+  const AdamWConsts<T> c = adamw_consts<T>(a);
   const auto sqrt = [](T x) { return std::sqrt(x); };
 #pragma omp parallel for simd schedule(static)
   for (int64_t i = 0; i < n; i++) adamw_element(param[i], grad[i], m[i], v[i], c, sqrt);

@@ -109,17 +109,7 @@ void adamw_update(cudaStream_t s, DPtr param, DPtr grad, DPtr m, DPtr v, int64_t
                   const AdamWArgs& a) {
   if (n <= 0) return;
   // The bias corrections in float, as the CPU backend computes them.
-  const AdamWConsts<float> c{
-      a.beta1,
-      a.beta2,
-      1.0f / (1.0f - std::pow(a.beta1, float(a.step))),
-      1.0f / (1.0f - std::pow(a.beta2, float(a.variance_step ? a.variance_step : a.step))),
-      a.lr,
-      a.eps,
-      a.weight_decay,
-      a.grad_scale,
-      a.sgd,
-      a.variance_step > 0};
+  const AdamWConsts<float> c = adamw_consts<float>(a);
   float *p = f32(param), *pm = f32(m), *pv = f32(v);
   dispatch(grad.dtype, [&](auto tag) {
     using G = decltype(tag);
