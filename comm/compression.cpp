@@ -29,8 +29,13 @@ class FeedbackCompressor : public Compressor {
     if (error_feedback_)
       for (int64_t i = 0; i < n; i++) residual_[i] = g[i] += residual_[i];
     exchange(group, g, n, mine_.data());
+    // A non-finite gradient (an fp16 overflow, a fault: the step is skipped) leaves no residual:
+    // kept, it would make every later step's gradients non-finite too.
     if (error_feedback_)
-      for (int64_t i = 0; i < n; i++) residual_[i] -= mine_[i];
+      for (int64_t i = 0; i < n; i++) {
+        const float r = residual_[i] - mine_[i];
+        residual_[i] = std::isfinite(r) ? r : 0.0f;
+      }
   }
   const std::vector<float>& residual() const final { return residual_; }
   std::vector<float> state() const final {
@@ -324,7 +329,10 @@ class PowerSgdCompressor final : public FeedbackCompressor {
       const MatrixView& m = matrices_[k];
       outer(p.data() + po, message.data() + qo, m.rows, m.cols, r, g + m.offset);
       outer(p.data() + po, q_mine.data() + qo, m.rows, m.cols, r, mine + m.offset);
-      std::copy(message.begin() + qo, message.begin() + qo + m.cols * r, q_[k].begin());
+      // The next step starts from this Q (warm start), unless a non-finite gradient made it so.
+      const auto q_begin = message.begin() + qo, q_end = q_begin + m.cols * r;
+      if (std::all_of(q_begin, q_end, [](float x) { return std::isfinite(x); }))
+        std::copy(q_begin, q_end, q_[k].begin());
       po += m.rows * r;
       qo += m.cols * r;
     }

@@ -512,6 +512,28 @@ TEST_F(MpiCli, Fp16OverflowOnOneRankSkipsTheStepEverywhere) {
   }
 }
 
+// With compression, an overflowed step's non-finite gradients pass through the compressors
+// before the step is skipped: they leave no residual (nor PowerSGD's Q) behind, so only that
+// step is skipped (kept, they would make every later step's gradients non-finite).
+TEST_F(MpiCli, AnOverflowLeavesNoCompressionResidual) {
+  for (const char* method : {"int8", "onebit", "topk", "powersgd"}) {
+    SCOPED_TRACE(method);
+    const std::string out = path(std::string("out_") + method);
+    const auto r = mpirun(2,
+                          "--set parallel.dp=2 --set train.steps=6 --set precision.compute="
+                          "\\\"fp16\\\" --set comm.compression.method=" +
+                              quoted(method) + " --set run.out_dir=" + quoted(out),
+                          "TRAINER_TEST_INJECT_INF=2,1 ");
+    ASSERT_EQ(r.code, 0) << r.output;
+    const auto s = steps_of(out + "/metrics.jsonl");
+    ASSERT_EQ(s.size(), 6u);
+    for (int i = 0; i < 6; i++) {
+      EXPECT_EQ(s[i].skipped, i == 2) << "step " << i;
+      EXPECT_TRUE(std::isfinite(s[i].loss)) << "step " << i;
+    }
+  }
+}
+
 TEST_F(MpiCli, OverflowsAtTheMinimumScaleEndTheRun) {
   const auto r = mpirun(2,
                         "--set parallel.dp=2 --set train.steps=8 --set precision.compute="
