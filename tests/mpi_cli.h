@@ -108,6 +108,26 @@ struct StepRecord {
   double loss, loss_scale;
   bool skipped;
 };
+// Each step's bytes sent by this rank (rank 0's log) between nodes, and whether an outer step
+// followed it.
+struct Crossing {
+  int64_t step, inter_bytes;
+  bool outer;
+};
+inline std::vector<Crossing> crossings(const std::string& metrics) {
+  std::vector<Crossing> out;
+  std::ifstream in(metrics);
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (!j.contains("loss")) continue;
+    int64_t inter = 0;
+    if (j.contains("bytes_sent_groups") && j["bytes_sent_groups"].contains("inter"))
+      inter = j["bytes_sent_groups"]["inter"];
+    out.push_back({j["step"], inter, j.value("outer_step", false)});
+  }
+  return out;
+}
+
 inline std::vector<StepRecord> steps_of(const std::string& metrics) {
   std::vector<StepRecord> out;
   std::ifstream in(metrics);

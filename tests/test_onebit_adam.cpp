@@ -25,12 +25,7 @@ constexpr const char* kOnebitAdam = "--set optim.name=\\\"onebit_adam\\\" ";
 // Each step's bytes rank 0 sent to the other node.
 std::vector<int64_t> inter_bytes(const std::string& metrics) {
   std::vector<int64_t> out;
-  std::ifstream in(metrics);
-  for (std::string line; std::getline(in, line);) {
-    const auto j = nlohmann::json::parse(line);
-    if (!j.contains("loss")) continue;
-    out.push_back(j.contains("bytes_sent_groups") ? j["bytes_sent_groups"].value("inter", 0) : 0);
-  }
+  for (const Crossing& c : crossings(metrics)) out.push_back(c.inter_bytes);
   return out;
 }
 

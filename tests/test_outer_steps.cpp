@@ -18,26 +18,6 @@ namespace fs = std::filesystem;
 
 constexpr const char* kTwoNodes = "--set parallel.ranks_per_node=2 ";
 
-// Each step's bytes sent by this rank (rank 0's log) between nodes, and whether an outer step
-// followed it.
-struct Crossing {
-  int64_t step, inter_bytes;
-  bool outer;
-};
-std::vector<Crossing> crossings(const std::string& metrics) {
-  std::vector<Crossing> out;
-  std::ifstream in(metrics);
-  for (std::string line; std::getline(in, line);) {
-    const auto j = nlohmann::json::parse(line);
-    if (!j.contains("loss")) continue;
-    int64_t inter = 0;
-    if (j.contains("bytes_sent_groups") && j["bytes_sent_groups"].contains("inter"))
-      inter = j["bytes_sent_groups"]["inter"];
-    out.push_back({j["step"], inter, j.value("outer_step", false)});
-  }
-  return out;
-}
-
 // With one inner step between outer steps, an outer learning rate of 1 and no outer momentum,
 // the new weights are the mean of the nodes' updated weights. Momentum SGD is linear in the
 // gradients, so that mean is the update of the mean gradient: plain data parallelism over all 4
