@@ -86,6 +86,17 @@ outer=(--set comm.outer.quantize='"int8"')
     run "onebit_adam_f${freeze}_int8" --set optim.name='"onebit_adam"' \
       --set optim.freeze_step="$freeze" --set comm.compression.method='"int8"'
   done
+  # PowerSGD with a rank per matrix: its factors about 5% of its values.
+  run powersgd_b05 --set comm.compression.method='"powersgd"' \
+    --set comm.compression.powersgd_budget=0.05
+  # DGC on AdamW: v frozen after 50 steps, then each rank's momentum accumulated and its top 1%
+  # sent (25% at the freeze, falling to 1% over 50 steps), with momentum factor masking and
+  # without; 2% and 5% without masking.
+  dgc=(--set optim.name='"dgc_adam"' --set optim.freeze_step=50 --set optim.dgc_warmup_steps=50)
+  run dgc_1pct "${dgc[@]}" --set optim.dgc_ratio=0.01
+  run dgc_1pct_nomask "${dgc[@]}" --set optim.dgc_ratio=0.01 --set optim.dgc_masking=false
+  run dgc_2pct_nomask "${dgc[@]}" --set optim.dgc_ratio=0.02 --set optim.dgc_masking=false
+  run dgc_5pct_nomask "${dgc[@]}" --set optim.dgc_ratio=0.05 --set optim.dgc_masking=false
   run diloco_h10 --set comm.outer.every_steps=10
   run diloco_h10_int8 --set comm.outer.every_steps=10 "${outer[@]}"
   run diloco_h25_int8 --set comm.outer.every_steps=25 "${outer[@]}"

@@ -105,6 +105,19 @@ class GatherCompressor : public FeedbackCompressor {
 
  protected:
   int64_t packed() const { return packed_; }  // the elements the message carries
+  // v(n) zeroed at the message's elements `at` (ascending, in the message's order).
+  void zero_packed(const std::vector<int32_t>& at, float* v) const {
+    if (packed_ == int64_t(exact_.size())) {
+      for (int32_t j : at) v[j] = 0;
+      return;
+    }
+    size_t next = 0;
+    for (int64_t i = 0, j = 0; i < int64_t(exact_.size()) && next < at.size(); i++)
+      if (!exact_[i] && j++ == at[next]) {
+        v[i] = 0;
+        next++;
+      }
+  }
   virtual int64_t message_bytes(int64_t n) const = 0;
   virtual void encode(const float* g, int64_t n, std::byte* msg) = 0;
   virtual void add_decoded(const std::byte* msg, int64_t n, float* out) const = 0;
@@ -208,9 +221,14 @@ class OneBitCompressor final : public GatherCompressor {
 class TopKCompressor final : public GatherCompressor {
  public:
   TopKCompressor(bool error_feedback, int64_t n, double ratio, const std::vector<ExactRange>& exact)
-      : GatherCompressor(error_feedback, n, exact),
-        k_(std::clamp<int64_t>(int64_t(std::llround(ratio * double(packed()))), 1,
-                               std::max<int64_t>(1, packed()))) {}
+      : GatherCompressor(error_feedback, n, exact) {
+    set_ratio(ratio);
+  }
+  void set_ratio(double ratio) override {
+    k_ = std::clamp<int64_t>(int64_t(std::llround(ratio * double(packed()))), 1,
+                             std::max<int64_t>(1, packed()));
+  }
+  void mask_sent(float* v) const override { zero_packed(sent_, v); }
 
  private:
   int64_t message_bytes(int64_t) const override { return 8 * k_; }
@@ -223,6 +241,7 @@ class TopKCompressor final : public GatherCompressor {
                        return x > y || (x == y && a < b);
                      });
     std::sort(order_.begin(), order_.begin() + k_);
+    sent_.assign(order_.begin(), order_.begin() + k_);
     for (int64_t j = 0; j < k_; j++) {
       const int32_t i = order_[j];
       std::memcpy(msg + 4 * j, &i, 4);
@@ -238,23 +257,26 @@ class TopKCompressor final : public GatherCompressor {
       out[i] += v;
     }
   }
-  int64_t k_;
-  std::vector<int32_t> order_;
+  int64_t k_ = 1;
+  std::vector<int32_t> order_, sent_;  // sent_: the last message's elements, in packed order
 };
 
-// PowerSGD: each weight matrix M (m x c) is approximated by P Q^T of rank r. One power
+// PowerSGD: each weight matrix M (m x c) is approximated by P Q^T of rank r (powersgd_rank, or
+// its own from powersgd_budget: a large matrix gains more from each rank than a small). One power
 // iteration per step from the previous step's Q: P = M Q, summed over ranks, orthonormalised;
 // Q = M^T P, summed. The sum over ranks of M is then P Q^T; this rank's own share is
 // P (M^T P)^T, the projection of its M on P's columns. Everything else in the bucket (vectors,
-// matrices too small to gain, pieces of matrices cut by the bucket edges, matrices with exact
-// elements) is all-reduced as is.
+// matrices too small to gain, the partial rows where the bucket's edges cut a matrix, matrices
+// with exact elements) is all-reduced as is.
 class PowerSgdCompressor final : public FeedbackCompressor {
  public:
   PowerSgdCompressor(const CompressionOptions& o, int64_t n, const std::vector<MatrixView>& all,
                      const std::vector<ExactRange>& exact)
-      : FeedbackCompressor(o.error_feedback, n), rank_(o.powersgd_rank), plain_(n, 1) {
+      : FeedbackCompressor(o.error_feedback, n), plain_(n, 1) {
     for (const MatrixView& m : all) {
-      if (std::min(m.rows, m.cols) <= 2 * rank_) continue;  // (m + c) r would not be smaller
+      const double fits = o.powersgd_budget * double(m.rows * m.cols) / double(m.rows + m.cols);
+      const int rank = o.powersgd_budget > 0 ? std::max(1, int(fits)) : o.powersgd_rank;
+      if (std::min(m.rows, m.cols) <= 2 * rank) continue;  // (m + c) r would not be smaller
       // A copy elsewhere (a tied embedding's other end) sits at another place in its bucket,
       // where the initial Q would differ.
       const auto overlaps = [&](const ExactRange& r) {
@@ -262,11 +284,12 @@ class PowerSgdCompressor final : public FeedbackCompressor {
       };
       if (std::any_of(exact.begin(), exact.end(), overlaps)) continue;
       matrices_.push_back(m);
+      ranks_.push_back(rank);
       std::fill(plain_.begin() + m.offset, plain_.begin() + m.offset + m.rows * m.cols, 0);
       // The same initial Q on every rank: a function of the seed and the matrix's place.
       std::mt19937_64 rng(o.seed * 1000003 + uint64_t(m.offset));
       std::normal_distribution<float> normal;
-      std::vector<float> q(m.cols * rank_);
+      std::vector<float> q(m.cols * rank);
       for (float& x : q) x = normal(rng);
       q_.push_back(std::move(q));
     }
@@ -289,16 +312,16 @@ class PowerSgdCompressor final : public FeedbackCompressor {
   }
 
   void exchange(Communicator& group, float* g, int64_t n, float* mine) override {
-    const int r = rank_;
     // Round 1: P = M Q for every matrix, one all-reduce for all of them.
     int64_t p_total = 0, q_total = 0;
-    for (const MatrixView& m : matrices_) p_total += m.rows * r, q_total += m.cols * r;
+    for (size_t k = 0; k < matrices_.size(); k++)
+      p_total += matrices_[k].rows * ranks_[k], q_total += matrices_[k].cols * ranks_[k];
     std::vector<float> p(p_total), q(q_total), q_mine(q_total);
     int64_t po = 0;
     for (size_t k = 0; k < matrices_.size(); k++) {
       const MatrixView& m = matrices_[k];
-      matmul(g + m.offset, m.rows, m.cols, q_[k].data(), r, p.data() + po);
-      po += m.rows * r;
+      matmul(g + m.offset, m.rows, m.cols, q_[k].data(), ranks_[k], p.data() + po);
+      po += m.rows * ranks_[k];
     }
     group.all_reduce(host_ptr(p.data()), p_total, ReduceOp::sum);
     // Round 2: orthonormal P, Q = M^T P; the rest of the bucket travels with the Qs.
@@ -307,7 +330,9 @@ class PowerSgdCompressor final : public FeedbackCompressor {
       if (plain_[i]) rest.push_back(g[i]);
     po = 0;
     int64_t qo = 0;
-    for (const MatrixView& m : matrices_) {
+    for (size_t k = 0; k < matrices_.size(); k++) {
+      const MatrixView& m = matrices_[k];
+      const int r = ranks_[k];
       orthonormalize(p.data() + po, m.rows, r);
       matmul_t(g + m.offset, m.rows, m.cols, p.data() + po, r, q.data() + qo);
       po += m.rows * r;
@@ -327,6 +352,7 @@ class PowerSgdCompressor final : public FeedbackCompressor {
     qo = 0;
     for (size_t k = 0; k < matrices_.size(); k++) {
       const MatrixView& m = matrices_[k];
+      const int r = ranks_[k];
       outer(p.data() + po, message.data() + qo, m.rows, m.cols, r, g + m.offset);
       outer(p.data() + po, q_mine.data() + qo, m.rows, m.cols, r, mine + m.offset);
       // The next step starts from this Q (warm start), unless a non-finite gradient made it so.
@@ -370,28 +396,46 @@ class PowerSgdCompressor final : public FeedbackCompressor {
         out[i * cols + c] = s;
       }
   }
-  // Gram-Schmidt on the r columns of P (rows x r); a column that vanishes stays zero.
+  // Gram-Schmidt on the r columns of P (rows x r), each projection removed twice ("twice is
+  // enough": once, a column nearly in the span of the others keeps a rounding residue that,
+  // normalised, points back into that span, and its rank is counted twice). A column with
+  // nothing left of its own (under 1e-5 of its length: a gradient of lower rank than r) becomes
+  // zero.
   static void orthonormalize(float* P, int64_t rows, int r) {
+    auto squared = [&](int j) {
+      double s = 0;
+      for (int64_t i = 0; i < rows; i++) s += double(P[i * r + j]) * P[i * r + j];
+      return s;
+    };
     for (int j = 0; j < r; j++) {
-      for (int k = 0; k < j; k++) {
-        double dot = 0;
-        for (int64_t i = 0; i < rows; i++) dot += double(P[i * r + j]) * P[i * r + k];
-        for (int64_t i = 0; i < rows; i++) P[i * r + j] -= float(dot) * P[i * r + k];
-      }
-      double norm = 0;
-      for (int64_t i = 0; i < rows; i++) norm += double(P[i * r + j]) * P[i * r + j];
-      const float inv = norm > 1e-30 ? float(1.0 / std::sqrt(norm)) : 0.0f;
+      const double before = squared(j);
+      for (int pass = 0; pass < 2; pass++)
+        for (int k = 0; k < j; k++) {
+          double dot = 0;
+          for (int64_t i = 0; i < rows; i++) dot += double(P[i * r + j]) * P[i * r + k];
+          for (int64_t i = 0; i < rows; i++) P[i * r + j] -= float(dot) * P[i * r + k];
+        }
+      const double norm = squared(j);
+      const float inv = norm > 1e-30 && norm > 1e-10 * before ? float(1.0 / std::sqrt(norm)) : 0.0f;
       for (int64_t i = 0; i < rows; i++) P[i * r + j] *= inv;
     }
   }
 
-  int rank_;
   std::vector<MatrixView> matrices_;
+  std::vector<int> ranks_;             // per matrix
   std::vector<std::vector<float>> q_;  // warm start, per matrix
   std::vector<char> plain_;            // elements sent uncompressed
 };
 
 }  // namespace
+
+void Compressor::set_ratio(double) {
+  throw std::logic_error("Compressor::set_ratio: only top-k keeps a fraction of the values");
+}
+
+void Compressor::mask_sent(float*) const {
+  throw std::logic_error("Compressor::mask_sent: only top-k sends some of the values");
+}
 
 std::unique_ptr<Compressor> make_compressor(const CompressionOptions& o, int64_t n,
                                             const std::vector<MatrixView>& matrices,

@@ -33,6 +33,9 @@ struct CompressionOptions {
   int warmup_steps = 0;          // uncompressed steps first
   int64_t min_bucket_elems = 0;  // smaller buckets go uncompressed
   uint64_t seed = 0;             // PowerSGD's initial Q (the same on every rank)
+  // PowerSGD's rank per matrix: > 0, the fraction of a matrix's values its factors take,
+  // rank = budget x rows x cols / (rows + cols) (at least 1), instead of powersgd_rank for all.
+  double powersgd_budget = 0;
 };
 
 // A weight matrix inside the flat gradient buffer (for PowerSGD): rows x cols at offset.
@@ -59,12 +62,17 @@ class Compressor {
   virtual std::vector<float> state() const = 0;
   virtual int64_t state_size() const = 0;
   virtual void set_state(const float* values) = 0;
+  // Top-k only (Deep Gradient Compression, comm/grad_reducer.h): the fraction of the values it
+  // keeps from now on (the sparsity warm-up), and v(n) zeroed where this rank's last message
+  // carried a value (momentum factor masking; the elements summed exactly are left alone).
+  virtual void set_ratio(double ratio);
+  virtual void mask_sent(float* v) const;
 };
 
 // One compressor per bucket: it keeps that bucket's residual (and PowerSGD's Q). `matrices`:
-// the weight matrices that lie wholly inside the bucket, `exact` the elements to sum exactly,
-// offsets relative to its start. (fp16 and bf16 treat equal inputs alike whatever their
-// neighbours; PowerSGD sends matrices with exact elements as they are.)
+// the weight matrices inside the bucket (or the whole rows of one that the bucket cuts), `exact`
+// the elements to sum exactly, offsets relative to its start. (fp16 and bf16 treat equal inputs
+// alike whatever their neighbours; PowerSGD sends matrices with exact elements as they are.)
 std::unique_ptr<Compressor> make_compressor(const CompressionOptions& options, int64_t n,
                                             const std::vector<MatrixView>& matrices,
                                             const std::vector<ExactRange>& exact = {});

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <utility>
@@ -95,10 +96,16 @@ GradReducer::GradReducer(Kernels& k, DPtr grads, DPtr params, int64_t total, Com
       // Hierarchically only the node's part of the bucket crosses nodes, compressed: this
       // rank's 1/L of it, summed inside the node.
       const int64_t lo = hier ? begin + intra->rank() * (n / L) : begin, hi = lo + n / L;
+      // The whole rows of each matrix in it (a node's parts cut matrices: each side's rows are
+      // a matrix of their own for PowerSGD).
       std::vector<MatrixView> inside;
-      for (const MatrixView& m : options.matrices)
-        if (m.offset >= lo && m.offset + m.rows * m.cols <= hi)
-          inside.push_back({m.offset - lo, m.rows, m.cols});
+      for (const MatrixView& m : options.matrices) {
+        const int64_t from = std::max(lo, m.offset), to = std::min(hi, m.offset + m.rows * m.cols);
+        const int64_t first = (from - m.offset + m.cols - 1) / m.cols;
+        const int64_t last = (to - m.offset) / m.cols;  // past the last whole row
+        if (from < to && first < last)
+          inside.push_back({m.offset + first * m.cols - lo, last - first, m.cols});
+      }
       std::vector<ExactRange> exact;
       for (const ExactRange& r : options.exact) {
         const int64_t from = std::max(r.offset, lo), to = std::min(r.offset + r.count, hi);
@@ -219,6 +226,9 @@ void GradReducer::start_step(int64_t step) {
   exchanging_momentum_ = opts_.momentum.on && step >= opts_.momentum.from_step;
   compressing_ = exchanging_momentum_ ||
                  (opts_.compression.method != "none" && step >= opts_.compression.warmup_steps);
+  if (exchanging_momentum_ && opts_.momentum.local)
+    for (Bucket& b : buckets_)
+      if (b.momentum_compressor) b.momentum_compressor->set_ratio(kept_fraction(step));
   if (windowed_) k_.zero(shard_, shard_elems_);
 }
 
@@ -318,9 +328,23 @@ void GradReducer::read_part(const Bucket& b, const OptimizerReader& read, float*
   across.all_reduce(host_ptr(dst), part, ReduceOp::sum);
 }
 
+double GradReducer::kept_fraction(int64_t step) const {
+  const auto& o = opts_.momentum;
+  const double final = o.compression.topk_ratio, first = std::max(final, 0.25);
+  const int64_t t = step - o.from_step;
+  if (t >= o.sparsity_warmup_steps || t < 0) return final;
+  const double done = double(t) / double(o.sparsity_warmup_steps);
+  return std::exp((1 - done) * std::log(first) + done * std::log(final));
+}
+
 void GradReducer::start_momentum(const OptimizerReader& momentum) {
+  // DGC's velocities are each rank's share of m.
+  const float share = opts_.momentum.local ? 1.0f / float((intra_ ? *inter_ : dp_).size()) : 1;
   for (Bucket& b : buckets_)
-    if (b.momentum_compressor) read_part(b, momentum, b.momentum.data());
+    if (b.momentum_compressor) {
+      read_part(b, momentum, b.momentum.data());
+      for (float& x : b.momentum) x *= share;
+    }
   momentum_ready_ = true;
 }
 
@@ -350,12 +374,21 @@ void GradReducer::reduce_compressed(Bucket& b) {
   if (exchanging_momentum_) {  // this rank's share of the momentum, with its gradients
     if (!momentum_ready_)
       throw std::logic_error("GradReducer: momentum exchanged before start_momentum()");
-    const float beta = opts_.momentum.beta1, kept = beta / float(across.size());
-    const float added = (1 - beta) * gradient_scale_;
-    for (int64_t i = 0; i < part; i++) x[i] = kept * b.momentum[i] + added * x[i];
+    const float beta = opts_.momentum.beta1, added = (1 - beta) * gradient_scale_;
+    if (opts_.momentum.local) {  // DGC: the own velocity is sent (its accumulation, top-k)
+      for (int64_t i = 0; i < part; i++) x[i] = b.momentum[i] = beta * b.momentum[i] + added * x[i];
+    } else {
+      const float kept = beta / float(across.size());
+      for (int64_t i = 0; i < part; i++) x[i] = kept * b.momentum[i] + added * x[i];
+    }
   }
   active(b)->all_reduce(across, x, part);
-  if (exchanging_momentum_) std::copy_n(x, part, b.momentum.begin());
+  if (exchanging_momentum_) {
+    if (!opts_.momentum.local)
+      std::copy_n(x, part, b.momentum.begin());
+    else if (opts_.momentum.masking)
+      b.momentum_compressor->mask_sent(b.momentum.data());
+  }
   if (mine.device) k_.copy_from_host(mine, host_bucket_.data(), part);
   if (intra_) intra_->all_gather(mine, bucket, part);
   if (opts_.shard)

@@ -34,6 +34,20 @@
 // element's error by its chunk's mean update; measured on tiny.toml it did worse: +2.2% against
 // +0.4% validation loss with v frozen at step 50 of 1000, bench/compression_quality.sh.)
 //
+// Deep Gradient Compression (Lin et al. 2018) for Adam (momentum.local) takes the same frozen
+// variance: with v fixed, AdamW is momentum SGD whose steps are scaled per element by
+// 1 / (sqrt(v) + eps), and DGC is a method for momentum SGD. (Adam's v, a function of each
+// step's whole gradient, cannot be formed from sparse sums; and sparse gradients fed to a live
+// Adam would move each element only when it is sent, by about lr whatever it accumulated.)
+// Each rank keeps its own velocity u = beta1 u + (1 - beta1) s g of its part, u = m / R at the
+// start, so that the sum over ranks of the u is AdamW's m (momentum correction); the top-k
+// compressor's error feedback accumulates u (the velocity, not the gradient) and sends its
+// largest values; where they were sent u is zeroed (momentum factor masking: the momentum of a
+// value just applied would push it again, stale); the gradients were clipped as they joined u
+// (train_step: by the replicas' root mean square norm, the same factor on every rank); and the
+// fraction kept falls exponentially from 25% to topk_ratio over sparsity_warmup_steps. The sum
+// received is the step's m, and what the reducer leaves in the gradients' place.
+//
 // Every reduction in flight, of any bucket and backward, is one entry of a queue in the order
 // they were started: each kind of chain step is issued in that order on its communicator (the
 // same on every rank), and finished reductions are retired from its front, so that the sums
@@ -59,11 +73,15 @@ struct ReducerOptions {
   std::vector<ExactRange> exact;     // elements compression leaves exact (compression.h)
   // 1-bit Adam: from step from_step on, every bucket exchanges momentum (see above), compressed
   // with `compression` (1 bit); before it the gradients, with ReducerOptions::compression.
+  // DGC (local): each rank's own velocity instead, its accumulation sent as top-k (see above).
   struct MomentumExchange {
     bool on = false;
     float beta1 = 0.9f;
     int64_t from_step = 0;
     CompressionOptions compression;
+    bool local = false;                 // DGC
+    bool masking = true;                // DGC: the velocity zeroed where its values were sent
+    int64_t sparsity_warmup_steps = 0;  // DGC: 25% kept at from_step, down to topk_ratio
   } momentum;
   // ZeRO-2 (with shard): the gradient units, each a bucket, their boundaries multiples of
   // 16 x dp.size(); `windows` of the largest non-held unit's size are lent in turn.
@@ -134,7 +152,9 @@ class GradReducer : public GradientWindows {
   const std::vector<int>& started_with_layers_left() const { return started_; }
 
   bool compressing() const { return compressing_; }
-  // 1-bit Adam: this step (after start_step) exchanges momentum, not gradients.
+  // DGC: the fraction of each momentum bucket kept at `step` (the sparsity warm-up's).
+  double kept_fraction(int64_t step) const;
+  // 1-bit Adam, DGC: this step (after start_step) exchanges momentum, not gradients.
   bool exchanges_momentum() const { return exchanging_momentum_; }
   // Whether the momentum is there to continue from (a restored state, or start_momentum()).
   bool momentum_ready() const { return momentum_ready_; }
@@ -184,7 +204,7 @@ class GradReducer : public GradientWindows {
     std::unique_ptr<Compressor> compressor;  // null: reduced uncompressed
     std::unique_ptr<Compressor> momentum_compressor;  // 1-bit Adam's
     std::function<std::unique_ptr<Compressor>(const CompressionOptions&)> make_compressor;
-    std::vector<float> momentum;  // 1-bit Adam: this rank's part's
+    std::vector<float> momentum;  // this rank's part's (DGC: its own velocity)
     int64_t piece_offset = 0;     // this rank's piece (ZeRO), in the buffer
   };
   // One reduction in flight: a bucket's chain on some buffers (a window's, or -1).

@@ -509,8 +509,14 @@ Config parse_config(const std::string& text, const std::string& origin,
   {
     SectionReader r(root, "optim", origin, origins);
     OptimConfig& o = c.optim;
-    r.field("name", o.name, one_of({"adamw", "sgd", "onebit_adam"}));
+    r.field("name", o.name, one_of({"adamw", "sgd", "onebit_adam", "dgc_adam"}));
     r.field("freeze_step", o.freeze_step, at_least(1));
+    r.field("dgc_ratio", o.dgc_ratio, [](double x) -> std::optional<std::string> {
+      if (x > 0 && x <= 1) return std::nullopt;
+      return fmt::format("must be in (0, 1], found {}", x);
+    });
+    r.field("dgc_warmup_steps", o.dgc_warmup_steps, at_least(0));
+    r.field("dgc_masking", o.dgc_masking);
     r.field("lr", o.lr, in_range(0, 10));
     r.field("min_lr", o.min_lr, in_range(0, 10));
     r.field("betas", o.betas, [](const std::array<double, 2>& b) -> std::optional<std::string> {
@@ -625,6 +631,7 @@ Config parse_config(const std::string& text, const std::string& origin,
             one_of({"none", "fp16", "bf16", "int8", "onebit", "topk", "powersgd", "auto"}));
     r.field("topk_ratio", z.topk_ratio, in_range(1e-6, 1));
     r.field("powersgd_rank", z.powersgd_rank, in_range(1, 1024));
+    r.field("powersgd_budget", z.powersgd_budget, in_range(0, 1));
     r.field("error_feedback", z.error_feedback);
     r.field("warmup_steps", z.warmup_steps, at_least(0));
     r.field("min_bucket_kb", z.min_bucket_kb, at_least(0));
@@ -670,19 +677,19 @@ Config parse_config(const std::string& text, const std::string& origin,
           "found zero = {}",
           r.origin("every_steps"), c.parallel.zero));
   }
-  if (c.optim.name == "onebit_adam") {
-    // 1-bit Adam exchanges its momentum itself, in whole buckets of the flat gradient buffer
-    // (comm/grad_reducer.h), and every node keeps one optimizer state.
+  if (c.optim.exchanges_momentum()) {
+    // 1-bit Adam and DGC exchange the momentum themselves, in whole buckets of the flat
+    // gradient buffer (comm/grad_reducer.h), and every node keeps one optimizer state.
     const std::string at = SectionReader(root, "optim", origin, origins).origin("name");
     auto refuse = [&](const std::string& why) {
-      throw ConfigError(fmt::format("{}: [optim] name: \"onebit_adam\" {}", at, why));
+      throw ConfigError(fmt::format("{}: [optim] name: \"{}\" {}", at, c.optim.name, why));
     };
     const std::string& warm_up = c.comm.compression.method;
     if (warm_up != "none" && warm_up != "fp16" && warm_up != "bf16" && warm_up != "int8")
       refuse(fmt::format(
-          "exchanges its momentum in 1 bit after freeze_step itself; [comm.compression] method "
-          "is the warm-up's, one of none, fp16, bf16 or int8, found \"{}\"",
-          warm_up));
+          "exchanges its momentum {} after freeze_step itself; [comm.compression] method is the "
+          "warm-up's, one of none, fp16, bf16 or int8, found \"{}\"",
+          c.optim.name == "onebit_adam" ? "in 1 bit" : "as top-k", warm_up));
     if (c.precision.grads != "fp32")
       refuse(fmt::format("exchanges fp32 momentum: precision.grads must be \"fp32\", found \"{}\"",
                          c.precision.grads));
@@ -867,6 +874,9 @@ std::string config_to_toml(const Config& c) {
                             {"eps", c.optim.eps},
                             {"momentum", c.optim.momentum},
                             {"freeze_step", c.optim.freeze_step},
+                            {"dgc_ratio", c.optim.dgc_ratio},
+                            {"dgc_warmup_steps", c.optim.dgc_warmup_steps},
+                            {"dgc_masking", c.optim.dgc_masking},
                             {"weight_decay", c.optim.weight_decay},
                             {"max_grad_norm", c.optim.max_grad_norm},
                             {"warmup_steps", c.optim.warmup_steps},
@@ -905,6 +915,7 @@ std::string config_to_toml(const Config& c) {
                             toml::table{{"method", c.comm.compression.method},
                                         {"topk_ratio", c.comm.compression.topk_ratio},
                                         {"powersgd_rank", c.comm.compression.powersgd_rank},
+                                        {"powersgd_budget", c.comm.compression.powersgd_budget},
                                         {"error_feedback", c.comm.compression.error_feedback},
                                         {"warmup_steps", c.comm.compression.warmup_steps},
                                         {"min_bucket_kb", c.comm.compression.min_bucket_kb}}},

@@ -88,9 +88,16 @@ struct OptimConfig {
   // adamw | sgd (momentum SGD with decoupled weight decay: m = momentum m + g,
   // w -= lr (m + weight_decay w); the moments' second buffer is unused) | onebit_adam (1-bit
   // Adam, Tang et al. 2021: AdamW for freeze_step steps, then v frozen and the momentum, not
-  // the gradient, exchanged across the data-parallel ranks in 1 bit with error feedback)
+  // the gradient, exchanged across the data-parallel ranks in 1 bit with error feedback) |
+  // dgc_adam (Deep Gradient Compression, Lin et al. 2018, on AdamW with v frozen as 1-bit
+  // Adam's: each rank's own momentum accumulated and its dgc_ratio largest values exchanged)
   std::string name = "adamw";
-  int freeze_step = 100;  // onebit_adam: the updates of its uncompressed warm-up
+  int freeze_step = 100;      // onebit_adam, dgc_adam: the updates of the warm-up, v then frozen
+  double dgc_ratio = 0.01;    // dgc_adam: the fraction of the values sent
+  int dgc_warmup_steps = 50;  // dgc_adam: 25% sent at freeze_step, down to dgc_ratio by then
+  bool dgc_masking = true;    // dgc_adam: momentum factor masking
+  // 1-bit Adam and DGC exchange momentum, not gradients, after freeze_step (v frozen then).
+  bool exchanges_momentum() const { return name == "onebit_adam" || name == "dgc_adam"; }
   double lr = 3e-4;
   double min_lr = 0.0;
   std::array<double, 2> betas = {0.9, 0.95};
@@ -150,6 +157,7 @@ struct CompressionConfig {
   std::string method = "none";
   double topk_ratio = 0.01;
   int powersgd_rank = 4;
+  double powersgd_budget = 0;  // > 0: each matrix's rank from it (comm/compression.h)
   bool error_feedback = true;
   int warmup_steps = 0;      // uncompressed steps first
   double min_bucket_kb = 0;  // smaller buckets go uncompressed

@@ -21,6 +21,7 @@ namespace fs = std::filesystem;
 constexpr const char* kTwoNodes =
     "--set parallel.ranks_per_node=2 --set parallel.allreduce=\\\"hierarchical\\\" ";
 constexpr const char* kOnebitAdam = "--set optim.name=\\\"onebit_adam\\\" ";
+constexpr const char* kDgcAdam = "--set optim.name=\\\"dgc_adam\\\" ";
 
 // Each step's bytes rank 0 sent to the other node.
 std::vector<int64_t> inter_bytes(const std::string& metrics) {
@@ -101,12 +102,60 @@ TEST_F(MpiCli, OnebitAdamFreezesTheVarianceAndExchangesOneBitMomentum) {
   }
 }
 
+// DGC ([optim] name = "dgc_adam"): after freeze_step (4) updates v is never touched again, and
+// m is what the nodes exchanged, the sum of two nodes' top-k messages of their own momentum:
+// with 2% of the values sent and no sparsity warm-up, at most 4% of m's values are not zero
+// (AdamW's m has few that are). What crosses nodes falls to about 4% of fp32's (8 bytes for
+// each value sent: its index and the value). Without momentum factor masking it trains too.
+TEST_F(MpiCli, DgcAdamFreezesTheVarianceAndExchangesTheTopOfEachNodesMomentum) {
+  const std::string dgc = std::string("--set train.steps=8 --set parallel.dp=4 ") + kTwoNodes +
+                          kDgcAdam +
+                          "--set optim.freeze_step=4 --set optim.dgc_ratio=0.02 "
+                          "--set optim.dgc_warmup_steps=0 --set checkpoint.every_steps=4 ";
+  const auto r = mpirun(4, dgc);
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::string at4 = path("out/checkpoints/step_00000004/state.h5");
+  const std::string at8 = path("out/checkpoints/step_00000008/state.h5");
+  // (Some small parameters, norms without weight decay, had no value sent and did not move.)
+  int64_t values = 0, nonzero_at4 = 0, nonzero_at8 = 0, moved = 0;
+  for (const ParamInfo& p : param_table(cli_model()).params) {
+    EXPECT_EQ(moment(at4, "v", p), moment(at8, "v", p)) << p.name;
+    const std::vector<float> before = checkpoint_param(at4, p.name);
+    const std::vector<float> after = checkpoint_param(at8, p.name);
+    for (size_t i = 0; i < before.size(); i++) moved += before[i] != after[i];
+    for (float x : moment(at4, "m", p)) nonzero_at4 += x != 0;
+    for (float x : moment(at8, "m", p)) nonzero_at8 += x != 0;
+    values += p.logical_numel();
+  }
+  EXPECT_GT(nonzero_at4, values * 9 / 10);
+  EXPECT_GT(moved, values / 2);
+  EXPECT_GT(nonzero_at8, values / 100);
+  EXPECT_LE(nonzero_at8, values * 4 / 100 + 8);
+  const std::vector<int64_t> inter = inter_bytes(path("out/metrics.jsonl"));
+  ASSERT_EQ(inter.size(), 8u);
+  for (int s = 4; s < 8; s++) {
+    EXPECT_GT(inter[s] * 30, inter[0]) << s;
+    EXPECT_LT(inter[s] * 20, inter[0]) << s;
+  }
+  const auto unmasked =
+      mpirun(4, dgc + "--set optim.dgc_masking=false --set run.out_dir=" + quoted(path("nomask")));
+  ASSERT_EQ(unmasked.code, 0) << unmasked.output;
+  const auto masked = steps_of(path("out/metrics.jsonl"));
+  const auto plain = steps_of(path("nomask/metrics.jsonl"));
+  ASSERT_EQ(plain.size(), 8u);
+  for (int s = 0; s < 8; s++) {
+    EXPECT_TRUE(std::isfinite(plain[s].loss)) << s;
+    // The same until the first masked velocity is used (the update after the first exchange).
+    EXPECT_EQ(plain[s].loss == masked[s].loss, s <= 5) << s;
+  }
+}
+
 // A resume in the 1-bit phase continues bit for bit (the residuals and the momentum come back),
 // and so does one from the warm-up, whose saved state has no momentum yet: it starts from the
 // optimizer's at freeze_step, as the uninterrupted run's did. In each layout: two nodes of dp 2
 // without and with ZeRO-1 (the momentum gathered from the pieces), dp 2 x tp 2 (tensor-parallel
 // replicas of norms and biases exchanged exactly) and dp 2 x pp 2 with ZeRO-1.
-TEST_F(MpiCli, OnebitAdamResumesBitForBit) {
+TEST_F(MpiCli, OnebitAdamAndDgcResumeBitForBit) {
   // name, layout, freeze_step (the resume is at step 6)
   const std::vector<std::tuple<std::string, std::string, int>> layouts = {
       {"dp4", std::string("--set parallel.dp=4 ") + kTwoNodes, 3},
@@ -117,11 +166,19 @@ TEST_F(MpiCli, OnebitAdamResumesBitForBit) {
        std::string("--set parallel.dp=4 --set comm.compression.method=\\\"int8\\\" ") + kTwoNodes,
        3},
       {"dp2_tp2", "--set parallel.dp=2 --set parallel.tp=2 ", 3},
-      {"dp2_pp2_zero1", "--set parallel.dp=2 --set parallel.pp=2 --set parallel.zero=1 ", 3}};
+      {"dp2_pp2_zero1", "--set parallel.dp=2 --set parallel.pp=2 --set parallel.zero=1 ", 3},
+      // DGC: the velocities and accumulations come back, in the middle of the sparsity warm-up
+      // (3 to 9), under ZeRO-1 over two nodes and with tensor-parallel exact elements.
+      {"dgc_dp4_zero1",
+       std::string("--set parallel.dp=4 --set parallel.zero=1 ") + kTwoNodes + kDgcAdam, 3},
+      {"dgc_dp2_tp2", std::string("--set parallel.dp=2 --set parallel.tp=2 ") + kDgcAdam, 3}};
   for (const auto& [name, layout, freeze] : layouts) {
     SCOPED_TRACE(name);
-    const std::string common = "--set train.steps=10 --set checkpoint.every_steps=6 " + layout +
-                               kOnebitAdam + "--set optim.freeze_step=" + std::to_string(freeze);
+    const bool dgc = name.starts_with("dgc");
+    const std::string common =
+        "--set train.steps=10 --set checkpoint.every_steps=6 " + layout +
+        (dgc ? "--set optim.dgc_warmup_steps=6 --set optim.dgc_ratio=0.05 " : kOnebitAdam) +
+        "--set optim.freeze_step=" + std::to_string(freeze);
     const std::string output = expect_resumes_bit_for_bit(4, common, name, 6, 10);
     EXPECT_EQ(output.find("compression state: not restored"), std::string::npos) << output;
     expect_same_tensors(path(name + "_full/checkpoints/step_00000010/state.h5"),
@@ -193,7 +250,7 @@ TEST_F(MpiCli, OnebitAdamKeepsTheLossWithATenthOfTheTrafficBetweenNodes) {
   EXPECT_LE(onebit, none * 1.02);
 }
 
-TEST_F(MpiCli, OnebitAdamRefusesWhatItCannotExchange) {
+TEST_F(MpiCli, OnebitAdamAndDgcRefuseWhatTheyCannotExchange) {
   const std::string onebit = std::string("--set parallel.dp=2 ") + kOnebitAdam;
   auto r = mpirun(2, onebit + "--set comm.compression.method=\\\"topk\\\"");
   expect_refused(r, "[optim] name: \"onebit_adam\" exchanges its momentum in 1 bit");
@@ -210,6 +267,13 @@ TEST_F(MpiCli, OnebitAdamRefusesWhatItCannotExchange) {
   r = mpirun(2, onebit + "--set parallel.ranks_per_node=2 --set parallel.allreduce=" +
                     quoted("hierarchical"));
   expect_refused(r, "exchanges the momentum between data-parallel replicas on different nodes");
+  r = mpirun(2, std::string("--set parallel.dp=2 ") + kDgcAdam +
+                    "--set comm.compression.method=\\\"onebit\\\"");
+  expect_refused(r, "[optim] name: \"dgc_adam\" exchanges its momentum as top-k after");
+  r = mpirun(2, std::string("--set parallel.dp=2 ") + kDgcAdam + "--set optim.dgc_ratio=0");
+  expect_refused(r, "[optim] dgc_ratio: must be in (0, 1], found 0");
+  r = mpirun(1, std::string("--set parallel.dp=1 ") + kDgcAdam);
+  expect_refused(r, "[optim] name = \"dgc_adam\" exchanges the momentum between data-parallel");
 }
 
 }  // namespace

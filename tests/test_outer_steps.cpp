@@ -115,9 +115,10 @@ TEST_F(MpiCli, OuterStepsResumeMidPeriodBitForBit) {
 
 // [comm] budget_ms: at 1 Gbit/s between nodes (inter_node_gbps, not measured), this model's
 // step sends 22 kB across nodes with the fp32 all-reduce (0.18 ms), 11 kB with fp16 (0.09 ms),
-// 5.6 kB with int8 (0.045 ms), 0.56 kB with int8 outer steps every 10 (0.0045 ms). A budget of
-// 0.05 ms takes int8; 0.01 ms outer steps every 10; "auto" uses the choice, any other method
-// only hears of it.
+// 5.6 kB with int8 (0.045 ms), 0.78 kB with 1-bit Adam after its int8 warm-up (0.0062 ms),
+// 0.56 kB with int8 outer steps every 10 (0.0045 ms). A budget of 0.05 ms takes int8; 0.01 ms
+// 1-bit Adam; 0.005 ms outer steps every 10; "auto" uses the choice, any other method only hears
+// of it.
 TEST_F(MpiCli, BudgetChoosesTheWayAcrossNodes) {
   const std::string common = std::string("--set train.steps=4 --set parallel.dp=4 ") + kTwoNodes +
                              "--set comm.inter_node_gbps=1 ";
@@ -136,7 +137,20 @@ TEST_F(MpiCli, BudgetChoosesTheWayAcrossNodes) {
     EXPECT_NEAR(double(c.inter_bytes), 5624, 64) << c.step;  // what the plan said it sends
   }
   r = mpirun(4, common + automatic +
-                    "--set comm.budget_ms=0.01 --set run.out_dir=" + quoted(path("outer")));
+                    "--set comm.budget_ms=0.01 --set optim.freeze_step=2 --set run.out_dir=" +
+                    quoted(path("onebit")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(count(r.output, "int8 0.045 ms, 1-bit Adam after 2 int8 steps 0.00623 ms, outer"), 1)
+      << r.output;
+  EXPECT_EQ(count(r.output, "within it: 1-bit Adam after 2 int8 steps (method = \"auto\": used)"),
+            1)
+      << r.output;
+  const auto onebit = crossings(path("onebit/metrics.jsonl"));
+  ASSERT_EQ(onebit.size(), 4u);
+  for (int i = 0; i < 4; i++)  // the warm-up in int8, then 1 bit
+    EXPECT_NEAR(double(onebit[i].inter_bytes), i < 2 ? 5624 : 775, 64) << i;
+  r = mpirun(4, common + automatic +
+                    "--set comm.budget_ms=0.005 --set run.out_dir=" + quoted(path("outer")));
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_EQ(count(r.output, "within it: outer steps every 10 (int8) (method = \"auto\": used)"), 1)
       << r.output;

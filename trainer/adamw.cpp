@@ -168,8 +168,8 @@ float AdamW::weight_decay(const OptimConfig& cfg, const ParamInfo& p) {
 
 AdamWArgs AdamW::args_of(const Segment& s, float lr, float grad_scale, int64_t step) const {
   const bool sgd = cfg_.name == "sgd";
-  // 1-bit Adam after its warm-up: v as the last warm-up update left it.
-  const bool frozen = cfg_.name == "onebit_adam" && step > cfg_.freeze_step;
+  // 1-bit Adam and DGC after their warm-up: v as the last warm-up update left it.
+  const bool frozen = cfg_.exchanges_momentum() && step > cfg_.freeze_step;
   return {lr,
           sgd ? float(cfg_.momentum) : float(cfg_.betas[0]),
           float(cfg_.betas[1]),

@@ -12,7 +12,8 @@
 // 1-bit Adam ([optim] name = "onebit_adam") is AdamW for its first freeze_step updates; after
 // them v stays as it was, and the gradient each update gets is the momentum itself, exchanged
 // across the data-parallel ranks in 1 bit by the reducer (comm/grad_reducer.h), which the update
-// takes as m (AdamWArgs::variance_step).
+// takes as m (AdamWArgs::variance_step). DGC ([optim] name = "dgc_adam") the same, its m the
+// sum of the ranks' top-k messages of their own momentum.
 //
 // Offload (ZeRO-Offload, Ren et al. 2021; DeepSpeed's offload_optimizer): the fp32 master
 // weights (for an fp32 model too) and both moments live in host memory (pinned on a GPU) and the

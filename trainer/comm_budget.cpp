@@ -68,6 +68,15 @@ CommAdvice advise_communication(Config& cfg, World& world, const std::string& or
   if (compressible) {
     way("fp16", ring * 2 * part, "fp16", 0);
     way("int8", int8_bytes, "int8", 0);
+    // After its warm-up (whose gradients cross in int8), 1-bit momentum: a sign per value and
+    // a scale per 256. It replaces AdamW, and needs replicas on other nodes.
+    // (Not for a run that ends in its warm-up, nor beside outer steps, which it excludes.)
+    if (cfg.optim.name == "adamw" && cfg.parallel.zero <= 1 && N > 1 && !cfg.comm.outer.on() &&
+        cfg.train.steps > cfg.optim.freeze_step) {
+      way(fmt::format("1-bit Adam after {} int8 steps", cfg.optim.freeze_step),
+          gather * part * (1.0 / 8 + 4.0 / 256), "int8", 0);
+      a.ways.back().onebit_adam = true;
+    }
   }
   if (cfg.parallel.cp == 1 && cfg.parallel.zero <= 2)
     for (int every : {10, 25, 50, 100, 250, 500})
@@ -78,6 +87,7 @@ CommAdvice advise_communication(Config& cfg, World& world, const std::string& or
   const CommWay& chosen = a.ways[size_t(a.chosen)];
   if (cfg.comm.compression.method == "auto") {
     cfg.comm.compression.method = chosen.method;
+    if (chosen.onebit_adam) cfg.optim.name = "onebit_adam";
     if (chosen.outer_every > 0) {
       cfg.comm.outer.every_steps = chosen.outer_every;
       cfg.comm.outer.quantize = "int8";

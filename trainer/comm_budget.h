@@ -4,8 +4,10 @@
 // ([comm] inter_node_gbps, or measured at start-up: a timed all-reduce among each rank's peers on
 // the other nodes, the slowest group's). The ways, in the order of the model quality they keep
 // (bench/compression_quality.sh, measured on tiny.toml at dp 4 over two nodes): the fp32
-// hierarchical all-reduce, fp16, int8 (compression of what crosses nodes), then outer steps
-// (DiLoCo) with int8 pseudo-gradients every H = 10, 25, 50, 100, 250 or 500 steps. The first that
+// hierarchical all-reduce, fp16, int8 (compression of what crosses nodes), 1-bit Adam (for
+// AdamW: after its freeze_step warm-up in int8; the warm-up's steps send int8's bytes), then
+// outer steps (DiLoCo) with int8 pseudo-gradients every H = 10, 25, 50, 100, 250 or 500 steps.
+// The first that
 // fits is chosen, or the last when none does. Each way's bytes are what one rank sends across
 // nodes a step, from the parameter count: its time is those bytes at the bandwidth, counted as
 // exposed (a bound: backward hides part of an all-reduce, none of an outer step).
@@ -22,6 +24,7 @@ struct CommWay {
   double bytes = 0, ms = 0;     // a rank's inter-node bytes a step, and their time
   std::string method = "none";  // what it sets: [comm.compression] method, or
   int outer_every = 0;          // [comm.outer] every_steps (with quantize = "int8")
+  bool onebit_adam = false;     // [optim] name = "onebit_adam" (method: its warm-up's)
 };
 struct CommAdvice {
   double gbps = 0;

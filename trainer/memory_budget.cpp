@@ -117,27 +117,33 @@ MemoryBudget memory_budget(const Config& cfg, const ParallelDims& dims, const Ra
     b.snapshot += (kept + (int8 ? slice : 0)) * 4;
   }
   const std::string& method = cfg.comm.compression.method;
-  const bool onebit_adam = cfg.optim.name == "onebit_adam";
-  if ((method != "none" || onebit_adam) && shard_ranks > 1 && !outer) {
+  const bool momentum_exchanged = cfg.optim.exchanges_momentum();
+  if ((method != "none" || momentum_exchanged) && shard_ranks > 1 && !outer) {
     const int L = cfg.parallel.allreduce == "hierarchical" && node_ranks > 0 ? node_ranks : 1;
     const double part = elems / L;
     // One bucket's messages from every rank it is exchanged with (a scale per 256 values).
     const double bucket = std::min(elems, cfg.parallel.bucket_mb * (1 << 20) / 4) / L;
     const double peers = double(shard_ranks) / L, scales = bucket / 256 * 4;
-    auto gathered = [&](const std::string& m) {
+    auto gathered = [&](const std::string& m, double topk_ratio) {
       return m == "int8"     ? peers * (bucket + scales)
              : m == "onebit" ? peers * (bucket / 8 + scales)
-             : m == "topk"   ? peers * bucket * cfg.comm.compression.topk_ratio * 8
+             : m == "topk"   ? peers * bucket * topk_ratio * 8
                              : 0.0;
     };
-    // A compressor's residual and its message decoded; 1-bit Adam's own, and the momentum. The
+    // A compressor's residual and its message decoded; 1-bit Adam's or DGC's own, and the
+    // momentum (DGC's messages are largest at the start of its sparsity warm-up, 25%). The
     // checkpoint copies the residuals and the momentum.
-    const double gradients = method != "none" ? 2 * part : 0;
-    const double momentum = onebit_adam ? 3 * part : 0;
+    // (Top-k also orders the values: 4 bytes each.)
+    const double gradients = method != "none" ? (method == "topk" ? 3 : 2) * part : 0;
+    const double momentum = momentum_exchanged ? (cfg.optim.name == "dgc_adam" ? 4 : 3) * part : 0;
+    const double momentum_messages = cfg.optim.name == "onebit_adam" ? gathered("onebit", 0)
+                                     : cfg.optim.name == "dgc_adam"
+                                         ? gathered("topk", std::max(cfg.optim.dgc_ratio, 0.25))
+                                         : 0.0;
     b.compression = (gradients + momentum) * 4 +
-                    std::max(gathered(method), onebit_adam ? gathered("onebit") : 0.0);
+                    std::max(gathered(method, cfg.comm.compression.topk_ratio), momentum_messages);
     const double residual = method != "none" && cfg.comm.compression.error_feedback ? part : 0;
-    b.snapshot += (residual + (onebit_adam ? 2 * part : 0)) * 4;
+    b.snapshot += (residual + (momentum_exchanged ? 2 * part : 0)) * 4;
   }
   return b;
 }

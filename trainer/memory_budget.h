@@ -41,8 +41,8 @@ struct MemoryBudget {
   double outer = 0;
   // Gradient compression's state, of this rank's part of the buffer (all of it, or under the
   // hierarchical all-reduce 1/node_ranks): each compressor's residual and its own message
-  // decoded, 1-bit Adam's momentum, and one bucket's all-gathered messages (int8, onebit, topk).
-  // Host memory (a checkpoint's copy of the residuals and momentum is in `snapshot`).
+  // decoded, 1-bit Adam's or DGC's momentum, and one bucket's all-gathered messages (int8, onebit,
+  // topk). Host memory (a checkpoint's copy of the residuals and momentum is in `snapshot`).
   double compression = 0;
   // The process's own, beyond the buffers above: thread stacks, the allocator's slack, the
   // libraries' working sets (OpenBLAS's, MPI's, HDF5's while a checkpoint is written, its

@@ -160,7 +160,7 @@ int64_t restore(Run& run, const std::string& file, bool report, int64_t samples)
   }
   if (rounded || run.gatherer || run.outer) run.gather_params();
   // (1-bit Adam's momentum is kept there too; without it, it starts from the optimizer's.)
-  if (cfg.comm.compression.method != "none" || cfg.optim.name == "onebit_adam") {
+  if (cfg.comm.compression.method != "none" || cfg.optim.exchanges_momentum()) {
     const Config saved = checkpoint_config(file);
     const bool same_exchange =
         ts.layout == run.layout() && saved.parallel.bucket_mb == cfg.parallel.bucket_mb &&
@@ -178,7 +178,7 @@ int64_t restore(Run& run, const std::string& file, bool report, int64_t samples)
           "compression state: not restored on {} of {} ranks (not in the checkpoint, or saved "
           "with another layout, buckets or method); the residuals start from zero{}\n",
           run.world.size() - int(restored), run.world.size(),
-          cfg.optim.name == "onebit_adam" ? ", 1-bit Adam's momentum from the checkpoint's" : "");
+          cfg.optim.exchanges_momentum() ? ", the exchanged momentum from the checkpoint's" : "");
   }
   run.resume_blend(ts, report);
   run.data_skipped = ts.data_skipped + (samples >= 0 ? samples - ts.data_samples : 0);

@@ -174,12 +174,21 @@ struct Run {
     o.shard = c.parallel.zero >= 1;
     if (c.parallel.zero >= 2) o.units = model.grad_units();
     const CompressionConfig& z = c.comm.compression;
-    o.compression = {z.method,         z.topk_ratio,   z.powersgd_rank,
-                     z.error_feedback, z.warmup_steps, int64_t(z.min_bucket_kb * 1024 / 4),
-                     c.run.seed};
-    if (c.optim.name == "onebit_adam")  // the warm-up as configured, then 1-bit momentum
+    o.compression = {z.method,         z.topk_ratio,     z.powersgd_rank,
+                     z.error_feedback, z.warmup_steps,   int64_t(z.min_bucket_kb * 1024 / 4),
+                     c.run.seed,       z.powersgd_budget};
+    // The warm-up as configured, then 1-bit momentum, or DGC's top-k of each rank's velocity.
+    if (c.optim.name == "onebit_adam")
       o.momentum = {true, float(c.optim.betas[0]), c.optim.freeze_step,
                     CompressionOptions{"onebit", 0, 0, true, 0, 0, c.run.seed}};
+    if (c.optim.name == "dgc_adam")
+      o.momentum = {true,
+                    float(c.optim.betas[0]),
+                    c.optim.freeze_step,
+                    CompressionOptions{"topk", c.optim.dgc_ratio, 0, true, 0, 0, c.run.seed},
+                    true,
+                    c.optim.dgc_masking,
+                    c.optim.dgc_warmup_steps};
     for (const ParamInfo& p : model.table().params) {  // matrices as this rank holds them
       if (p.shape.size() == 2) {
         const int64_t cols = p.local_shape()[1];
@@ -357,7 +366,7 @@ struct Run {
       outer = std::make_unique<OuterOptimizer>(c.comm.outer, model, optimizer, *groups.inter,
                                                *groups.intra, c.parallel.zero >= 1);
     }
-    if (c.optim.name == "onebit_adam") {
+    if (c.optim.exchanges_momentum()) {
       // The momentum is exchanged among the ranks the reducer compresses across: alone, it
       // would only be quantized.
       const Communicator& across = groups.inter && !outer ? *groups.inter : *groups.dp;
@@ -365,10 +374,10 @@ struct Run {
       w.comm().all_reduce(host_ptr(&alone), 1, ReduceOp::max);
       if (alone > 0)
         throw ConfigError(fmt::format(
-            "{}: [optim] name = \"onebit_adam\" exchanges the momentum between data-parallel "
+            "{}: [optim] name = \"{}\" exchanges the momentum between data-parallel "
             "replicas{}, but this rank has none to exchange it with (dp = {})",
-            origin, groups.inter ? " on different nodes (allreduce = \"hierarchical\")" : "",
-            dims.dp()));
+            origin, c.optim.name,
+            groups.inter ? " on different nodes (allreduce = \"hierarchical\")" : "", dims.dp()));
     }
   }
 

@@ -139,8 +139,8 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
     run.groups.emb->all_reduce(run.model.grad(*run.tied_embedding), run.tied_embedding->numel,
                                ReduceOp::sum);
   run.reducer.ready(0);
-  // 1-bit Adam's compressed steps exchange momentum: what joins it is first clipped by the
-  // norm of the gradients before their exchange, and a skipped step exchanges nothing.
+  // 1-bit Adam's and DGC's compressed steps exchange momentum: what joins it is first clipped by
+  // the norm of the gradients before their exchange, and a skipped step exchanges nothing.
   const bool exchanges_momentum = run.reducer.exchanges_momentum();
   if (!exchanges_momentum) run.reducer.finish();
   inject_overflow(run, step, true);
@@ -193,8 +193,8 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   s.lr = lr_at(cfg.optim, step, cfg.train.steps);
   // Every rank sees the same sums, so every rank skips the same steps.
   const bool overflow = !std::isfinite(s.loss) || !std::isfinite(s.grad_norm);
-  // From 1-bit Adam's freeze on the norm is the replicas' root mean square, larger than the
-  // mean gradient's the guard's window holds: the window starts afresh.
+  // From the freeze on (1-bit Adam, DGC) the norm is the replicas' root mean square, larger than
+  // the mean gradient's the guard's window holds: the window starts afresh.
   if (exchanges_momentum && step == cfg.optim.freeze_step) run.guard.forget_norms();
   const StepGuard::Verdict verdict = run.guard.check(s.loss, s.grad_norm, s.bad);
   s.rollback = verdict == StepGuard::Verdict::rollback;
@@ -639,7 +639,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     snap.tokenizer = run.tokenizer->serialize();
     snap.seed = cfg.run.seed;
     // A protective checkpoint's step was skipped, but its compression residuals have moved on
-    // (not 1-bit Adam's: a skipped step exchanges nothing).
+    // (not 1-bit Adam's or DGC's: a skipped step exchanges nothing).
     const bool moved_on = protective && !run.reducer.exchanges_momentum();
     snap.rank_states = {
         {"comm/state", moved_on ? std::vector<float>{} : run.reducer.compression_state(), {}}};
