@@ -22,6 +22,7 @@
 #include "io/safetensors.h"
 #include "trainer/hf_format.h"
 #include "trainer/llmc_format.h"
+#include "trainer/weight_import.h"
 
 namespace fs = std::filesystem;
 
@@ -84,30 +85,6 @@ std::vector<std::string> complete_checkpoints(const fs::path& root) {
   return steps;
 }
 
-// The rectangles (in the dataset's (rows, last dimension) view) that hold a parameter's local
-// elements [begin, begin + count): runs of consecutive logical indices cut at row ends, rows
-// stacked where they line up. (Values are written in local order, which is logical order.) A column
-// slice of a matrix is one box, a row range one, the q, k and v blocks of a head-split QKV three.
-void append_boxes(const ParamInfo& p, int64_t begin, int64_t count, std::vector<Box>& boxes) {
-  const int64_t cols = p.shape.back();
-  auto add_run = [&](int64_t start, int64_t len) {
-    while (len > 0) {
-      const int64_t row = start / cols, col = start % cols;
-      Box b{row, col, 1, std::min(len, cols - col)};
-      if (col == 0 && len >= cols) b = {row, 0, len / cols, cols};
-      Box* last = boxes.empty() ? nullptr : &boxes.back();
-      if (last && last->col == b.col && last->cols == b.cols && last->row + last->rows == b.row)
-        last->rows += b.rows;
-      else
-        boxes.push_back(b);
-      start += b.rows * b.cols;
-      len -= b.rows * b.cols;
-    }
-  };
-  p.for_each_run(begin, begin + count,
-                 [&](int64_t, int64_t logical, int64_t n) { add_run(logical, n); });
-}
-
 // After a step every rank may have failed at: the first failing rank's message on every rank
 // ("" when none failed).
 std::string agree_on_error(Communicator* comm, std::string error) {
@@ -126,18 +103,6 @@ void test_write_delay(int64_t step) {
   double seconds = 0;
   if (spec && std::sscanf(spec, "%lld,%lf", &at, &seconds) == 2 && at == step)
     std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
-}
-
-// Version 2 had no metadata checksum; version 3 adds meta_hash.
-constexpr int64_t kOldestReadableVersion = 2;
-
-int64_t check_version(const H5File& f, const std::string& state_file) {
-  const int64_t version = f.attr_int("format_version");
-  if (version < kOldestReadableVersion || version > kCheckpointFormatVersion)
-    throw CheckpointError(fmt::format("{}: format_version {} is not supported (expected {} to {})",
-                                      state_file, version, kOldestReadableVersion,
-                                      kCheckpointFormatVersion));
-  return version;
 }
 
 // Another model is not damage: it is the config that does not fit (exit 2 all the same, but
@@ -387,6 +352,42 @@ std::vector<float> rank_state_of(const H5File& f, const std::string& group, int 
 }
 
 }  // namespace
+
+// The rectangles (in the dataset's (rows, last dimension) view) that hold a parameter's local
+// elements [begin, begin + count): runs of consecutive logical indices cut at row ends, rows
+// stacked where they line up. (Values are written in local order, which is logical order.) A column
+// slice of a matrix is one box, a row range one, the q, k and v blocks of a head-split QKV three.
+void append_boxes(const ParamInfo& p, int64_t begin, int64_t count, std::vector<Box>& boxes) {
+  const int64_t cols = p.shape.back();
+  auto add_run = [&](int64_t start, int64_t len) {
+    while (len > 0) {
+      const int64_t row = start / cols, col = start % cols;
+      Box b{row, col, 1, std::min(len, cols - col)};
+      if (col == 0 && len >= cols) b = {row, 0, len / cols, cols};
+      Box* last = boxes.empty() ? nullptr : &boxes.back();
+      if (last && last->col == b.col && last->cols == b.cols && last->row + last->rows == b.row)
+        last->rows += b.rows;
+      else
+        boxes.push_back(b);
+      start += b.rows * b.cols;
+      len -= b.rows * b.cols;
+    }
+  };
+  p.for_each_run(begin, begin + count,
+                 [&](int64_t, int64_t logical, int64_t n) { add_run(logical, n); });
+}
+
+// Version 2 had no metadata checksum; version 3 adds meta_hash.
+constexpr int64_t kOldestReadableVersion = 2;
+
+int64_t check_version(const H5File& f, const std::string& state_file) {
+  const int64_t version = f.attr_int("format_version");
+  if (version < kOldestReadableVersion || version > kCheckpointFormatVersion)
+    throw CheckpointError(fmt::format("{}: format_version {} is not supported (expected {} to {})",
+                                      state_file, version, kOldestReadableVersion,
+                                      kCheckpointFormatVersion));
+  return version;
+}
 
 void take_snapshot(const StageExecutor& model, const AdamW* optimizer, bool writes, Snapshot& out) {
   out.parts.clear();
@@ -765,215 +766,6 @@ std::string newest_valid_checkpoint(const std::string& dir, const ModelConfig& m
     }
   }
   return "";
-}
-
-namespace {
-
-// Tensors under the model's logical names, to read weights from: a group of one of our
-// checkpoints ("params/", "optim/m/") or a safetensors file (trainer export, or a tool's).
-class TensorSource {
- public:
-  virtual ~TensorSource() = default;
-  virtual bool exists(const std::string& name) const = 0;
-  virtual std::vector<int64_t> shape(const std::string& name) const = 0;
-  virtual void read_part(const std::string& name, const std::vector<int64_t>& shape,
-                         const std::vector<Box>& boxes, float* values) const = 0;
-};
-
-class H5Group : public TensorSource {
- public:
-  H5Group(const H5File& f, std::string group) : f_(f), group_(std::move(group)) {}
-  bool exists(const std::string& name) const override { return f_.exists(group_ + name); }
-  std::vector<int64_t> shape(const std::string& name) const override {
-    return f_.shape(group_ + name);
-  }
-  void read_part(const std::string& name, const std::vector<int64_t>& shape,
-                 const std::vector<Box>& boxes, float* values) const override {
-    f_.read_part(group_ + name, shape, boxes, values);
-  }
-
- private:
-  const H5File& f_;
-  std::string group_;
-};
-
-class SafetensorsSource : public TensorSource {
- public:
-  explicit SafetensorsSource(const SafetensorsFile& f) : f_(f) {}
-  bool exists(const std::string& name) const override { return f_.exists(name); }
-  std::vector<int64_t> shape(const std::string& name) const override { return f_.at(name).shape; }
-  void read_part(const std::string& name, const std::vector<int64_t>& shape,
-                 const std::vector<Box>& boxes, float* values) const override {
-    f_.read_part(name, shape, boxes, values);
-  }
-
- private:
-  const SafetensorsFile& f_;
-};
-
-// A file of another layout read under our names once checked (a transformers directory, an
-// llm.c checkpoint): `read` gives boxes of our parameter.
-class ConvertedSource : public TensorSource {
- public:
-  using Read = std::function<void(const std::string& name, const std::vector<int64_t>& shape,
-                                  const std::vector<Box>& boxes, float* values)>;
-  ConvertedSource(const ModelConfig& m, Read read)
-      : table_(param_table(m)), read_(std::move(read)) {}
-  bool exists(const std::string&) const override { return true; }
-  std::vector<int64_t> shape(const std::string& name) const override {
-    return table_.at(name).shape;
-  }
-  void read_part(const std::string& name, const std::vector<int64_t>& shape,
-                 const std::vector<Box>& boxes, float* values) const override {
-    read_(name, shape, boxes, values);
-  }
-
- private:
-  ParamTable table_;
-  Read read_;
-};
-
-// This rank's elements of the model's tensors, in the flat layout of its parameters. Each rank
-// reads only the boxes of its slices (the values arrive in local order).
-std::vector<float> read_local(const TensorSource& source, const StageExecutor& model) {
-  const ParamTable full = param_table(model.config());
-  std::vector<float> flat(model.table().total, 0.0f);
-  for (const ParamInfo& p : model.table().params) {
-    std::vector<Box> boxes;
-    append_boxes(p, 0, p.local_numel(), boxes);
-    source.read_part(p.name, full.at(p.name).shape, boxes, flat.data() + p.offset);
-  }
-  return flat;
-}
-
-std::vector<float> read_local(const H5File& f, const StageExecutor& model,
-                              const std::string& group) {
-  return read_local(H5Group(f, group), model);
-}
-
-// flat (read_local's layout) -> the optimizer's state, indexed by its segments.
-void upload_state(AdamW& optimizer, const std::vector<float>& flat, AdamW::State which) {
-  std::vector<float> host(optimizer.state_elems(), 0.0f);
-  for (const AdamW::Segment& s : optimizer.segments())
-    std::copy(flat.begin() + s.offset, flat.begin() + s.offset + s.count,
-              host.begin() + s.state_offset);
-  optimizer.write_state(which, 0, host.data(), optimizer.state_elems());
-}
-
-// The weights into the model (ZeRO-3: its held units, and this rank's shard of the rest) and
-// the optimizer's exact fp32 copy, if it keeps one (16-bit or offloaded).
-void load_params(const TensorSource& source, StageExecutor& model, AdamW* optimizer) {
-  const std::vector<float> params = read_local(source, model);
-  // In pieces: into 16-bit weights each upload stages its fp32 values on the device.
-  constexpr int64_t kPiece = int64_t(1) << 22;
-  for (int64_t at = 0; at < model.params_elems(); at += kPiece)
-    model.kernels().upload_f32(model.params() + at, params.data() + at,
-                               std::min(kPiece, model.params_elems() - at));
-  if (optimizer && optimizer->state_weights())
-    upload_state(*optimizer, params, AdamW::State::weights);
-}
-
-void load_params(const H5File& f, StageExecutor& model, AdamW* optimizer) {
-  load_params(H5Group(f, "params/"), model, optimizer);
-}
-
-std::string shape_text(const std::vector<int64_t>& shape) {
-  return fmt::format("[{}]", fmt::join(shape, ", "));
-}
-
-// Every tensor the model needs is in `source` with its shape. `prefix` names them in messages
-// ("params/"); `model_note` says what the file's model is, when it is known.
-void check_tensors(const TensorSource& source, const std::string& file, const std::string& prefix,
-                   const ModelConfig& model, const std::string& model_note) {
-  for (const ParamInfo& p : param_table(model).params) {
-    if (!source.exists(p.name))
-      throw CheckpointError(fmt::format("{}: no tensor {}{}, which this model needs ({}{})", file,
-                                        prefix, p.name, shape_text(p.shape), model_note));
-    const std::vector<int64_t> shape = source.shape(p.name);
-    if (shape != p.shape)
-      throw CheckpointError(fmt::format("{}: {}{} has shape {}, this model's is {}", file, prefix,
-                                        p.name, shape_text(shape), shape_text(p.shape)));
-  }
-}
-
-// A safetensors file's weights fit the model: every tensor it needs, of its shape, and no other
-// (a tensor this model has no place for means the file is another model's).
-void check_safetensors(const SafetensorsFile& f, const ModelConfig& model) {
-  check_tensors(SafetensorsSource(f), f.path(), "", model, "");
-  const ParamTable table = param_table(model);
-  for (const auto& [name, t] : f.tensors())
-    if (!table.find(name))
-      throw CheckpointError(fmt::format("{}: tensor {} ({} {}) has no place in this model ({})",
-                                        f.path(), name, t.dtype, shape_text(t.shape),
-                                        arch_name(model.arch)));
-  // Our own export records the model; the same shapes may still be another (n_head).
-  const auto it = f.metadata().find("n_head");
-  if (it != f.metadata().end() && it->second != std::to_string(model.n_head))
-    throw CheckpointError(
-        fmt::format("{}: the weights are for a model with n_head = {}, this "
-                    "model has n_head = {}",
-                    f.path(), it->second, model.n_head));
-}
-
-}  // namespace
-
-void check_weights(const std::string& state_file, const ModelConfig& model) {
-  if (SafetensorsFile::is_one(state_file))
-    return check_safetensors(SafetensorsFile(state_file), model);
-  if (HfDirectory::is_one(state_file)) return HfDirectory(state_file).check(model);
-  if (LlmcFile::is_one(state_file)) return LlmcFile(state_file).check(model);
-  H5File f = H5File::open_read(state_file);
-  check_version(f, state_file);
-  const int64_t n_layer = f.attr_int("n_layer"), n_head = f.attr_int("n_head");
-  check_tensors(H5Group(f, "params/"), state_file, "params/", model,
-                fmt::format("; the checkpoint's model has n_layer = {}", n_layer));
-  // A deeper model's blocks would be silently dropped: the first parameter of block n_layer.
-  ModelConfig deeper = model;
-  deeper.n_layer++;
-  std::string extra;
-  for (const ParamInfo& p : param_table(deeper).params)
-    if (p.layer == model.n_layer && extra.empty()) extra = "params/" + p.name;
-  if (f.exists(extra))
-    throw CheckpointError(
-        fmt::format("{}: {} has no place in this model (n_layer = {} there, {} here)", state_file,
-                    extra, n_layer, model.n_layer));
-  if (n_head != model.n_head)  // the same shapes, another model
-    throw CheckpointError(
-        fmt::format("{}: checkpoint is for a model with n_head = {}, this "
-                    "model has n_head = {}",
-                    state_file, n_head, model.n_head));
-}
-
-void load_weights(const std::string& state_file, StageExecutor& model, AdamW* optimizer) {
-  check_weights(state_file, model.config());
-  if (SafetensorsFile::is_one(state_file)) {
-    const SafetensorsFile f(state_file);
-    return load_params(SafetensorsSource(f), model, optimizer);
-  }
-  if (HfDirectory::is_one(state_file)) {
-    const HfDirectory d(state_file);
-    std::map<std::string, HfTensor> by_ours;  // our parameter -> the tensor it comes from
-    for (const HfTensor& t : hf_tensors(model.config()))
-      if (!t.ours.empty()) by_ours.emplace(t.ours, t);
-    return load_params(
-        ConvertedSource(model.config(),
-                        [&](const std::string& name, const std::vector<int64_t>& shape,
-                            const std::vector<Box>& boxes, float* values) {
-                          d.read_part(by_ours.at(name), shape, boxes, values);
-                        }),
-        model, optimizer);
-  }
-  if (LlmcFile::is_one(state_file)) {
-    const LlmcFile f(state_file);
-    return load_params(
-        ConvertedSource(model.config(),
-                        [&](const std::string& name, const std::vector<int64_t>& shape,
-                            const std::vector<Box>& boxes,
-                            float* values) { f.read_part(name, shape, boxes, values); }),
-        model, optimizer);
-  }
-  H5File f = H5File::open_read(state_file);
-  load_params(f, model, optimizer);
 }
 
 TrainState load_checkpoint(const std::string& state_file, StageExecutor& model, AdamW* optimizer) {
