@@ -149,6 +149,17 @@ TEST(Mpi, InPlaceAllGatherDupNodesAndTraffic) {
   }
 }
 
+// Four ranks as two "nodes" of two: intra 0 1 | 2 3, inter (the ranks at the same place on
+// each node) 0 2 | 1 3.
+struct TwoNodes {
+  std::unique_ptr<Communicator> intra, inter;
+};
+TwoNodes two_nodes(World& w) {
+  const int r = w.comm().rank();
+  return {w.group(r < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3}),
+          w.group(r % 2 == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3})};
+}
+
 // The bucketed reducer against the plain sum: flat and hierarchical (two "nodes" of two ranks),
 // all-reduce and ZeRO-1 reduce-scatter + gather, with many small buckets started at frontiers
 // that every rank reaches at a different time (random delays), so that chains complete in a
@@ -159,8 +170,7 @@ TEST(Mpi, GradReducerMatchesTheSumInEveryMode) {
   const int r = c.rank(), P = c.size();
   auto k = make_cpu_kernels();
   const int64_t total = 16 * P * 37;
-  auto intra = w.group(r < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3});
-  auto inter = w.group(r % 2 == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3});
+  auto [intra, inter] = two_nodes(w);
   for (bool hierarchical : {false, true})
     for (bool shard : {false, true}) {
       SCOPED_TRACE(testing::Message() << "hierarchical " << hierarchical << " shard " << shard);
@@ -235,9 +245,9 @@ struct TwoNodeUnits {
   int64_t total;
 };
 TwoNodeUnits two_node_units(World& w, int64_t U) {
-  const int r = w.comm().rank();
-  return {w.group(r < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3}),
-          w.group(r % 2 == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3}),
+  auto [intra, inter] = two_nodes(w);
+  return {std::move(intra),
+          std::move(inter),
           {{0, 4 * U, true},
            {4 * U, 7 * U, false},
            {7 * U, 9 * U, false},
@@ -625,8 +635,7 @@ TEST(Mpi, OnebitAdamMomentumIsTheCompressedSumsBookkeeping) {
   const int r = c.rank(), P = c.size();
   auto k = make_cpu_kernels();
   const int64_t bucket = 16 * P * 8, total = bucket * 6;
-  auto intra = w.group(r < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3});
-  auto inter = w.group(r % 2 == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3});
+  auto [intra, inter] = two_nodes(w);
   const float beta = 0.9f;
   for (bool hierarchical : {false, true})
     for (bool shard : {false, true}) {
@@ -704,11 +713,9 @@ TEST(Mpi, OnebitAdamMomentumIsTheCompressedSumsBookkeeping) {
 TEST(Mpi, PowerSgdCompressesTheRowsOfAMatrixANodesPartsCut) {
   World& w = *g_world;
   Communicator& c = w.comm();
-  const int r = c.rank();
   auto k = make_cpu_kernels();
   const int64_t total = 16 * c.size() * 32;  // one bucket
-  auto intra = w.group(r < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3});
-  auto inter = w.group(r % 2 == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3});
+  auto [intra, inter] = two_nodes(w);
   std::vector<float> g(total, 0.5f), params(total);
   ReducerOptions o;
   o.bucket_elems = total;
@@ -781,8 +788,7 @@ TEST(Mpi, DgcVelocitiesSumToTheMomentumAndAreMaskedWhereSent) {
   const int r = c.rank(), P = c.size();
   auto k = make_cpu_kernels();
   const int64_t bucket = 16 * P * 32, total = bucket * 3;
-  auto intra = w.group(r < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3});
-  auto inter = w.group(r % 2 == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3});
+  auto [intra, inter] = two_nodes(w);
   const float beta = 0.9f;
   const double ratio = 0.02;
   for (bool masking : {false, true})
