@@ -6,7 +6,10 @@
 # nodes: the node's sum of its part of each bucket) and for DiLoCo outer steps ([comm.outer]),
 # against the uncompressed hierarchical all-reduce. One run, this machine, real mpirun.
 #
-#   bench/compression_quality.sh [--steps N] [--only NAME,NAME...]
+#   bench/compression_quality.sh [--steps N] [--only NAME,NAME...] [--ranks-per-node K]
+#
+# --ranks-per-node 1 makes the four ranks four nodes (int8's and onebit's messages then cross in
+# two phases, comm/compression.h).
 #
 # Prints one JSON line per method: bytes rank 0 sent per step between nodes (inter) and inside
 # its node (intra), averaged over the run; the final validation loss and its change from the
@@ -20,11 +23,13 @@ BUILD="${BUILD:-$ROOT/build}"
 PYTHON="${PYTHON:-/usr/bin/python3}"
 steps=1000
 only=""
+per_node=2
 while (($#)); do
   case "$1" in
     --steps) steps="$2"; shift ;;
     --only) only=",$2,"; shift ;;
-    -h | --help) sed -n '2,15s/^# \{0,1\}//p' "$0"; exit 0 ;;
+    --ranks-per-node) per_node="$2"; shift ;;
+    -h | --help) sed -n '2,18s/^# \{0,1\}//p' "$0"; exit 0 ;;
     *) echo "compression_quality.sh: unknown argument '$1'" >&2; exit 2 ;;
   esac
   shift
@@ -47,7 +52,7 @@ run() {
   (cd "$ROOT" && mpirun -q --oversubscribe --bind-to none -np 4 "$BUILD/trainer" train \
     configs/tiny.toml --set run.out_dir="\"$dir\"" --set run.threads=1 \
     --set train.steps="$steps" --set train.micro_batch=4 --set parallel.dp=4 \
-    --set parallel.allreduce='"hierarchical"' --set parallel.ranks_per_node=2 \
+    --set parallel.allreduce='"hierarchical"' --set parallel.ranks_per_node="$per_node" \
     --set train.val_every="$steps" --set train.sample_every=0 --set train.log_every=100 \
     "$@" >"$dir.log")
   "$PYTHON" - "$name" "$dir/metrics.jsonl" <<'PY'

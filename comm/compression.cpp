@@ -1,5 +1,7 @@
 #include "comm/compression.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -37,7 +39,7 @@ class FeedbackCompressor : public Compressor {
         residual_[i] = std::isfinite(r) ? r : 0.0f;
       }
   }
-  const std::vector<float>& residual() const final { return residual_; }
+  std::vector<float> residual() const override { return residual_; }
   std::vector<float> state() const final {
     std::vector<float> s(state_size());
     if (error_feedback_) std::copy(residual_.begin(), residual_.end(), s.begin());
@@ -91,16 +93,41 @@ class CastCompressor final : public FeedbackCompressor {
   }
 };
 
-// Methods whose messages cannot be summed on the wire: every rank packs its message, all
-// ranks' messages are all-gathered, and each rank decodes and adds them all, in rank order.
-// Exact elements are taken out first and all-reduced as they are; the message packs the rest.
+// Methods whose messages cannot be summed on the wire. Exact elements are taken out first and
+// all-reduced as they are; the message packs the rest. Then, in a group of two (or for top-k),
+// every rank's message is all-gathered and each rank decodes and adds them all, in rank order:
+// (p - 1) messages a rank, which grows with the group. In a larger group (int8, onebit), the
+// exchange is in two phases whose bytes do not (1-bit Adam's compressed all-reduce, Tang et al.
+// 2021): the values are cut into p parts at chunk boundaries, each encoded on its own; part j of
+// every rank's message goes to rank j (a scatter), which decodes and sums them in rank order,
+// adds its own residual of that part (server-side error feedback), encodes the sum again and
+// keeps what that dropped; the parts' sums are all-gathered and decoded by every rank. A rank
+// sends 2 (p - 1) / p messages' worth, as a ring all-reduce does (in a group of two, the same as
+// the all-gather, which is exact, so it is kept there).
 class GatherCompressor : public FeedbackCompressor {
  public:
-  GatherCompressor(bool error_feedback, int64_t n, const std::vector<ExactRange>& exact)
-      : FeedbackCompressor(error_feedback, n), exact_(n, 0) {
+  GatherCompressor(bool error_feedback, int64_t n, const std::vector<ExactRange>& exact,
+                   GroupPlace group, bool by_parts)
+      : FeedbackCompressor(error_feedback, n), exact_(n, 0), group_(group) {
     for (const ExactRange& r : exact)
       std::fill(exact_.begin() + r.offset, exact_.begin() + r.offset + r.count, 1);
     packed_ = n - std::count(exact_.begin(), exact_.end(), 1);
+    if (by_parts && group.size > 2) {
+      const int64_t c = chunks(packed_);
+      for (int j = 0; j <= group.size; j++)
+        part_.push_back(std::min(packed_, c * j / group.size * kChunk));
+      if (error_feedback) server_residual_.assign(size_t(part_len(group.rank)), 0.0f);
+    }
+  }
+  // Besides its own residual, on the part it sums for the group a rank holds what encoding that
+  // sum dropped: the group's residuals add up to everything not yet delivered.
+  std::vector<float> residual() const override {
+    std::vector<float> r = FeedbackCompressor::residual();
+    if (server_residual_.empty()) return r;
+    const int64_t lo = part_[group_.rank], hi = part_[group_.rank + 1];
+    for (int64_t i = 0, j = 0; i < int64_t(exact_.size()) && j < hi; i++)
+      if (!exact_[i] && j++ >= lo) r[i] += server_residual_[j - 1 - lo];
+    return r;
   }
 
  protected:
@@ -123,7 +150,20 @@ class GatherCompressor : public FeedbackCompressor {
   virtual void add_decoded(const std::byte* msg, int64_t n, float* out) const = 0;
 
  private:
+  int64_t method_state_size() const override { return int64_t(server_residual_.size()); }
+  void save_method_state(float* s) const override {
+    std::copy(server_residual_.begin(), server_residual_.end(), s);
+  }
+  void load_method_state(const float* s) override {
+    std::copy_n(s, server_residual_.size(), server_residual_.begin());
+  }
+  int64_t part_len(int j) const { return part_[j + 1] - part_[j]; }
+
   void exchange(Communicator& group, float* g, int64_t n, float* mine) override {
+    if (group.size() != group_.size || group.rank() != group_.rank)
+      throw std::logic_error(
+          fmt::format("GatherCompressor: made for rank {} of {}, exchanging as rank {} of {}",
+                      group_.rank, group_.size, group.rank(), group.size()));
     if (packed_ == n) return exchange_packed(group, g, n, mine);
     std::vector<float> rest, exact, rest_mine(packed_);
     for (int64_t i = 0; i < n; i++) (exact_[i] ? exact : rest).push_back(g[i]);
@@ -141,6 +181,7 @@ class GatherCompressor : public FeedbackCompressor {
     }
   }
   void exchange_packed(Communicator& group, float* g, int64_t n, float* mine) {
+    if (!part_.empty()) return exchange_by_parts(group, g, mine);
     const int64_t bytes = message_bytes(n);
     std::vector<std::byte> all(bytes * group.size());
     std::byte* own = all.data() + bytes * group.rank();
@@ -151,14 +192,65 @@ class GatherCompressor : public FeedbackCompressor {
     std::fill(g, g + n, 0.0f);
     for (int r = 0; r < group.size(); r++) add_decoded(all.data() + bytes * r, n, g);
   }
+  void exchange_by_parts(Communicator& group, float* g, float* mine) {
+    const int p = group_.size, me = group_.rank;
+    constexpr int kTag = 7301;
+    // Every part encoded on its own (their chunks are the whole message's): part j for rank j.
+    std::vector<int64_t> at(p + 1, 0);
+    for (int j = 0; j < p; j++) at[j + 1] = at[j] + message_bytes(part_len(j));
+    std::vector<std::byte> out(size_t(at[p]));
+    std::fill(mine, mine + packed_, 0.0f);
+    for (int j = 0; j < p; j++) {
+      encode(g + part_[j], part_len(j), out.data() + at[j]);
+      add_decoded(out.data() + at[j], part_len(j), mine + part_[j]);
+    }
+    // The scatter: each rank's message of this rank's part.
+    const int64_t len = part_len(me), bytes = message_bytes(len);
+    std::vector<std::byte> in(size_t(bytes * p));
+    std::copy_n(out.data() + at[me], bytes, in.data() + bytes * me);
+    std::vector<Request> pending;
+    for (int r = 0; r < p; r++)
+      if (r != me) {
+        pending.push_back(group.irecv(host_ptr(in.data() + bytes * r), bytes, r, kTag));
+        pending.push_back(group.isend(host_ptr(out.data() + at[r]), at[r + 1] - at[r], r, kTag));
+      }
+    for (Request& q : pending) q.wait();
+    // The part's sum, in rank order, with what its last encoding dropped; encoded again.
+    std::vector<float> sum(size_t(len), 0.0f);
+    for (int r = 0; r < p; r++) add_decoded(in.data() + bytes * r, len, sum.data());
+    int64_t widest = 0;
+    for (int j = 0; j < p; j++) widest = std::max(widest, at[j + 1] - at[j]);
+    std::vector<std::byte> all(size_t(widest * p));
+    std::byte* own = all.data() + widest * me;
+    if (!server_residual_.empty())
+      for (int64_t i = 0; i < len; i++) sum[i] += server_residual_[i];
+    encode(sum.data(), len, own);
+    if (!server_residual_.empty()) {
+      std::vector<float> sent(size_t(len), 0.0f);
+      add_decoded(own, len, sent.data());
+      for (int64_t i = 0; i < len; i++) {
+        const float r = sum[i] - sent[i];
+        server_residual_[i] = std::isfinite(r) ? r : 0.0f;
+      }
+    }
+    // The sums, gathered: every rank decodes the same messages.
+    group.all_gather(host_ptr(own), host_ptr(all.data()), widest);
+    std::fill(g, g + packed_, 0.0f);
+    for (int j = 0; j < p; j++) add_decoded(all.data() + widest * j, part_len(j), g + part_[j]);
+  }
   std::vector<char> exact_;  // per element: summed exactly
   int64_t packed_;
+  GroupPlace group_;
+  std::vector<int64_t> part_;           // the two-phase exchange's parts (p + 1 bounds), or none
+  std::vector<float> server_residual_;  // of this rank's part
 };
 
 // int8 with one absmax scale per chunk: [scales: float x chunks][values: int8 x n].
 class Int8Compressor final : public GatherCompressor {
  public:
-  using GatherCompressor::GatherCompressor;
+  Int8Compressor(bool error_feedback, int64_t n, const std::vector<ExactRange>& exact,
+                 GroupPlace group, bool two_phase)
+      : GatherCompressor(error_feedback, n, exact, group, two_phase) {}
 
  private:
   int64_t message_bytes(int64_t n) const override { return 4 * chunks(n) + n; }
@@ -168,8 +260,15 @@ class Int8Compressor final : public GatherCompressor {
     for (int64_t c = 0; c < chunks(n); c++) {
       const int64_t lo = c * kChunk, hi = std::min(n, lo + kChunk);
       float amax = 0;
-      for (int64_t i = lo; i < hi; i++) amax = std::max(amax, std::abs(g[i]));
-      const float scale = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+      bool finite = true;
+      for (int64_t i = lo; i < hi; i++) {
+        amax = std::max(amax, std::abs(g[i]));
+        finite = finite && std::isfinite(g[i]);
+      }
+      // A non-finite value (an overflow: the step is to be skipped) makes its chunk NaN, which
+      // a sum of the decoded chunks (in two phases, encoded again) cannot lose.
+      const float scale = finite ? amax / 127.0f : NAN;
+      const float inv = finite && amax > 0 ? 127.0f / amax : 0.0f;
       std::memcpy(&scales[c], &scale, 4);
       for (int64_t i = lo; i < hi; i++) q[i] = int8_t(std::lrint(g[i] * inv));
     }
@@ -189,7 +288,9 @@ class Int8Compressor final : public GatherCompressor {
 // [scales: float x chunks][bits: ceil(n / 8) bytes].
 class OneBitCompressor final : public GatherCompressor {
  public:
-  using GatherCompressor::GatherCompressor;
+  OneBitCompressor(bool error_feedback, int64_t n, const std::vector<ExactRange>& exact,
+                   GroupPlace group, bool two_phase)
+      : GatherCompressor(error_feedback, n, exact, group, two_phase) {}
 
  private:
   int64_t message_bytes(int64_t n) const override { return 4 * chunks(n) + (n + 7) / 8; }
@@ -217,11 +318,14 @@ class OneBitCompressor final : public GatherCompressor {
   }
 };
 
-// The k largest magnitudes: [indices: int32 x k][values: float x k].
+// The k largest magnitudes: [indices: int32 x k][values: float x k]. All-gathered in any group
+// (DGC's exchange): the sum of p sparse messages is up to p times denser, so a part's sum would
+// not fit one message of k.
 class TopKCompressor final : public GatherCompressor {
  public:
-  TopKCompressor(bool error_feedback, int64_t n, double ratio, const std::vector<ExactRange>& exact)
-      : GatherCompressor(error_feedback, n, exact) {
+  TopKCompressor(bool error_feedback, int64_t n, double ratio, const std::vector<ExactRange>& exact,
+                 GroupPlace group)
+      : GatherCompressor(error_feedback, n, exact, group, false) {
     set_ratio(ratio);
   }
   void set_ratio(double ratio) override {
@@ -237,7 +341,11 @@ class TopKCompressor final : public GatherCompressor {
     std::iota(order_.begin(), order_.end(), 0);
     std::nth_element(order_.begin(), order_.begin() + (k_ - 1), order_.end(),
                      [&](int32_t a, int32_t b) {  // ties by index: the same choice every time
-                       const float x = std::abs(g[a]), y = std::abs(g[b]);
+                       // NaN first, as inf: an overflow must reach the sum (the step is skipped).
+                       const auto size = [](float v) {
+                         return std::isnan(v) ? INFINITY : std::abs(v);
+                       };
+                       const float x = size(g[a]), y = size(g[b]);
                        return x > y || (x == y && a < b);
                      });
     std::sort(order_.begin(), order_.begin() + k_);
@@ -439,13 +547,16 @@ void Compressor::mask_sent(float*) const {
 
 std::unique_ptr<Compressor> make_compressor(const CompressionOptions& o, int64_t n,
                                             const std::vector<MatrixView>& matrices,
-                                            const std::vector<ExactRange>& exact) {
+                                            const std::vector<ExactRange>& exact,
+                                            GroupPlace group) {
   const bool ef = o.error_feedback;
   if (o.method == "fp16") return std::make_unique<CastCompressor<f16>>(ef, n);
   if (o.method == "bf16") return std::make_unique<CastCompressor<bf16>>(ef, n);
-  if (o.method == "int8") return std::make_unique<Int8Compressor>(ef, n, exact);
-  if (o.method == "onebit") return std::make_unique<OneBitCompressor>(ef, n, exact);
-  if (o.method == "topk") return std::make_unique<TopKCompressor>(ef, n, o.topk_ratio, exact);
+  if (o.method == "int8") return std::make_unique<Int8Compressor>(ef, n, exact, group, o.two_phase);
+  if (o.method == "onebit")
+    return std::make_unique<OneBitCompressor>(ef, n, exact, group, o.two_phase);
+  if (o.method == "topk")
+    return std::make_unique<TopKCompressor>(ef, n, o.topk_ratio, exact, group);
   if (o.method == "powersgd") return std::make_unique<PowerSgdCompressor>(o, n, matrices, exact);
   throw std::invalid_argument("unknown compression method " + o.method);
 }

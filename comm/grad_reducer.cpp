@@ -111,9 +111,12 @@ GradReducer::GradReducer(Kernels& k, DPtr grads, DPtr params, int64_t total, Com
         const int64_t from = std::max(r.offset, lo), to = std::min(r.offset + r.count, hi);
         if (from < to) exact.push_back({from - lo, to - from});
       }
-      b.make_compressor = [part = n / L, inside, exact](const CompressionOptions& o) {
-        return make_compressor(o, part, inside, exact);
-      };
+      const Communicator& across = hier ? *inter : dp;
+      b.make_compressor =
+          [part = n / L, inside, exact,
+           place = GroupPlace{across.rank(), across.size()}](const CompressionOptions& o) {
+            return make_compressor(o, part, inside, exact, place);
+          };
       if (gradients_compressed) b.compressor = b.make_compressor(co);
       if (options.momentum.on) {
         b.momentum_compressor = b.make_compressor(options.momentum.compression);

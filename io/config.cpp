@@ -632,6 +632,7 @@ Config parse_config(const std::string& text, const std::string& origin,
     r.field("topk_ratio", z.topk_ratio, in_range(1e-6, 1));
     r.field("powersgd_rank", z.powersgd_rank, in_range(1, 1024));
     r.field("powersgd_budget", z.powersgd_budget, in_range(0, 1));
+    r.field("two_phase", z.two_phase);
     r.field("error_feedback", z.error_feedback);
     r.field("warmup_steps", z.warmup_steps, at_least(0));
     r.field("min_bucket_kb", z.min_bucket_kb, at_least(0));
@@ -916,6 +917,7 @@ std::string config_to_toml(const Config& c) {
                                         {"topk_ratio", c.comm.compression.topk_ratio},
                                         {"powersgd_rank", c.comm.compression.powersgd_rank},
                                         {"powersgd_budget", c.comm.compression.powersgd_budget},
+                                        {"two_phase", c.comm.compression.two_phase},
                                         {"error_feedback", c.comm.compression.error_feedback},
                                         {"warmup_steps", c.comm.compression.warmup_steps},
                                         {"min_bucket_kb", c.comm.compression.min_bucket_kb}}},

@@ -158,6 +158,9 @@ struct CompressionConfig {
   double topk_ratio = 0.01;
   int powersgd_rank = 4;
   double powersgd_budget = 0;  // > 0: each matrix's rank from it (comm/compression.h)
+  // int8 and onebit among more than two ranks: in two phases (2 (p - 1) / p messages a rank),
+  // or (false) all-gathered, exact sums of the messages at p - 1 messages a rank.
+  bool two_phase = true;
   bool error_feedback = true;
   int warmup_steps = 0;      // uncompressed steps first
   double min_bucket_kb = 0;  // smaller buckets go uncompressed

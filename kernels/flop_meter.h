@@ -12,6 +12,12 @@
 
 namespace trainer {
 
+// The multiply-adds of causal attention's forward (QK^T and AV over the lower triangle, the
+// diagonal included): a lower bound on what the blocked kernels execute. Backward is twice this.
+inline double causal_attention_flops(int B, int T, int C) {
+  return 2.0 * 2.0 * B * C * (double(T) * (T + 1) / 2);
+}
+
 class FlopMeter {
  public:
   // Runs operator `op`, f(), which executes at least `flops`, and keeps its rate if it is the

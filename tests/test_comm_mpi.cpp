@@ -536,12 +536,29 @@ TEST(Mpi, CompressionBytesAndErrorFeedback) {
   const int64_t n = 10000, chunks = (n + 255) / 256;
   const std::vector<MatrixView> matrices = {{1000, 100, 60}, {7000, 30, 100}};
   const int64_t plain = uncompressed_bytes(n, P);  // 2 n 4 (p - 1) / p
+  // int8 and onebit among more than two ranks: in two phases, over parts of whole chunks (of
+  // 40 chunks, 40 j / P to 40 (j + 1) / P): the other parts' messages out, then this rank's
+  // part's sum to every other rank in a message as long as the longest part's. Between two, the
+  // message all-gathered. Either way about 2 (p - 1) / p messages, as a ring all-reduce.
+  auto exchanged = [&](auto message) {
+    if (P <= 2) return (P - 1) * message(n);
+    int64_t out = 0, longest = 0;
+    for (int j = 0; j < P; j++) {
+      const int64_t len = std::min(n, chunks * (j + 1) / P * 256) - chunks * j / P * 256;
+      if (j != r) out += message(len);
+      longest = std::max(longest, message(len));
+    }
+    return out + (P - 1) * longest;
+  };
+  const auto int8 = [](int64_t len) { return 4 * ((len + 255) / 256) + len; };
+  const auto onebit = [](int64_t len) { return 4 * ((len + 255) / 256) + (len + 7) / 8; };
   const std::map<std::string, int64_t> expected = {
       {"fp16", plain / 2},
       {"bf16", plain / 2},
-      {"int8", (P - 1) * (4 * chunks + n)},
-      {"onebit", (P - 1) * (4 * chunks + (n + 7) / 8)},
-      {"topk", (P - 1) * 8 * 100},  // k = 1% of n
+      {"int8", exchanged(int8)},
+      {"onebit", exchanged(onebit)},
+      {"onebit_gathered", (P - 1) * onebit(n)},  // two_phase = false
+      {"topk", (P - 1) * 8 * 100},               // k = 1% of n
       {"powersgd", 2 * 4 * (P - 1) * ((100 + 60) * 4 + (30 + 100) * 4 + (n - 9000)) / P},
       // powersgd_budget 0.1: ranks 0.1 x 6000 / 160 = 3.75 -> 3 and 0.1 x 3000 / 130 -> 2.
       {"powersgd_budget", 2 * 4 * (P - 1) * ((100 + 60) * 3 + (30 + 100) * 2 + (n - 9000)) / P},
@@ -549,10 +566,13 @@ TEST(Mpi, CompressionBytesAndErrorFeedback) {
   for (const auto& [method, bytes] : expected) {
     SCOPED_TRACE(method);
     CompressionOptions o;
-    o.method = method == "powersgd_budget" ? "powersgd" : method;
+    o.method = method == "powersgd_budget"   ? "powersgd"
+               : method == "onebit_gathered" ? "onebit"
+                                             : method;
+    o.two_phase = method != "onebit_gathered";
     if (method == "powersgd_budget") o.powersgd_budget = 0.1;
     o.seed = 5;
-    auto comp = make_compressor(o, n, matrices);
+    auto comp = make_compressor(o, n, matrices, {}, {r, P});
     std::mt19937 rng(100 + r);
     std::normal_distribution<float> normal;
     std::vector<double> true_sum(n, 0.0), returned(n, 0.0), magnitude(n, 0.0);
@@ -566,10 +586,21 @@ TEST(Mpi, CompressionBytesAndErrorFeedback) {
       const auto before = c.traffic();
       comp->all_reduce(c, g.data(), n);
       EXPECT_EQ(c.traffic().bytes_sent - before.bytes_sent, bytes);
+      if (method == "int8" || method == "onebit") {
+        // Within 3% of a ring's 2 (p - 1) / p messages, whatever the group's size.
+        const double message = double(method == "int8" ? int8(n) : onebit(n));
+        EXPECT_LE(double(bytes), 1.03 * 2.0 * (P - 1) / P * message);
+      }
+      if (method == "int8" || method == "onebit" || method == "topk") {  // decoded alike
+        std::vector<double> highest(g.begin(), g.end());
+        c.all_reduce(ptr(highest), n, ReduceOp::max);
+        for (int64_t i = 0; i < n; i++)
+          ASSERT_EQ(double(g[i]), highest[i]) << "every rank has the same sum, element " << i;
+      }
       for (int64_t i = 0; i < n; i++) returned[i] += g[i];
     }
-    std::vector<double> lhs(n), rhs(true_sum);
-    for (int64_t i = 0; i < n; i++) lhs[i] = double(comp->residual()[i]);
+    const std::vector<float> residual = comp->residual();
+    std::vector<double> lhs(residual.begin(), residual.end()), rhs(true_sum);
     c.all_reduce(ptr(lhs), n, ReduceOp::sum);  // the residuals of all ranks
     c.all_reduce(ptr(rhs), n, ReduceOp::sum);  // the true gradients of all ranks
     c.all_reduce(ptr(magnitude), n, ReduceOp::sum);
@@ -580,11 +611,34 @@ TEST(Mpi, CompressionBytesAndErrorFeedback) {
     }
     // And compression did drop something (for the lossy methods), which feedback carried.
     if (method != "fp16" && method != "bf16") {
-      double residual = 0;
-      for (float x : comp->residual()) residual += std::abs(x);
-      EXPECT_GT(residual, 0);
+      double dropped = 0;
+      for (float x : residual) dropped += std::abs(x);
+      EXPECT_GT(dropped, 0);
     }
   }
+}
+
+// An overflow (a gradient that is inf or NaN on one rank) must reach every rank's sum, whatever
+// the exchange, so that the step is skipped: in two phases the part's sum is encoded again, and
+// int8's absmax scale of a NaN chunk was 0 (its values came back as zeros). The residual stays
+// finite (kept, the non-finite values would poison every later step).
+TEST(Mpi, ANonFiniteGradientReachesEveryRanksSum) {
+  Communicator& c = g_world->comm();
+  const int r = c.rank(), P = c.size();
+  const int64_t n = 4096;
+  for (const char* method : {"int8", "onebit", "topk"})
+    for (float bad : {INFINITY, NAN}) {
+      SCOPED_TRACE(testing::Message() << method << " " << bad);
+      CompressionOptions o;
+      o.method = method;
+      o.topk_ratio = 0.1;
+      auto comp = make_compressor(o, n, {}, {}, {r, P});
+      std::vector<float> g(n, 0.01f * float(r + 1));
+      if (r == 1) g[1000] = bad;
+      comp->all_reduce(c, g.data(), n);
+      EXPECT_FALSE(std::isfinite(g[1000]));
+      for (float x : comp->residual()) ASSERT_TRUE(std::isfinite(x));
+    }
 }
 
 // The optimizer's state `values` (laid out as the flat buffer) as a reducer reads it: whole, or
@@ -628,13 +682,15 @@ std::vector<double> exchange_random_gradients(GradReducer& reducer, Communicator
 // what was received and what the residuals kept is exactly the momentum of the summed gradients
 // (plus the residuals carried in), step after step; the momentum is the same on every rank, and
 // under ZeRO it starts from the pieces the ranks hold. Hierarchically (two nodes of two) the
-// node sums its part first, and only the ranks holding the same part exchange it.
+// node sums its part first, and only the ranks holding the same part exchange it. Among more
+// than two ranks the exchange is in two phases, and the rank that sums a part keeps that sum's
+// residual too (after its own, in the state): received and all residuals still add up.
 TEST(Mpi, OnebitAdamMomentumIsTheCompressedSumsBookkeeping) {
   World& w = *g_world;
   Communicator& c = w.comm();
   const int r = c.rank(), P = c.size();
   auto k = make_cpu_kernels();
-  const int64_t bucket = 16 * P * 8, total = bucket * 6;
+  const int64_t bucket = 16 * P * 64, total = bucket * 6;
   auto [intra, inter] = two_nodes(w);
   const float beta = 0.9f;
   for (bool hierarchical : {false, true})
@@ -658,6 +714,9 @@ TEST(Mpi, OnebitAdamMomentumIsTheCompressedSumsBookkeeping) {
       std::vector<double> d = m;  // what is exchanged
       // Where this rank's part of bucket b is, in the flat buffer.
       const int64_t L = hierarchical ? 2 : 1, part = bucket / L;
+      // In two phases (P ranks exchange), the part of it this rank sums: 1 / P of it, whole
+      // chunks of 256.
+      const int64_t summed = P / L > 2 ? part / P : 0;
       auto part_begin = [&](int64_t b) {
         return b * bucket + (hierarchical ? intra->rank() : 0) * part;
       };
@@ -668,17 +727,23 @@ TEST(Mpi, OnebitAdamMomentumIsTheCompressedSumsBookkeeping) {
         const float scale = 0.5f + 0.25f * float(step);
         const std::vector<double> sum_g =
             exchange_random_gradients(reducer, c, g, rng, step, scale);
-        // The state: per bucket, its residual then its momentum (this rank's part), then "ready".
+        // The state: per bucket, its residual, its summed part's residual and its momentum
+        // (this rank's part), then "ready".
         const std::vector<float> state = reducer.compression_state();
-        ASSERT_EQ(int64_t(state.size()), 6 * 2 * part + 1);
+        const int64_t per_bucket = 2 * part + summed;
+        ASSERT_EQ(int64_t(state.size()), 6 * per_bucket + 1);
         EXPECT_EQ(state.back(), 1.0f);
         std::vector<double> residuals(total, 0.0);
-        for (int64_t b = 0; b < 6; b++)
+        for (int64_t b = 0; b < 6; b++) {
+          const float* at = state.data() + b * per_bucket;
           for (int64_t i = 0; i < part; i++) {
-            residuals[part_begin(b) + i] = state[b * 2 * part + i];
+            residuals[part_begin(b) + i] = at[i];
             // The momentum kept is what was received.
-            ASSERT_EQ(state[b * 2 * part + part + i], g[part_begin(b) + i]) << b << " " << i;
+            ASSERT_EQ(at[part + summed + i], g[part_begin(b) + i]) << b << " " << i;
           }
+          for (int64_t i = 0; i < summed; i++)
+            residuals[part_begin(b) + r * summed + i] += at[part + i];
+        }
         c.all_reduce(ptr(residuals), total, ReduceOp::sum);
         std::vector<double> highest(g.begin(), g.end()), negated_lowest(total);
         for (int64_t i = 0; i < total; i++) negated_lowest[i] = -double(g[i]);
@@ -761,7 +826,7 @@ TEST(Mpi, TopKTakesTheRatioItIsSetToAndMasksWhatItSent) {
   for (double ratio : {0.0, 0.05}) {
     SCOPED_TRACE(ratio);
     // 900 of the 1000 values compressed: k = 9 at 1%, 45 at 5%.
-    auto comp = make_compressor(o, n, {}, {{0, 100}});
+    auto comp = make_compressor(o, n, {}, {{0, 100}}, {c.rank(), c.size()});
     if (ratio > 0) comp->set_ratio(ratio);
     std::vector<float> x = g;
     comp->all_reduce(c, x.data(), n);

@@ -12,9 +12,12 @@
 // rounded 16-bit intermediates (attention, the model) get 3x.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
+#include <fstream>
 #include <functional>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -576,6 +579,55 @@ TEST(Cuda, ModelLossAndGradientsMatchTheCpuAndRepeatBitwise) {
   }
 }
 
+// For a profiler the backend times its operators with CUDA events: each one heard of once, with
+// its FLOPs, between the host's issuing it and the wait for the device after it, in the order
+// the stream ran them; nothing without an observer.
+TEST(Cuda, OperatorsAreTimedWithEventsForAProfiler) {
+  REQUIRE_GPU();
+  using Clock = std::chrono::steady_clock;
+  auto gpu = make_cuda_kernels({0, 0.25});
+  const int64_t N = 512;
+  const int IC = 256, OC = 768;
+  const DPtr inp = gpu->alloc(N * IC, DType::f32),
+             weight = gpu->alloc(int64_t(OC) * IC, DType::f32);
+  const DPtr bias = gpu->alloc(OC, DType::f32), out = gpu->alloc(N * OC, DType::f32);
+  const DPtr mean = gpu->alloc(N, DType::f32), rstd = gpu->alloc(N, DType::f32);
+  const DPtr normed = gpu->alloc(N * OC, DType::f32);
+  struct Heard {
+    std::string op;
+    double flops;
+    Clock::time_point t0, t1;
+  };
+  std::vector<Heard> heard;
+  gpu->set_op_observer(
+      [&](const char* op, double flops, Clock::time_point t0, Clock::time_point t1) {
+        heard.push_back({op, flops, t0, t1});
+      });
+  const auto issued = Clock::now();
+  for (int i = 0; i < 3; i++) gpu->matmul_forward(out, inp, weight, bias, N, IC, OC);
+  gpu->layernorm_forward(normed, mean, rstd, out, bias, bias, N, OC);
+  gpu->synchronize();
+  const auto waited = Clock::now();
+  ASSERT_EQ(heard.size(), 4u);
+  for (size_t i = 0; i < heard.size(); i++) {
+    const Heard& h = heard[i];
+    EXPECT_EQ(h.op, i < 3 ? "matmul_forward" : "layernorm_forward");
+    EXPECT_EQ(h.flops, i < 3 ? 2.0 * N * IC * OC : 0.0);
+    EXPECT_LT(h.t0, h.t1) << i;
+    // (The anchor's clock is the host's after a wait: allow it a millisecond.)
+    EXPECT_GE(h.t0, issued - std::chrono::milliseconds(1)) << i;
+    EXPECT_LE(h.t1, waited + std::chrono::milliseconds(1)) << i;
+    if (i > 0) {
+      EXPECT_GE(h.t0, heard[i - 1].t1 - std::chrono::microseconds(50)) << i;
+    }
+  }
+  gpu->set_op_observer({});
+  gpu->matmul_forward(out, inp, weight, bias, N, IC, OC);
+  gpu->synchronize();
+  EXPECT_EQ(heard.size(), 4u);
+  for (DPtr p : {inp, weight, bias, out, mean, rstd, normed}) gpu->free(p);
+}
+
 // The trainer itself on the GPU: the same losses run to run, close to the CPU's, and data
 // parallelism over ranks that share the GPU (staged MPI collectives) equal to one rank.
 class CudaCli : public MpiCli {
@@ -667,6 +719,53 @@ TEST_F(CudaCli, PhasesAreTimedOnlyWhenAsked) {
       if (j.contains("loss")) {
         EXPECT_EQ(j.contains("forward_ms"), timing) << line;
       }
+    }
+  }
+}
+
+// [profile] on the GPU: the device's operators in the trace, on a track of their own ("GPU"),
+// timed by events (so that each lasts what it ran, not what issuing it took), inside the traced
+// steps, one after another as the stream ran them, and in the table of top operators.
+TEST_F(CudaCli, AProfileHasTheGpusOperatorsOnTheirOwnTrack) {
+  const std::string out = path("profiled");
+  const auto r =
+      mpirun(1, "--set train.steps=4 --set run.gpu_memory_fraction=0.2 --set run.device=" +
+                    quoted("cuda") + " --set profile.steps=[1,2] --set run.out_dir=" + quoted(out));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(count(r.output, "matmul_forward"), 1) << r.output;
+  std::ifstream in(out + "/trace/rank_0.json");
+  const nlohmann::json trace = nlohmann::json::parse(in);
+  int gpu_track = -1;
+  double first = INFINITY, last = -INFINITY;
+  for (const auto& e : trace["traceEvents"]) {
+    if (e["ph"] == "M" && e["name"] == "thread_name" && e["args"]["name"] == "GPU")
+      gpu_track = e["tid"].get<int>();
+    if (e["ph"] == "X" && e["cat"] == "step") {
+      first = std::min(first, e["ts"].get<double>());
+      last = std::max(last, e["ts"].get<double>() + e["dur"].get<double>());
+    }
+  }
+  ASSERT_GE(gpu_track, 0) << "no GPU track";
+  std::vector<std::pair<double, double>> ops;
+  int matmuls = 0;
+  for (const auto& e : trace["traceEvents"])
+    if (e["ph"] == "X" && e["cat"] == "op") {
+      EXPECT_EQ(e["tid"].get<int>(), gpu_track) << e.dump();
+      ops.push_back({e["ts"].get<double>(), e["ts"].get<double>() + e["dur"].get<double>()});
+      if (e["name"] == "matmul_forward") {
+        matmuls++;
+        EXPECT_GT(e["args"]["flops"].get<double>(), 0) << e.dump();
+      }
+    }
+  EXPECT_GT(matmuls, 0);
+  std::sort(ops.begin(), ops.end());
+  for (size_t i = 0; i < ops.size(); i++) {
+    // On the host's clock: inside the traced steps (microseconds; the last step's update may
+    // still run as its span ends).
+    EXPECT_GE(ops[i].first, first - 1e4) << i;
+    EXPECT_LE(ops[i].second, last + 1e4) << i;
+    if (i > 0) {
+      EXPECT_GE(ops[i].first, ops[i - 1].second - 50) << "one stream: " << i;
     }
   }
 }

@@ -154,7 +154,9 @@ TEST_F(MpiCli, DgcAdamFreezesTheVarianceAndExchangesTheTopOfEachNodesMomentum) {
 // and so does one from the warm-up, whose saved state has no momentum yet: it starts from the
 // optimizer's at freeze_step, as the uninterrupted run's did. In each layout: two nodes of dp 2
 // without and with ZeRO-1 (the momentum gathered from the pieces), dp 2 x tp 2 (tensor-parallel
-// replicas of norms and biases exchanged exactly) and dp 2 x pp 2 with ZeRO-1.
+// replicas of norms and biases exchanged exactly), dp 2 x pp 2 with ZeRO-1, and dp 4 as one
+// group of four (int8 then 1 bit, each exchanged in two phases: the residuals of the part each
+// rank sums come back too).
 TEST_F(MpiCli, OnebitAdamAndDgcResumeBitForBit) {
   // name, layout, freeze_step (the resume is at step 6)
   const std::vector<std::tuple<std::string, std::string, int>> layouts = {
@@ -167,6 +169,7 @@ TEST_F(MpiCli, OnebitAdamAndDgcResumeBitForBit) {
        3},
       {"dp2_tp2", "--set parallel.dp=2 --set parallel.tp=2 ", 3},
       {"dp2_pp2_zero1", "--set parallel.dp=2 --set parallel.pp=2 --set parallel.zero=1 ", 3},
+      {"dp4_flat_int8", "--set parallel.dp=4 --set comm.compression.method=\\\"int8\\\" ", 3},
       // DGC: the velocities and accumulations come back, in the middle of the sparsity warm-up
       // (3 to 9), under ZeRO-1 over two nodes and with tensor-parallel exact elements.
       {"dgc_dp4_zero1",

@@ -4,7 +4,12 @@
 // often the job fails (Young 1974, "A first order approximation to the optimum checkpoint
 // interval"; Daly 2006, "A higher order estimate of the optimum checkpoint interval for
 // restart dumps"). Times in seconds of wall clock.
+#include <cstdint>
+
 namespace trainer {
+
+struct CheckpointConfig;
+class MetricsLog;
 
 struct CheckpointCosts {
   double stall_s = 0;  // what training is blocked for (the host copy, or a synchronous write)
@@ -21,5 +26,28 @@ double optimum_interval_s(const CheckpointCosts& c);
 double expected_loss_s(double interval_s, const CheckpointCosts& c);
 // The share of the wall clock lost at that interval: the stalls, and the rework of failures.
 double expected_waste(double interval_s, const CheckpointCosts& c);
+
+// The advice during a run (rank 0): from the mean step time (steps timed so far) and the costs
+// measured, Young/Daly's interval and what the configured one loses, logged each time it is
+// asked and printed the first time (and again when every_steps = "auto" changes its interval).
+class IntervalAdvisor {
+ public:
+  IntervalAdvisor(const CheckpointConfig& cfg, int64_t total_steps, CheckpointCosts costs);
+  CheckpointCosts costs;  // the latest measurements (the stall, the write)
+  // One more step of `seconds` (the first of a process aside: warm-up); the steps timed so far.
+  int64_t step_timed(double seconds);
+  // every_steps = "auto": the steps between checkpoints, once advised (0 before, or otherwise).
+  int auto_every() const { return auto_every_; }
+  // Nothing without an mtbf or before a step is timed.
+  void advise(MetricsLog& log);
+
+ private:
+  const CheckpointConfig& cfg_;
+  int64_t total_steps_;
+  double steps_s_ = 0;
+  int64_t steps_timed_ = 0;
+  int auto_every_ = 0;
+  bool advised_ = false;
+};
 
 }  // namespace trainer

@@ -58,10 +58,12 @@ CommAdvice advise_communication(Config& cfg, World& world, const std::string& or
     const double ms = a.gbps > 0 ? bytes * 8 / (a.gbps * 1e9) * 1e3 : 0;
     a.ways.push_back({std::move(name), bytes, ms, std::move(method), every});
   };
-  // A rank's part of the node's sum crosses nodes: ring all-reduce of it, or (int8) an
-  // all-gather of its int8 message with a scale per 256 values.
-  const double part = elems / L, ring = 2.0 * (N - 1) / N, gather = N - 1;
-  const double int8_bytes = gather * part * (1 + 4.0 / 256);
+  // A rank's part of the node's sum crosses nodes: ring all-reduce of it, or its int8 message
+  // with a scale per 256 values, which moves as many messages (an all-gather between two nodes,
+  // two phases between more: comm/compression.cpp), or with two_phase = false N - 1 of them.
+  const double part = elems / L, ring = 2.0 * (N - 1) / N;
+  const double messages = cfg.comm.compression.two_phase ? ring : N - 1;
+  const double int8_bytes = messages * part * (1 + 4.0 / 256);
   way("fp32 all-reduce", ring * 4 * part, "none", 0);
   // Compression needs the flat fp32 gradients (ZeRO 0 or 1).
   const bool compressible = cfg.precision.grads == "fp32" && cfg.parallel.zero <= 1;
@@ -74,13 +76,14 @@ CommAdvice advise_communication(Config& cfg, World& world, const std::string& or
     if (cfg.optim.name == "adamw" && cfg.parallel.zero <= 1 && N > 1 && !cfg.comm.outer.on() &&
         cfg.train.steps > cfg.optim.freeze_step) {
       way(fmt::format("1-bit Adam after {} int8 steps", cfg.optim.freeze_step),
-          gather * part * (1.0 / 8 + 4.0 / 256), "int8", 0);
+          messages * part * (1.0 / 8 + 4.0 / 256), "int8", 0);
       a.ways.back().onebit_adam = true;
     }
   }
   if (cfg.parallel.cp == 1 && cfg.parallel.zero <= 2)
     for (int every : {10, 25, 50, 100, 250, 500})
-      way(fmt::format("outer steps every {} (int8)", every), int8_bytes / every, "none", every);
+      way(fmt::format("outer steps every {} (int8)", every), ring * part * (1 + 4.0 / 256) / every,
+          "none", every);  // (two phases beyond two)
   for (size_t i = 0; i < a.ways.size() && a.chosen < 0; i++)
     if (N == 1 || a.ways[i].ms <= cfg.comm.budget_ms) a.chosen = int(i);
   if (a.chosen < 0) a.chosen = int(a.ways.size()) - 1;

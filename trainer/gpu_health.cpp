@@ -3,6 +3,11 @@
 #include <dlfcn.h>
 #include <fmt/format.h>
 
+#include <nlohmann/json.hpp>
+
+#include "comm/communicator.h"
+#include "trainer/metrics.h"
+
 namespace trainer {
 
 namespace {
@@ -109,6 +114,39 @@ GpuReading GpuHealth::read() const {
   unsigned long long reasons = 0;
   if (api_->throttle && api_->throttle(device_, &reasons) == 0) g.throttle = reasons & kSlowdowns;
   return g;
+}
+
+GpuHealthWatch::GpuHealthWatch(const std::array<std::byte, 16>& uuid, Communicator& comm)
+    : health_(uuid), comm_(comm), ecc_seen_(size_t(comm.size()), NAN) {
+  double missing = health_.available() ? 0 : 1;
+  comm_.all_reduce(host_ptr(&missing), 1, ReduceOp::sum);
+  if (comm_.rank() == 0 && missing > 0)
+    fmt::print("GPU health: NVML readings skipped on {} rank(s) ({} on rank 0)\n", missing,
+               health_.available() ? "available" : health_.note());
+}
+
+bool GpuHealthWatch::read(int64_t step, MetricsLog* log) {
+  const GpuReading g = health_.read();
+  double mine[4] = {g.temperature_c, g.power_w, g.ecc_uncorrected, double(g.throttle)};
+  std::vector<double> all(4 * size_t(comm_.size()));
+  comm_.all_gather(host_ptr(mine), host_ptr(all.data()), 4);
+  std::string grown;
+  nlohmann::json ranks = nlohmann::json::array();
+  for (int r = 0; r < comm_.size(); r++) {
+    const double* v = &all[4 * size_t(r)];
+    if (std::isfinite(v[2]) && std::isfinite(ecc_seen_[r]) && v[2] > ecc_seen_[r])
+      grown += fmt::format("{}rank {}: {:.0f} (were {:.0f})", grown.empty() ? "" : ", ", r, v[2],
+                           ecc_seen_[r]);
+    ecc_seen_[r] = v[2];
+    ranks.push_back({{"temperature_c", v[0]},
+                     {"power_w", v[1]},
+                     {"ecc_uncorrected", v[2]},
+                     {"slowdown", throttle_names(uint64_t(v[3]))}});
+  }
+  if (log) log->event({{"step", step}, {"gpu", ranks}});
+  if (comm_.rank() == 0 && !grown.empty())
+    fmt::print("step {:6d} | warning: new uncorrected ECC errors on GPUs: {}\n", step, grown);
+  return !grown.empty();
 }
 
 }  // namespace trainer

@@ -9,8 +9,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace trainer {
+
+class Communicator;
+class MetricsLog;
 
 struct GpuReading {
   double temperature_c = NAN, power_w = NAN;
@@ -43,6 +47,24 @@ class GpuHealth {
   void* device_ = nullptr;
   Api* api_ = nullptr;
   std::string note_;
+};
+
+// Every rank's GPU health at the log interval: temperature, power, uncorrected ECC errors and
+// clock slowdowns, gathered and logged by rank 0. Collective: every rank of a CUDA run takes
+// part (NaN where NVML is absent), so that the gather is.
+class GpuHealthWatch {
+ public:
+  // Collective; rank 0 says on how many ranks NVML's readings will be skipped.
+  GpuHealthWatch(const std::array<std::byte, 16>& uuid, Communicator& comm);
+  // Collective: every rank's reading, logged by rank 0 in `log` (null elsewhere). True when a
+  // rank's GPU reports uncorrected ECC errors it did not at its last reading (a count that could
+  // not be read is not compared); rank 0 prints which.
+  bool read(int64_t step, MetricsLog* log);
+
+ private:
+  GpuHealth health_;
+  Communicator& comm_;
+  std::vector<double> ecc_seen_;  // each rank's uncorrected ECC errors at its last reading
 };
 
 }  // namespace trainer

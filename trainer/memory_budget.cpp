@@ -8,6 +8,7 @@
 
 #include "comm/grad_reducer.h"
 #include "comm/param_gatherer.h"
+#include "trainer/metrics.h"
 #include "trainer/run.h"
 
 namespace trainer {
@@ -48,6 +49,50 @@ std::vector<PlannedAndMeasured> planned_and_measured(Run& run, ResidentMemory be
   if (run.world.rank() == 0)
     for (size_t r = 0; r < all.size(); r += 3) out.push_back({all[r], all[r + 1], all[r + 2]});
   return out;
+}
+
+void report_memory(Run& run, ResidentMemory before_model, bool snapshot_taken, MetricsLog* log) {
+  const double rss = peak_rss_mb();
+  double rss_max = rss;
+  run.world.comm().all_reduce(host_ptr(&rss_max), 1, ReduceOp::max);
+  double gpu_peak = double(run.kernels->memory().peak) / (1 << 20), gpu_peak_max = gpu_peak;
+  run.world.comm().all_reduce(host_ptr(&gpu_peak_max), 1, ReduceOp::max);
+  const std::vector<PlannedAndMeasured> plan_check =
+      planned_and_measured(run, before_model, snapshot_taken);
+  if (log) {
+    fmt::print("peak memory: {:.0f} MB on rank 0, {:.0f} MB on the largest rank\n", rss, rss_max);
+    // The plan's accounting (the planner's) against what each rank held.
+    std::string ranks;
+    double worst = 0;
+    nlohmann::json planned_mb, measured_mb, bound_mb;
+    for (size_t r = 0; r < plan_check.size(); r++) {
+      const auto [plan, got, bound] = plan_check[r];
+      // The reduction temporaries are a bound: anything between the count and the plan is on it.
+      const double counted = plan - bound;
+      const double off = got > plan ? got / plan - 1 : got < counted ? got / counted - 1 : 0;
+      if (std::abs(off) > std::abs(worst)) worst = off;
+      ranks += fmt::format("{}{}: {:.1f} / {:.1f}", r ? ", " : "", r, plan, got);
+      planned_mb.push_back(plan);
+      measured_mb.push_back(got);
+      bound_mb.push_back(bound);
+    }
+    fmt::print("memory plan per rank (planned / measured MB, {}): {} | worst {:+.1f}%\n",
+               run.cfg.run.device == "cpu"
+                   ? fmt::format("peak RSS above the {:.0f} MB held before the model on "
+                                 "rank 0, less file pages",
+                                 before_model.total_mb)
+                   : "the GPU allocator's peak",
+               ranks, 100 * worst);
+    log->event({{"memory_planned_mb", planned_mb},
+                {"memory_measured_mb", measured_mb},
+                {"memory_bound_mb", bound_mb}});
+    if (run.cfg.run.device == "cuda") {
+      fmt::print("peak GPU memory: {:.0f} MB on rank 0, {:.0f} MB on the largest rank\n", gpu_peak,
+                 gpu_peak_max);
+      log->event({{"peak_gpu_mb_rank0", gpu_peak}, {"peak_gpu_mb_max", gpu_peak_max}});
+    }
+    log->event({{"peak_rss_mb_rank0", rss}, {"peak_rss_mb_max", rss_max}});
+  }
 }
 
 // node_ranks: the data-parallel ranks on this rank's node under the hierarchical all-reduce
@@ -107,28 +152,42 @@ MemoryBudget memory_budget(const Config& cfg, const ParallelDims& dims, const Ra
     // Without ZeRO each rank of a node exchanges a slice of the whole model.
     const double slice = cfg.parallel.zero ? owned : owned / node_ranks;
     const bool int8 = cfg.comm.outer.quantize == "int8";
-    b.outer = (2 * owned + owned + slice + (int8 ? 2 * slice : 0)) * 4;
+    // int8 keeps a residual, and among more than two nodes the residual of the part it sums.
+    const double nodes = double(dims.replicas()) / node_ranks;
+    const double residuals = int8 ? slice + (nodes > 2 ? slice / nodes : 0) : 0;
+    b.outer = (2 * owned + owned + slice + (int8 ? slice : 0) + residuals) * 4;
     // Its checkpoint state (trainer/outer_optimizer.cpp, state()): on the first node the outer
     // weights and momentum, on the others the node's weights and moments, kept by every rank
     // under ZeRO and otherwise by each node's first (the replicas of a node are consecutive);
     // and the residual.
     const bool saves = cfg.parallel.zero > 0 || index % node_ranks == 0;
     const double kept = saves ? (index < node_ranks ? 2 : 3) * owned : 0;
-    b.snapshot += (kept + (int8 ? slice : 0)) * 4;
+    b.snapshot += (kept + residuals) * 4;
   }
   const std::string& method = cfg.comm.compression.method;
   const bool momentum_exchanged = cfg.optim.exchanges_momentum();
   if ((method != "none" || momentum_exchanged) && shard_ranks > 1 && !outer) {
     const int L = cfg.parallel.allreduce == "hierarchical" && node_ranks > 0 ? node_ranks : 1;
     const double part = elems / L;
-    // One bucket's messages from every rank it is exchanged with (a scale per 256 values).
+    // One bucket's messages (a scale per 256 values): all-gathered from every rank it is
+    // exchanged with, or for int8 and onebit among more than two (comm/compression.cpp), in two
+    // phases: its parts out, a part from each, the parts' sums, and a part's sum in fp32.
     const double bucket = std::min(elems, cfg.parallel.bucket_mb * (1 << 20) / 4) / L;
     const double peers = double(shard_ranks) / L, scales = bucket / 256 * 4;
+    const bool by_parts = peers > 2 && cfg.comm.compression.two_phase;
+    const bool feedback = cfg.comm.compression.error_feedback;
     auto gathered = [&](const std::string& m, double topk_ratio) {
-      return m == "int8"     ? peers * (bucket + scales)
-             : m == "onebit" ? peers * (bucket / 8 + scales)
-             : m == "topk"   ? peers * bucket * topk_ratio * 8
-                             : 0.0;
+      const double message = m == "int8"     ? bucket + scales
+                             : m == "onebit" ? bucket / 8 + scales
+                             : m == "topk"   ? bucket * topk_ratio * 8
+                                             : 0.0;
+      const bool two_phases = (m == "int8" || m == "onebit") && by_parts;
+      // (With error feedback, the summed part's encoding decoded too.)
+      return two_phases ? 3 * message + (feedback ? 2 : 1) * bucket / peers * 4 : peers * message;
+    };
+    // In two phases a rank keeps the residual of the part it sums, too.
+    auto summed_part = [&](const std::string& m, bool feedback) {
+      return (m == "int8" || m == "onebit") && by_parts && feedback ? part / peers : 0.0;
     };
     // A compressor's residual and its message decoded; 1-bit Adam's or DGC's own, and the
     // momentum (DGC's messages are largest at the start of its sparsity warm-up, 25%). The
@@ -136,14 +195,16 @@ MemoryBudget memory_budget(const Config& cfg, const ParallelDims& dims, const Ra
     // (Top-k also orders the values: 4 bytes each.)
     const double gradients = method != "none" ? (method == "topk" ? 3 : 2) * part : 0;
     const double momentum = momentum_exchanged ? (cfg.optim.name == "dgc_adam" ? 4 : 3) * part : 0;
+    const double parts_summed = summed_part(method, feedback) +
+                                (cfg.optim.name == "onebit_adam" ? summed_part("onebit", true) : 0);
     const double momentum_messages = cfg.optim.name == "onebit_adam" ? gathered("onebit", 0)
                                      : cfg.optim.name == "dgc_adam"
                                          ? gathered("topk", std::max(cfg.optim.dgc_ratio, 0.25))
                                          : 0.0;
-    b.compression = (gradients + momentum) * 4 +
+    b.compression = (gradients + momentum + parts_summed) * 4 +
                     std::max(gathered(method, cfg.comm.compression.topk_ratio), momentum_messages);
-    const double residual = method != "none" && cfg.comm.compression.error_feedback ? part : 0;
-    b.snapshot += (residual + (momentum_exchanged ? 2 * part : 0)) * 4;
+    const double residual = method != "none" && feedback ? part : 0;
+    b.snapshot += (residual + parts_summed + (momentum_exchanged ? 2 * part : 0)) * 4;
   }
   return b;
 }

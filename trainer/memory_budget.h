@@ -86,6 +86,11 @@ struct PlannedAndMeasured {
 struct Run;
 std::vector<PlannedAndMeasured> planned_and_measured(Run& run, ResidentMemory before_model,
                                                      bool snapshot_taken);
+// At the end of training (collective): rank 0 (with the run's `log`; null elsewhere) prints and
+// logs the peak memory of rank 0 and of the largest rank, and each rank's plan against its
+// measurement.
+class MetricsLog;
+void report_memory(Run& run, ResidentMemory before_model, bool snapshot_taken, MetricsLog* log);
 
 // A run that cannot fit is refused before anything is allocated (allocating first grows for
 // tens of seconds and then fails somewhere): a ConfigError naming `origin`.

@@ -35,7 +35,7 @@ OuterOptimizer::OuterOptimizer(const OuterConfig& cfg, StageExecutor& model, Ada
     }
     CompressionOptions o;
     o.method = "int8";
-    quantizer_ = make_compressor(o, slice_, {}, exact);
+    quantizer_ = make_compressor(o, slice_, {}, exact, {inter.rank(), inter.size()});
   }
 }
 

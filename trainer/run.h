@@ -174,13 +174,13 @@ struct Run {
     o.shard = c.parallel.zero >= 1;
     if (c.parallel.zero >= 2) o.units = model.grad_units();
     const CompressionConfig& z = c.comm.compression;
-    o.compression = {z.method,         z.topk_ratio,     z.powersgd_rank,
-                     z.error_feedback, z.warmup_steps,   int64_t(z.min_bucket_kb * 1024 / 4),
-                     c.run.seed,       z.powersgd_budget};
+    o.compression = {z.method,         z.topk_ratio,      z.powersgd_rank,
+                     z.error_feedback, z.warmup_steps,    int64_t(z.min_bucket_kb * 1024 / 4),
+                     c.run.seed,       z.powersgd_budget, z.two_phase};
     // The warm-up as configured, then 1-bit momentum, or DGC's top-k of each rank's velocity.
     if (c.optim.name == "onebit_adam")
       o.momentum = {true, float(c.optim.betas[0]), c.optim.freeze_step,
-                    CompressionOptions{"onebit", 0, 0, true, 0, 0, c.run.seed}};
+                    CompressionOptions{"onebit", 0, 0, true, 0, 0, c.run.seed, 0, z.two_phase}};
     if (c.optim.name == "dgc_adam")
       o.momentum = {true,
                     float(c.optim.betas[0]),
@@ -435,9 +435,12 @@ struct Run {
 
   Trace::Clock::time_point layer_start;  // layers run one at a time on the main thread
   void install_profiler() {
-    kernels->set_op_observer([this](const char* op, double flops, Trace::Clock::time_point t0,
-                                    Trace::Clock::time_point t1) {
-      if (trace.recording()) trace.add(op, "op", t0, t1, flops);
+    // A GPU's operators run after the host issued them, on a track of their own.
+    const std::string track = kernels->asynchronous() ? "GPU" : "";
+    kernels->set_op_observer([this, track](const char* op, double flops,
+                                           Trace::Clock::time_point t0,
+                                           Trace::Clock::time_point t1) {
+      if (trace.recording()) trace.add(op, "op", t0, t1, flops, track);
     });
     auto start = [this](int, int) {
       if (trace.recording()) layer_start = Trace::Clock::now();

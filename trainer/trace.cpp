@@ -26,6 +26,7 @@ int Trace::track_id(const std::string& track) {
 void Trace::add(std::string name, const char* category, Clock::time_point t0, Clock::time_point t1,
                 double flops, const std::string& track, double bytes) {
   using us = std::chrono::duration<double, std::micro>;
+  if (t0.time_since_epoch().count() < since_.load(std::memory_order_relaxed)) return;
   std::lock_guard<std::mutex> lock(mu_);
   // The steady clock's own epoch (the machine's monotonic clock): ranks on one node line up.
   events_.push_back({std::move(name), category, us(t0.time_since_epoch()).count(),

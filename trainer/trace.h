@@ -22,7 +22,13 @@ class Trace {
   explicit Trace(int rank) : rank_(rank) {}
 
   bool recording() const { return recording_.load(std::memory_order_relaxed); }
-  void set_recording(bool on) { recording_.store(on, std::memory_order_relaxed); }
+  // From off to on: a span that began earlier is not part of the recording (a GPU's operators
+  // are heard of after they ran, perhaps before the recording began).
+  void set_recording(bool on) {
+    if (on && !recording())
+      since_.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
+    recording_.store(on, std::memory_order_relaxed);
+  }
 
   // A span from t0 to t1 (thread-safe); flops > 0 for an operator whose FLOPs are known, bytes
   // (>= 0) for a transfer. On the calling thread's track, or on the named one: a transfer in
@@ -76,6 +82,7 @@ class Trace {
 
   int rank_;
   std::atomic<bool> recording_{false};
+  std::atomic<Clock::rep> since_{0};  // when the recording last began
   mutable std::mutex mu_;
   std::vector<Event> events_;
   std::vector<std::thread::id> threads_;

@@ -268,7 +268,9 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
 // The end of [profile]'s steps: each rank's trace file, and rank 0's table of where its traced
 // steps' time went: the phases, and the operators that took the most (with their GFLOP/s).
 void finish_profile(Run& run) {
+  run.kernels->synchronize();  // a GPU's last operators heard of
   run.trace.set_recording(false);
+  run.kernels->set_op_observer({});  // and no more timed
   const std::filesystem::path dir = std::filesystem::path(run.cfg.run.out_dir) / "trace";
   std::filesystem::create_directories(dir);
   run.trace.write((dir / fmt::format("rank_{}.json", run.world.rank())).string());
@@ -519,49 +521,8 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
       costs.stall_s = seconds_since(t0);
     }
   }
-  // Rank 0's mean step time (the first step of this process aside: warm-up).
-  double steps_s = 0;
-  int64_t steps_timed = 0;
-  int auto_every = 0;  // every_steps = "auto": the steps between checkpoints, once advised
-  bool advised = false;
-  // Young/Daly's interval from the measured costs (rank 0): printed once (again when "auto"
-  // changes its interval), logged each time.
-  auto advise = [&] {
-    if (!leader || costs.mtbf_s <= 0 || steps_timed == 0) return;
-    const double step_s = steps_s / double(steps_timed);
-    const double optimum = optimum_interval_s(costs);
-    const int optimum_steps = int(std::clamp(std::round(optimum / step_s), 1.0, 1e9));
-    const int every = auto_interval ? optimum_steps : cfg.checkpoint.every_steps;
-    // The configured interval in seconds: every N steps, every M minutes, or only at the end.
-    const double interval = every > 0                          ? every * step_s
-                            : cfg.checkpoint.every_minutes > 0 ? cfg.checkpoint.every_minutes * 60
-                                                               : double(cfg.train.steps) * step_s;
-    const bool changed = auto_interval && optimum_steps != auto_every;
-    auto_every = auto_interval ? optimum_steps : 0;
-    log->event({{"checkpoint_advice",
-                 {{"stall_s", costs.stall_s},
-                  {"write_s", costs.write_s},
-                  {"mtbf_s", costs.mtbf_s},
-                  {"step_s", step_s},
-                  {"optimum_s", optimum},
-                  {"optimum_steps", optimum_steps},
-                  {"interval_s", interval},
-                  {"loss_per_failure_s", expected_loss_s(interval, costs)},
-                  {"waste", expected_waste(interval, costs)}}}});
-    if (advised && !changed) return;
-    advised = true;
-    fmt::print(
-        "checkpoint interval: stall {:.3g} s, write {:.3g} s, steps of {:.3g} s, mtbf {:.4g} h: "
-        "Young/Daly's optimum is every {:.4g} s ({} steps{}); {} a failure loses {:.4g} s on "
-        "average, and stalls and rework take {:.3g}% of the time ({:.3g}% at the optimum)\n",
-        costs.stall_s, costs.write_s, step_s, costs.mtbf_s / 3600, optimum, optimum_steps,
-        auto_interval ? ", every_steps = \"auto\" uses it" : "",
-        every > 0 ? fmt::format("every {} steps ({:.4g} s)", every, interval)
-        : cfg.checkpoint.every_minutes > 0 ? fmt::format("every {:.4g} minutes", interval / 60)
-                                           : std::string("with a checkpoint only at the end,"),
-        expected_loss_s(interval, costs), 100 * expected_waste(interval, costs),
-        100 * expected_waste(optimum, costs));
-  };
+  // Young/Daly's interval from the measured costs (rank 0; trainer/checkpoint_interval.h).
+  IntervalAdvisor advisor(cfg.checkpoint, cfg.train.steps, costs);
   auto evaluate = [&](int64_t at) {
     const double val = validation_loss(run);
     if (!leader) return;
@@ -600,8 +561,8 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
       fmt::print("step {:6d} | checkpoint {} written ({:.0f} ms)\n", r->step, r->dir,
                  r->write_s * 1e3);
       log->event({{"step", r->step}, {"checkpoint", r->dir}, {"write_ms", r->write_s * 1e3}});
-      costs.write_s = r->write_s;
-      if (r->step < cfg.train.steps) advise();  // the final one changes nothing
+      advisor.costs.write_s = r->write_s;
+      if (r->step < cfg.train.steps) advisor.advise(*log);  // the final one changes nothing
     }
     return true;
   };
@@ -659,7 +620,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     const double stall = seconds_since(t0);  // what the step was blocked for
     last_checkpoint_time = Clock::now();
     last_checkpoint_step = at;
-    costs.stall_s = stall;
+    advisor.costs.stall_s = stall;
     if (leader) {
       fmt::print(
           "step {:6d} | checkpoint: training stalled {:.0f} ms ({:.1f} MB copied on rank 0{})\n",
@@ -714,46 +675,11 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     return finish(kExitRequeue, "stopped", step,
                   fmt::format("stopped by a signal before step {}; nothing trained", step));
   }
-  // GPU health from NVML at the log interval: every rank's temperature, power, uncorrected
-  // ECC errors and clock slowdowns, logged by rank 0. Every rank of a CUDA run takes part (NaN
-  // where NVML is absent), so that the gather is collective.
-  std::optional<GpuHealth> gpu_health;
-  std::vector<double> ecc_seen;  // each rank's uncorrected ECC errors at its last reading
-  if (cfg.run.device == "cuda") {
-    gpu_health.emplace(cuda_device_uuid(placement.device));
-    double missing = gpu_health->available() ? 0 : 1;
-    world.comm().all_reduce(host_ptr(&missing), 1, ReduceOp::sum);
-    if (leader && missing > 0)
-      fmt::print("GPU health: NVML readings skipped on {} rank(s) ({} on rank 0)\n", missing,
-                 gpu_health->available() ? "available" : gpu_health->note());
-  }
-  // Returns true when a rank's GPU reports uncorrected ECC errors it did not before (a rank
-  // whose count could not be read last time is not compared).
-  auto read_gpu_health = [&](int64_t at) {
-    const GpuReading g = gpu_health->read();
-    double mine[4] = {g.temperature_c, g.power_w, g.ecc_uncorrected, double(g.throttle)};
-    std::vector<double> all(4 * size_t(world.size()));
-    world.comm().all_gather(host_ptr(mine), host_ptr(all.data()), 4);
-    ecc_seen.resize(size_t(world.size()), NAN);
-    std::string grown;
-    nlohmann::json ranks = nlohmann::json::array();
-    for (int r = 0; r < world.size(); r++) {
-      const double* v = &all[4 * size_t(r)];
-      if (std::isfinite(v[2]) && std::isfinite(ecc_seen[r]) && v[2] > ecc_seen[r])
-        grown += fmt::format("{}rank {}: {:.0f} (were {:.0f})", grown.empty() ? "" : ", ", r, v[2],
-                             ecc_seen[r]);
-      ecc_seen[r] = v[2];
-      ranks.push_back({{"temperature_c", v[0]},
-                       {"power_w", v[1]},
-                       {"ecc_uncorrected", v[2]},
-                       {"slowdown", throttle_names(uint64_t(v[3]))}});
-    }
-    if (leader) log->event({{"step", at}, {"gpu", ranks}});
-    if (leader && !grown.empty())
-      fmt::print("step {:6d} | warning: new uncorrected ECC errors on GPUs: {}\n", at, grown);
-    return !grown.empty();
-  };
-  if (gpu_health) read_gpu_health(step);  // the counts a run starts from
+  // GPU health from NVML at the log interval (trainer/gpu_health.h).
+  std::optional<GpuHealthWatch> gpu_health;
+  if (cfg.run.device == "cuda")
+    gpu_health.emplace(cuda_device_uuid(placement.device), world.comm());
+  if (gpu_health) gpu_health->read(step, log ? &*log : nullptr);  // the counts a run starts from
 
   const auto training_start = Clock::now();
   const int64_t first_step = step;
@@ -766,7 +692,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     const bool time_due =
         leader && ((cfg.checkpoint.every_minutes > 0 &&
                     seconds_since(last_checkpoint_time) >= cfg.checkpoint.every_minutes * 60) ||
-                   (auto_every > 0 && (step + 1) % auto_every == 0));
+                   (advisor.auto_every() > 0 && (step + 1) % advisor.auto_every() == 0));
     StepStats stats;
     try {
       run.trace.set_recording(cfg.profile.on() && step >= cfg.profile.steps[0] &&
@@ -793,10 +719,9 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
       return kExitDiverged;
     }
     if (leader) log->step(stats, step % cfg.train.log_every == 0 || step + 1 == cfg.train.steps);
-    if (step > first_step) {
-      steps_s += stats.total_s;
-      steps_timed++;
-      if (auto_interval && steps_timed == 3) advise();  // the first interval, from the copy
+    if (step > first_step && leader) {
+      // The first interval, from the copy, after three steps.
+      if (advisor.step_timed(stats.total_s) == 3 && auto_interval) advisor.advise(*log);
     }
     // The first bad step after good ones was skipped: the weights are still the last good
     // state. A checkpoint of it (unless one is recent) makes a rollback after more bad steps
@@ -815,8 +740,9 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     }
     // The step was good but a GPU's memory is failing: its result is saved (below, as the
     // step after it) while it still can be.
-    const bool ecc_alarm = gpu_health && step % cfg.train.log_every == 0 && read_gpu_health(step) &&
-                           stats.bad.empty() && cfg.checkpoint.protect;
+    const bool ecc_alarm = gpu_health && step % cfg.train.log_every == 0 &&
+                           gpu_health->read(step, log ? &*log : nullptr) && stats.bad.empty() &&
+                           cfg.checkpoint.protect;
     if (leader && data_wait.starved(stats.data_s, stats.total_s)) {
       const std::string warning = fmt::format(
           "data loading is on the critical path: rank 0 waited for data more than {:.0f}% of "
@@ -851,52 +777,12 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
         step - 1 == std::min<int64_t>(cfg.profile.steps[1], cfg.train.steps - 1))
       finish_profile(run);
   }
-  // Peak memory of training proper.
-  const double rss = peak_rss_mb();
-  double rss_max = rss;
-  world.comm().all_reduce(host_ptr(&rss_max), 1, ReduceOp::max);
-  double gpu_peak = double(run.kernels->memory().peak) / (1 << 20), gpu_peak_max = gpu_peak;
-  world.comm().all_reduce(host_ptr(&gpu_peak_max), 1, ReduceOp::max);
-  const std::vector<PlannedAndMeasured> plan_check =
-      planned_and_measured(run, before_model, snapshot_taken);
+  report_memory(run, before_model, snapshot_taken, log ? &*log : nullptr);
   if (leader) {
-    fmt::print("peak memory: {:.0f} MB on rank 0, {:.0f} MB on the largest rank\n", rss, rss_max);
-    // The plan's accounting (the planner's) against what each rank held.
-    std::string ranks;
-    double worst = 0;
-    nlohmann::json planned_mb, measured_mb, bound_mb;
-    for (size_t r = 0; r < plan_check.size(); r++) {
-      const auto [plan, got, bound] = plan_check[r];
-      // The reduction temporaries are a bound: anything between the count and the plan is on it.
-      const double counted = plan - bound;
-      const double off = got > plan ? got / plan - 1 : got < counted ? got / counted - 1 : 0;
-      if (std::abs(off) > std::abs(worst)) worst = off;
-      ranks += fmt::format("{}{}: {:.1f} / {:.1f}", r ? ", " : "", r, plan, got);
-      planned_mb.push_back(plan);
-      measured_mb.push_back(got);
-      bound_mb.push_back(bound);
-    }
-    fmt::print("memory plan per rank (planned / measured MB, {}): {} | worst {:+.1f}%\n",
-               cfg.run.device == "cpu"
-                   ? fmt::format("peak RSS above the {:.0f} MB held before the model on "
-                                 "rank 0, less file pages",
-                                 before_model.total_mb)
-                   : "the GPU allocator's peak",
-               ranks, 100 * worst);
-    log->event({{"memory_planned_mb", planned_mb},
-                {"memory_measured_mb", measured_mb},
-                {"memory_bound_mb", bound_mb}});
-    if (cfg.run.device == "cuda") {
-      fmt::print("peak GPU memory: {:.0f} MB on rank 0, {:.0f} MB on the largest rank\n", gpu_peak,
-                 gpu_peak_max);
-      log->event({{"peak_gpu_mb_rank0", gpu_peak}, {"peak_gpu_mb_max", gpu_peak_max}});
-    }
     if (run.scaler.overflows() > 0)
       fmt::print("skipped steps (non-finite gradients): {}, loss scale now {}\n",
                  run.scaler.overflows(), run.scaler.scale());
-    log->event({{"peak_rss_mb_rank0", rss},
-                {"peak_rss_mb_max", rss_max},
-                {"skipped_steps", run.scaler.overflows()}});
+    log->event({{"skipped_steps", run.scaler.overflows()}});
   }
   const int64_t done = step;  // train.steps, or later for a run resumed past it
   if (cfg.train.val_every > 0) evaluate(done);

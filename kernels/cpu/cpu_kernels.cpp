@@ -133,12 +133,6 @@ class Staging {
   std::vector<Output> outputs_;
 };
 
-// The multiply-adds of causal attention's forward (QK^T and AV over the lower triangle, the
-// diagonal included): a lower bound on what the blocked kernels execute. Backward is twice this.
-double causal_attention_flops(int B, int T, int C) {
-  return 2.0 * 2.0 * B * C * (double(T) * (T + 1) / 2);
-}
-
 // The row length of qkv: NH query heads, NKV key heads and NKV value heads of C / NH each.
 int64_t qkv_width(int C, int NH, int NKV) {
   return C + 2 * int64_t(NKV) * (C / NH);

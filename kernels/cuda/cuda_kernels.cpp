@@ -17,7 +17,9 @@
 #include "kernels/arena.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/op_timer.h"
 #include "kernels/cuda/ops.h"
+#include "kernels/flop_meter.h"
 #include "kernels/token_index.h"
 
 namespace trainer {
@@ -94,10 +96,12 @@ class CudaKernels final : public Kernels {
     sum_result_ = static_cast<double*>(raw_alloc(sizeof(double)));
     CUDA_CHECK(cudaMallocHost(&host_result_, sizeof(double)));
     ring_.emplace();  // its events belong to this device
+    timer_.emplace(compute_);
   }
   ~CudaKernels() override {
     cudaStreamSynchronize(compute_);
     cudaStreamSynchronize(copy_);
+    timer_.reset();
     gemm_.reset();
     ring_.reset();
     if (host_result_) cudaFreeHost(host_result_);
@@ -141,7 +145,11 @@ class CudaKernels final : public Kernels {
     return p;
   }
   void free_host(void* p) noexcept override { cudaFreeHost(p); }
-  void synchronize() override { CUDA_CHECK(cudaStreamSynchronize(compute_)); }
+  void synchronize() override {
+    CUDA_CHECK(cudaStreamSynchronize(compute_));
+    timer_->synchronized();
+  }
+  void set_op_observer(OpObserver observer) override { timer_->set_observer(std::move(observer)); }
   MemoryUse memory() const override { return {arena_->capacity(), arena_->peak()}; }
   double peak_flops(DType dtype) const override;
   void set_peak_flops(double flops_per_s) override { configured_peak_ = flops_per_s; }
@@ -150,49 +158,66 @@ class CudaKernels final : public Kernels {
   void encoder_forward(DPtr out, const int32_t* tokens, DPtr wte, DPtr wpe, int B, int T, int C,
                        VocabSlice v) override {
     Upload t(*this, tokens, int64_t(B) * T);
-    cuda::encoder_forward(compute_, out, t.device, wte, wpe, B, T, C, v);
+    timer_->timed("encoder_forward", 0,
+                  [&] { cuda::encoder_forward(compute_, out, t.device, wte, wpe, B, T, C, v); });
   }
   void encoder_backward(DPtr dwte, DPtr dwpe, DPtr dout, const int32_t* tokens, int B, int T, int C,
                         VocabSlice v) override {
     token_index_.build(tokens, int64_t(B) * T, v);
     const std::vector<int32_t>& index = token_index_.data();
     Upload t(*this, index.data(), int64_t(index.size()));
-    cuda::encoder_backward(compute_, dwte, dwpe, dout, t.device, token_index_.distinct(), B, T, C,
-                           v);
+    timer_->timed("encoder_backward", 0, [&] {
+      cuda::encoder_backward(compute_, dwte, dwpe, dout, t.device, token_index_.distinct(), B, T, C,
+                             v);
+    });
   }
   void layernorm_forward(DPtr out, DPtr mean, DPtr rstd, DPtr inp, DPtr weight, DPtr bias,
                          int64_t N, int C) override {
-    cuda::layernorm_forward(compute_, out, mean, rstd, inp, weight, bias, N, C);
+    timer_->timed("layernorm_forward", 0, [&] {
+      cuda::layernorm_forward(compute_, out, mean, rstd, inp, weight, bias, N, C);
+    });
   }
   void residual_layernorm_forward(DPtr res, DPtr out, DPtr mean, DPtr rstd, DPtr a, DPtr b,
                                   DPtr weight, DPtr bias, int64_t N, int C) override {
-    cuda::residual_layernorm_forward(compute_, res, out, mean, rstd, a, b, weight, bias, N, C);
+    timer_->timed("residual_layernorm_forward", 0, [&] {
+      cuda::residual_layernorm_forward(compute_, res, out, mean, rstd, a, b, weight, bias, N, C);
+    });
   }
   void layernorm_backward(DPtr dinp, DPtr dweight, DPtr dbias, DPtr dout, DPtr inp, DPtr weight,
                           DPtr mean, DPtr rstd, int64_t N, int C) override {
-    cuda::layernorm_backward(compute_, dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C,
-                             scratch(2 * int64_t(kColumnChunks) * C));
+    timer_->timed("layernorm_backward", 0, [&] {
+      cuda::layernorm_backward(compute_, dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C,
+                               scratch(2 * int64_t(kColumnChunks) * C));
+    });
   }
   void rmsnorm_forward(DPtr out, DPtr rstd, DPtr inp, DPtr weight, int64_t N, int C,
                        float eps) override {
-    cuda::rmsnorm_forward(compute_, out, rstd, inp, weight, N, C, eps);
+    timer_->timed("rmsnorm_forward", 0,
+                  [&] { cuda::rmsnorm_forward(compute_, out, rstd, inp, weight, N, C, eps); });
   }
   void rmsnorm_backward(DPtr dinp, DPtr dweight, DPtr dout, DPtr inp, DPtr weight, DPtr rstd,
                         int64_t N, int C) override {
-    cuda::rmsnorm_backward(compute_, dinp, dweight, dout, inp, weight, rstd, N, C,
-                           scratch(2 * int64_t(kColumnChunks) * C));
+    timer_->timed("rmsnorm_backward", 0, [&] {
+      cuda::rmsnorm_backward(compute_, dinp, dweight, dout, inp, weight, rstd, N, C,
+                             scratch(2 * int64_t(kColumnChunks) * C));
+    });
   }
   void matmul_forward(DPtr out, DPtr inp, DPtr weight, DPtr bias, int64_t N, int IC,
                       int OC) override {
-    if (N > 0) gemm_->run(gemm_plan::linear_forward(out, inp, weight, bias, rows(N), IC, OC));
+    if (N == 0) return;
+    timer_->timed("matmul_forward", 2.0 * double(N) * IC * OC, [&] {
+      gemm_->run(gemm_plan::linear_forward(out, inp, weight, bias, rows(N), IC, OC));
+    });
   }
   void matmul_backward(DPtr dinp, DPtr dweight, DPtr dbias, DPtr dout, DPtr inp, DPtr weight,
                        int64_t N, int IC, int OC) override {
     if (N == 0) return;
-    if (dinp) gemm_->run(gemm_plan::linear_backward_input(dinp, dout, weight, rows(N), IC, OC));
-    gemm_->run(gemm_plan::linear_backward_weight(dweight, dout, inp, rows(N), IC, OC));
-    if (dbias)
-      cuda::bias_backward(compute_, dbias, dout, N, OC, scratch(int64_t(kColumnChunks) * OC));
+    timer_->timed("matmul_backward", (dinp ? 4.0 : 2.0) * double(N) * IC * OC, [&] {
+      if (dinp) gemm_->run(gemm_plan::linear_backward_input(dinp, dout, weight, rows(N), IC, OC));
+      gemm_->run(gemm_plan::linear_backward_weight(dweight, dout, inp, rows(N), IC, OC));
+      if (dbias)
+        cuda::bias_backward(compute_, dbias, dout, N, OC, scratch(int64_t(kColumnChunks) * OC));
+    });
   }
   // The GELU in the GEMM's epilogue when cuBLASLt has one for the shape, else the two kernels.
   // 16-bit only: cuBLASLt's GELU may use a faster tanh than ours, and fp32 runs are the ones
@@ -200,16 +225,25 @@ class CudaKernels final : public Kernels {
   void matmul_gelu_forward(DPtr pre, DPtr out, DPtr inp, DPtr weight, DPtr bias, int64_t N, int IC,
                            int OC) override {
     if (N == 0) return;
-    if (!is_half(out.dtype) || !gemm_->try_run(gemm_plan::linear_gelu_forward(
-                                   pre, out, inp, weight, bias, rows(N), IC, OC)))
-      Kernels::matmul_gelu_forward(pre, out, inp, weight, bias, N, IC, OC);
+    // (The fallback's GEMM and GELU are timed as themselves.)
+    bool fused = false;
+    if (is_half(out.dtype))
+      timer_->timed("matmul_gelu_forward", 2.0 * double(N) * IC * OC, [&] {
+        fused = gemm_->try_run(
+            gemm_plan::linear_gelu_forward(pre, out, inp, weight, bias, rows(N), IC, OC));
+      });
+    if (!fused) Kernels::matmul_gelu_forward(pre, out, inp, weight, bias, N, IC, OC);
   }
   void matmul_backward_gelu(DPtr dinp, DPtr dweight, DPtr dbias, DPtr dout, DPtr inp, DPtr weight,
                             DPtr pre, int64_t N, int IC, int OC) override {
     if (N == 0) return;
-    if (!dinp || !is_half(dinp.dtype) ||
-        !gemm_->try_run(
-            gemm_plan::linear_backward_input_gelu(dinp, dout, weight, pre, rows(N), IC, OC)))
+    bool fused = false;
+    if (dinp && is_half(dinp.dtype))
+      timer_->timed("matmul_backward_input_gelu", 2.0 * double(N) * IC * OC, [&] {
+        fused = gemm_->try_run(
+            gemm_plan::linear_backward_input_gelu(dinp, dout, weight, pre, rows(N), IC, OC));
+      });
+    if (!fused)
       return Kernels::matmul_backward_gelu(dinp, dweight, dbias, dout, inp, weight, pre, N, IC, OC);
     matmul_backward(DPtr{}, dweight, dbias, dout, inp, weight, N, IC, OC);
   }
@@ -226,37 +260,43 @@ class CudaKernels final : public Kernels {
   }
   void rope_forward(DPtr qkv, DPtr cos_sin, int B, int T, int NH, int NKV, int hs,
                     int pos0) override {
-    cuda::rope(compute_, qkv, cos_sin, B, T, NH, NKV, hs, pos0, false);
+    timer_->timed("rope_forward", 0,
+                  [&] { cuda::rope(compute_, qkv, cos_sin, B, T, NH, NKV, hs, pos0, false); });
   }
   void rope_backward(DPtr dqkv, DPtr cos_sin, int B, int T, int NH, int NKV, int hs,
                      int pos0) override {
-    cuda::rope(compute_, dqkv, cos_sin, B, T, NH, NKV, hs, pos0, true);
+    timer_->timed("rope_backward", 0,
+                  [&] { cuda::rope(compute_, dqkv, cos_sin, B, T, NH, NKV, hs, pos0, true); });
   }
   void swiglu_forward(DPtr out, DPtr gate_up, int64_t N, int F) override {
-    cuda::swiglu_forward(compute_, out, gate_up, N, F);
+    timer_->timed("swiglu_forward", 0, [&] { cuda::swiglu_forward(compute_, out, gate_up, N, F); });
   }
   void swiglu_backward(DPtr d_gate_up, DPtr dout, DPtr gate_up, int64_t N, int F) override {
-    cuda::swiglu_backward(compute_, d_gate_up, dout, gate_up, N, F);
+    timer_->timed("swiglu_backward", 0,
+                  [&] { cuda::swiglu_backward(compute_, d_gate_up, dout, gate_up, N, F); });
   }
   void dropout(DPtr x, int64_t n, float p, uint64_t seed, int64_t offset) override {
     cuda::dropout(compute_, x, n, p, seed, offset);
   }
   void gelu_forward(DPtr out, DPtr inp, int64_t n) override {
-    cuda::gelu_forward(compute_, out, inp, n);
+    timer_->timed("gelu_forward", 0, [&] { cuda::gelu_forward(compute_, out, inp, n); });
   }
   void gelu_backward(DPtr dinp, DPtr inp, DPtr dout, int64_t n) override {
-    cuda::gelu_backward(compute_, dinp, inp, dout, n);
+    timer_->timed("gelu_backward", 0, [&] { cuda::gelu_backward(compute_, dinp, inp, dout, n); });
   }
   void residual_forward(DPtr out, DPtr a, DPtr b, int64_t n) override {
-    cuda::residual_forward(compute_, out, a, b, n);
+    timer_->timed("residual_forward", 0, [&] { cuda::residual_forward(compute_, out, a, b, n); });
   }
   void crossentropy_max(DPtr rowmax, DPtr logits, int64_t N, VocabSlice v) override {
-    cuda::crossentropy_max(compute_, rowmax, logits, N, v);
+    timer_->timed("crossentropy_max", 0,
+                  [&] { cuda::crossentropy_max(compute_, rowmax, logits, N, v); });
   }
   void crossentropy_sumexp(DPtr sumexp, DPtr target_logit, DPtr logits, DPtr rowmax,
                            const int32_t* targets, int64_t N, VocabSlice v) override {
     Upload t(*this, targets, N);
-    cuda::crossentropy_sumexp(compute_, sumexp, target_logit, logits, rowmax, t.device, N, v);
+    timer_->timed("crossentropy_sumexp", 0, [&] {
+      cuda::crossentropy_sumexp(compute_, sumexp, target_logit, logits, rowmax, t.device, N, v);
+    });
   }
   double crossentropy_finish(DPtr losses, DPtr probs, DPtr rowmax, DPtr sumexp, DPtr target_logit,
                              int64_t N, VocabSlice v) override {
@@ -268,7 +308,8 @@ class CudaKernels final : public Kernels {
   void crossentropy_backward(DPtr probs, const int32_t* targets, float dloss, int64_t N,
                              VocabSlice v) override {
     Upload t(*this, targets, N);
-    cuda::crossentropy_backward(compute_, probs, t.device, dloss, N, v);
+    timer_->timed("crossentropy_backward", 0,
+                  [&] { cuda::crossentropy_backward(compute_, probs, t.device, dloss, N, v); });
   }
   void convert(DPtr dst, DPtr src, int64_t n, uint64_t stochastic_seed) override {
     cuda::convert(compute_, dst, src, n, stochastic_seed);
@@ -299,7 +340,8 @@ class CudaKernels final : public Kernels {
   }
   void adamw_update(DPtr param, DPtr grad, DPtr m, DPtr v, int64_t n,
                     const AdamWArgs& args) override {
-    cuda::adamw_update(compute_, param, grad, m, v, n, args);
+    timer_->timed("adamw_update", 0,
+                  [&] { cuda::adamw_update(compute_, param, grad, m, v, n, args); });
   }
 
  private:
@@ -403,6 +445,7 @@ class CudaKernels final : public Kernels {
   void* workspace_ = nullptr;
   std::optional<Gemm> gemm_;
   std::optional<TokenRing> ring_;
+  std::optional<OpTimer> timer_;  // for a profiler: operators timed with events
   std::byte* scratch_ = nullptr;
   int64_t scratch_bytes_ = 0;
   double *sum_partials_ = nullptr, *sum_result_ = nullptr, *host_result_ = nullptr;
@@ -477,7 +520,9 @@ void CudaKernels::attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, 
   if (int64_t(B) * T == 0) return;
   const AttentionShape shape{B, T, C, NH, NKV};
   CudaAttentionSteps steps(compute_, *gemm_);
-  blocked_attention_forward(steps, attention_scratch(shape, out.dtype), out, att, qkv, shape);
+  timer_->timed("attention_forward", causal_attention_flops(B, T, C), [&] {
+    blocked_attention_forward(steps, attention_scratch(shape, out.dtype), out, att, qkv, shape);
+  });
 }
 
 void CudaKernels::attention_backward(DPtr dqkv, DPtr /*datt*/, DPtr dout, DPtr qkv, DPtr out,
@@ -485,8 +530,10 @@ void CudaKernels::attention_backward(DPtr dqkv, DPtr /*datt*/, DPtr dout, DPtr q
   if (int64_t(B) * T == 0) return;
   const AttentionShape shape{B, T, C, NH, NKV};
   CudaAttentionSteps steps(compute_, *gemm_);
-  blocked_attention_backward(steps, attention_scratch(shape, dout.dtype), dqkv, dout, qkv, out, att,
-                             shape);
+  timer_->timed("attention_backward", 2 * causal_attention_flops(B, T, C), [&] {
+    blocked_attention_backward(steps, attention_scratch(shape, dout.dtype), dqkv, dout, qkv, out,
+                               att, shape);
+  });
 }
 
 // Dense peak of the tensor cores (16-bit) or of the fp32 units (fp32 GEMMs do not use TF32),
