@@ -95,8 +95,9 @@ class Kernels {
   // measurement or the peak set below) and the best matmul or attention call so far, so that
   // the model's FLOP/s can never exceed it.
   virtual double peak_flops(DType) const { return 0; }
-  // Called after each operator the backend times (the CPU's matrix multiplies and attention)
-  // with its name, the FLOPs it executed, its start and its end: a profiler's hook (empty: none).
+  // Called after each operator the backend times (the CPU's matrix multiplies and attention; a
+  // GPU's operators, timed by CUDA events, once they have run) with its name, the FLOPs it
+  // executed, its start and its end: a profiler's hook (empty: none).
   using OpObserver =
       std::function<void(const char* op, double flops, std::chrono::steady_clock::time_point t0,
                          std::chrono::steady_clock::time_point t1)>;

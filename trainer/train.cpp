@@ -288,9 +288,10 @@ void finish_profile(Run& run) {
     const std::vector<Trace::Total> totals = run.trace.totals(category);
     for (size_t i = 0; i < std::min<size_t>(totals.size(), 8); i++) {
       const Trace::Total& t = totals[i];
-      fmt::print("  {:32} {:7} {:10.1f} {:6.1f}% {:>9}\n", t.name, t.calls, 1e3 * t.seconds,
-                 100 * t.seconds / step_s,
-                 t.flops > 0 ? fmt::format("{:.1f}", t.flops / t.seconds / 1e9) : "");
+      fmt::print(
+          "  {:32} {:7} {:10.1f} {:6.1f}% {:>9}\n", t.name, t.calls, 1e3 * t.seconds,
+          100 * t.seconds / step_s,
+          t.flops > 0 && t.seconds > 0 ? fmt::format("{:.1f}", t.flops / t.seconds / 1e9) : "");
     }
   }
   // Transfers in flight (overlapping compute; their waits above are what was exposed).

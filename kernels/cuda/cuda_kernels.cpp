@@ -228,8 +228,8 @@ class CudaKernels final : public Kernels {
     // (The fallback's GEMM and GELU are timed as themselves.)
     bool fused = false;
     if (is_half(out.dtype))
-      timer_->timed("matmul_gelu_forward", 2.0 * double(N) * IC * OC, [&] {
-        fused = gemm_->try_run(
+      fused = timer_->timed_if("matmul_gelu_forward", 2.0 * double(N) * IC * OC, [&] {
+        return gemm_->try_run(
             gemm_plan::linear_gelu_forward(pre, out, inp, weight, bias, rows(N), IC, OC));
       });
     if (!fused) Kernels::matmul_gelu_forward(pre, out, inp, weight, bias, N, IC, OC);
@@ -239,8 +239,8 @@ class CudaKernels final : public Kernels {
     if (N == 0) return;
     bool fused = false;
     if (dinp && is_half(dinp.dtype))
-      timer_->timed("matmul_backward_input_gelu", 2.0 * double(N) * IC * OC, [&] {
-        fused = gemm_->try_run(
+      fused = timer_->timed_if("matmul_backward_input_gelu", 2.0 * double(N) * IC * OC, [&] {
+        return gemm_->try_run(
             gemm_plan::linear_backward_input_gelu(dinp, dout, weight, pre, rows(N), IC, OC));
       });
     if (!fused)

@@ -33,10 +33,39 @@ class OpTimer {
     if (!observer_) return f();
     Pending p{op, flops, take(), take()};
     record(p.start);
-    f();
+    try {
+      f();
+    } catch (...) {
+      free_.insert(free_.end(), {p.start, p.end});
+      throw;
+    }
     record(p.end);
     pending_.push_back(p);
     deliver(false);
+  }
+  // As timed(), for an operator that may decline: f() returns false when it issued nothing (a
+  // fused GEMM cuBLASLt has no algorithm for), and then nothing is heard of it.
+  template <class F>
+  bool timed_if(const char* op, double flops, F&& f) {
+    if (!observer_) return f();
+    bool ran = false;
+    const cudaEvent_t start = take();
+    record(start);
+    try {
+      ran = f();
+    } catch (...) {
+      free_.push_back(start);
+      throw;
+    }
+    if (!ran) {
+      free_.push_back(start);  // (recorded again when it is next taken)
+      return false;
+    }
+    const cudaEvent_t end = take();
+    record(end);
+    pending_.push_back({op, flops, start, end});
+    deliver(false);
+    return true;
   }
   // After the host has waited for the stream: every pending operator to the observer, and the
   // clocks anchored again (a float's milliseconds since an old anchor lose precision).
