@@ -54,18 +54,8 @@ void attention_forward(T* out, T* att, const T* qkv, int B, int T_, int C, int N
               T_);
       for (int i = r0; i < r1; i++) {
         T* row = A + int64_t(i) * T_;
-        T mx = row[0];
-#pragma omp simd reduction(max : mx)
-        for (int j = 1; j <= i; j++) mx = std::max(mx, row[j]);
-        T sum = 0;
-#pragma omp simd reduction(+ : sum)
-        for (int j = 0; j <= i; j++) {
-          row[j] = fast_exp(row[j] - mx);
-          sum += row[j];
-        }
-        const T inv = T(1) / sum;
-#pragma omp simd
-        for (int j = 0; j <= i; j++) row[j] *= inv;
+        const T mx = row_max(row, i + 1);
+        scale_row(row, i + 1, T(1) / exp_shifted(row, i + 1, mx));
         std::fill(row + i + 1, row + T_, T(0));
       }
       gemm<T>(false, false, r1 - r0, hs, r1, T(1), A + int64_t(r0) * T_, T_, V, W, T(0),
@@ -109,11 +99,7 @@ void attention_backward(T* dqkv, T* datt, const T* dout, const T* qkv, const T* 
         for (int i = r0; i < r1; i++) {
           const T* a = A + int64_t(i) * T_;
           T* d = dA + int64_t(i) * T_;
-          T dot = 0;
-#pragma omp simd reduction(+ : dot)
-          for (int j = 0; j <= i; j++) dot += a[j] * d[j];
-#pragma omp simd
-          for (int j = 0; j <= i; j++) d[j] = a[j] * (d[j] - dot);
+          softmax_backward_row(d, a, i + 1, dot_row(a, d, i + 1));
           std::fill(d + i + 1, d + r1, T(0));
         }
         // dQ = scale * dpre @ K over the causal prefix.
@@ -157,8 +143,7 @@ void attention_inference(T* out, const T* qkv, int T_, int q0, int C, int NH, in
         p[j] = dot * scale;
         mx = std::max(mx, p[j]);
       }
-      T sum = 0;
-      for (int j = 0; j <= i; j++) sum += (p[j] = fast_exp(p[j] - mx));
+      const T sum = exp_shifted(p.data(), i + 1, mx);
       T* o = out + int64_t(i - q0) * C + int64_t(h) * hs;
       std::fill(o, o + hs, T(0));
       for (int j = 0; j <= i; j++) {
@@ -240,19 +225,15 @@ void attention_part_forward(T* out, T* lse, const T* q, const T* kv, const Atten
           T* s = S.data() + int64_t(i - r0) * T_;
           const int pos = p.queries.position(i);
           T mx = -INFINITY;
-          for (const KeyRun& r : runs)
-            for (int j = r.begin; j < r.begin + r.visible(pos); j++) mx = std::max(mx, s[j]);
+          for (const KeyRun& r : runs) mx = std::max(mx, row_max(s + r.begin, r.visible(pos)));
           T sum = 0;
           for (int k = 0; k < 2; k++) {
             const int seen = runs[k].visible(pos);
-            for (int j = runs[k].begin; j < runs[k].begin + seen; j++)
-              sum += (s[j] = fast_exp(s[j] - mx));
+            sum += exp_shifted(s + runs[k].begin, seen, mx);
             std::fill(s + runs[k].begin + seen, s + runs[k].begin + width[k], T(0));
           }
           if (sum == 0) continue;  // no key of the part is visible
-          const T inv = T(1) / sum;
-          for (const KeyRun& r : runs)
-            for (int j = r.begin; j < r.begin + r.visible(pos); j++) s[j] *= inv;
+          for (const KeyRun& r : runs) scale_row(s + r.begin, r.visible(pos), T(1) / sum);
           part_lse[i - r0] = mx + std::log(sum);
         }
         bool any = false;
@@ -330,14 +311,11 @@ void attention_part_backward(T* dq, T* dkv, const T* dout, const T* q, const T* 
             T* pr = P.data() + int64_t(i - r0) * T_;
             T* d = dP.data() + int64_t(i - r0) * T_;
             const int pos = p.queries.position(i);
-            T D = 0;
-            for (int e = 0; e < hs; e++) D += dO[int64_t(i) * C + e] * O[int64_t(i) * C + e];
+            const T D = dot_row(dO + int64_t(i) * C, O + int64_t(i) * C, hs);
             for (int k = 0; k < 2; k++) {
               const int j0 = runs[k].begin, seen = runs[k].visible(pos);
-              for (int j = j0; j < j0 + seen; j++) {
-                pr[j] = fast_exp(pr[j] - Lse[i]);
-                d[j] = pr[j] * (d[j] - D);
-              }
+              exp_shifted(pr + j0, seen, Lse[i]);
+              softmax_backward_row(d + j0, pr + j0, seen, D);
               std::fill(pr + j0 + seen, pr + j0 + width[k], T(0));
               std::fill(d + j0 + seen, d + j0 + width[k], T(0));
             }

@@ -16,10 +16,7 @@ void crossentropy_max(T* rowmax, const T* logits, int64_t N, VocabSlice v) {
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; n++) {
     const T* row = logits + n * v.width;
-    T mx = std::numeric_limits<T>::lowest();
-#pragma omp simd reduction(max : mx)
-    for (int i = 0; i < v.valid; i++) mx = std::max(mx, row[i]);
-    rowmax[n] = mx;
+    rowmax[n] = std::max(row_max(row, v.valid), std::numeric_limits<T>::lowest());
   }
 }
 
@@ -31,14 +28,8 @@ void crossentropy_sumexp(T* sumexp, T* target_logit, T* logits, const T* rowmax,
     T* row = logits + n * v.width;
     const T mx = rowmax[n];
     target_logit[n] = v.holds(targets[n]) ? row[targets[n] - v.start] : T(0);
-    T sum = 0;
-#pragma omp simd reduction(+ : sum)
-    for (int i = 0; i < v.valid; i++) {
-      row[i] = fast_exp(row[i] - mx);
-      sum += row[i];
-    }
+    sumexp[n] = exp_shifted(row, v.valid, mx);
     std::fill(row + v.valid, row + v.width, T(0));
-    sumexp[n] = sum;
   }
 }
 
@@ -48,9 +39,7 @@ double crossentropy_finish(T* losses, T* probs, const T* rowmax, const T* sumexp
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; n++) {
     T* row = probs + n * v.width;
-    const T inv = T(1) / sumexp[n];
-#pragma omp simd
-    for (int i = 0; i < v.valid; i++) row[i] *= inv;
+    scale_row(row, v.valid, T(1) / sumexp[n]);
     losses[n] = std::log(sumexp[n]) + rowmax[n] - target_logit[n];
   }
   double total = 0;

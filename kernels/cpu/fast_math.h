@@ -39,4 +39,45 @@ inline double fast_tanh(double u) {
   return std::tanh(u);
 }
 
+// The row operations of the softmaxes (attention, cross-entropy), written in the forms GCC turns
+// into vector code. Two forms it left scalar, measured on W-L's attention rows: `std::max` in an
+// `omp simd reduction(max)` loop (0.57 ns an element against 0.04 for the comparison below), and
+// an exponential stored and summed in one loop (the whole row in scalar code: the forward
+// attention's softmax took as long as its two GEMMs).
+template <class T>
+T row_max(const T* x, int64_t n) {  // -inf for an empty row
+  T mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+  for (int64_t j = 0; j < n; j++) mx = mx > x[j] ? mx : x[j];
+  return mx;
+}
+// x = exp(x - shift); returns the sum of the new x.
+template <class T>
+T exp_shifted(T* x, int64_t n, T shift) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; j++) x[j] = fast_exp(x[j] - shift);
+  T sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; j++) sum += x[j];
+  return sum;
+}
+template <class T>
+void scale_row(T* x, int64_t n, T factor) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; j++) x[j] *= factor;
+}
+template <class T>
+T dot_row(const T* a, const T* b, int64_t n) {
+  T sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; j++) sum += a[j] * b[j];
+  return sum;
+}
+// Softmax backward of one row in place: d = p (d - dot), dot = p . d over the row.
+template <class T>
+void softmax_backward_row(T* d, const T* p, int64_t n, T dot) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; j++) d[j] = p[j] * (d[j] - dot);
+}
+
 }  // namespace trainer::cpu
