@@ -7,16 +7,24 @@ namespace trainer::cpu {
 
 template <class T>
 double sum_squares(const T* x, int64_t n) {
-  // A fixed number of chunks summed in a fixed order: the result does not depend on the
-  // number of threads, which keeps the gradient norm (and so clipping) reproducible.
-  constexpr int kChunks = 64;
+  // A fixed number of chunks summed in a fixed order, each in 8 fixed lanes: the result depends
+  // neither on the number of threads nor on the vector width, which keeps the gradient norm (and
+  // so clipping) reproducible. The lanes make it vector code: one running sum was scalar, 55 ms
+  // against 31 (memory-bound) for W-L's 125M gradients on 2 threads.
+  constexpr int kChunks = 64, kLanes = 8;
   double partial[kChunks];
   const int64_t chunk = (n + kChunks - 1) / kChunks;
 #pragma omp parallel for schedule(static)
   for (int k = 0; k < kChunks; k++) {
-    double s = 0;
+    double lanes[kLanes] = {};
     const int64_t end = std::min(n, (k + 1) * chunk);
-    for (int64_t i = k * chunk; i < end; i++) s += double(x[i]) * double(x[i]);
+    int64_t i = k * chunk;
+    for (; i + kLanes <= end; i += kLanes)
+#pragma omp simd
+      for (int l = 0; l < kLanes; l++) lanes[l] += double(x[i + l]) * double(x[i + l]);
+    double s = 0;
+    for (; i < end; i++) s += double(x[i]) * double(x[i]);
+    for (double lane : lanes) s += lane;
     partial[k] = s;
   }
   double total = 0;
