@@ -20,6 +20,16 @@ int64_t chunks(int64_t n) {
   return (n + kChunk - 1) / kChunk;
 }
 
+// What an encoding dropped, kept for the next exchange: residual = corrected - sent (residual
+// may be corrected). A non-finite value (an fp16 overflow, a fault: the step is skipped) leaves
+// no residual: kept, it would make every later step's values non-finite too.
+void keep_dropped(float* residual, const float* corrected, const float* sent, int64_t n) {
+  for (int64_t i = 0; i < n; i++) {
+    const float r = corrected[i] - sent[i];
+    residual[i] = std::isfinite(r) ? r : 0.0f;
+  }
+}
+
 // Error feedback around an exchange: the residual is added before compressing, and what this
 // rank's compressed contribution did not carry becomes the next residual.
 class FeedbackCompressor : public Compressor {
@@ -31,13 +41,7 @@ class FeedbackCompressor : public Compressor {
     if (error_feedback_)
       for (int64_t i = 0; i < n; i++) residual_[i] = g[i] += residual_[i];
     exchange(group, g, n, mine_.data());
-    // A non-finite gradient (an fp16 overflow, a fault: the step is skipped) leaves no residual:
-    // kept, it would make every later step's gradients non-finite too.
-    if (error_feedback_)
-      for (int64_t i = 0; i < n; i++) {
-        const float r = residual_[i] - mine_[i];
-        residual_[i] = std::isfinite(r) ? r : 0.0f;
-      }
+    if (error_feedback_) keep_dropped(residual_.data(), residual_.data(), mine_.data(), n);
   }
   std::vector<float> residual() const override { return residual_; }
   std::vector<float> state() const final {
@@ -228,10 +232,7 @@ class GatherCompressor : public FeedbackCompressor {
     if (!server_residual_.empty()) {
       std::vector<float> sent(size_t(len), 0.0f);
       add_decoded(own, len, sent.data());
-      for (int64_t i = 0; i < len; i++) {
-        const float r = sum[i] - sent[i];
-        server_residual_[i] = std::isfinite(r) ? r : 0.0f;
-      }
+      keep_dropped(server_residual_.data(), sum.data(), sent.data(), len);
     }
     // The sums, gathered: every rank decodes the same messages.
     group.all_gather(host_ptr(own), host_ptr(all.data()), widest);
