@@ -244,6 +244,10 @@ class MpiWorld final : public World {
       const char* level = std::getenv("TRAINER_MPI_THREAD_LEVEL");
       const int wanted = level && std::string_view(level) == "funneled" ? MPI_THREAD_FUNNELED
                                                                         : MPI_THREAD_MULTIPLE;
+      // A plain process (no launcher) is a world of one: Open MPI's singleton need not start a
+      // daemon for spawning, which we never do (0.73 -> 0.41 s for MPI_Init alone here). Under
+      // mpirun or srun the setting does not apply; a user's own setting is kept.
+      setenv("OMPI_MCA_ess_singleton_isolated", "1", 0);
       MPI_CHECK(MPI_Init_thread(argc, argv, wanted, &provided));
       thread_multiple_ = provided >= MPI_THREAD_MULTIPLE;
       owns_mpi_ = true;
