@@ -44,11 +44,9 @@ class FeedbackCompressor : public Compressor {
     if (error_feedback_) keep_dropped(residual_.data(), residual_.data(), mine_.data(), n);
   }
   std::vector<float> residual() const override { return residual_; }
-  std::vector<float> state() const final {
-    std::vector<float> s(state_size());
-    if (error_feedback_) std::copy(residual_.begin(), residual_.end(), s.begin());
-    save_method_state(s.data() + (error_feedback_ ? residual_.size() : 0));
-    return s;
+  void save_state(float* out) const final {
+    if (error_feedback_) out = std::copy(residual_.begin(), residual_.end(), out);
+    save_method_state(out);
   }
   int64_t state_size() const final {
     return (error_feedback_ ? int64_t(residual_.size()) : 0) + method_state_size();

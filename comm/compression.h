@@ -71,9 +71,9 @@ class Compressor {
   // group's ranks: everything given and not yet delivered.
   virtual std::vector<float> residual() const = 0;
   // What a resumed run needs to continue exactly: the residual (with error feedback), then the
-  // method's own state (PowerSGD's Q; the residual of the part this rank sums). set_state takes
-  // state_size() values as state() gave.
-  virtual std::vector<float> state() const = 0;
+  // method's own state (PowerSGD's Q; the residual of the part this rank sums): save_state
+  // writes state_size() values, set_state takes them back.
+  virtual void save_state(float* out) const = 0;
   virtual int64_t state_size() const = 0;
   virtual void set_state(const float* values) = 0;
   // Top-k only (Deep Gradient Compression, comm/grad_reducer.h): the fraction of the values it

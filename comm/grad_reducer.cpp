@@ -270,28 +270,41 @@ GradReducer::CompressionStats GradReducer::take_compression_stats() {
   return std::exchange(compression_stats_, {});
 }
 
-std::vector<float> GradReducer::compression_state() const {
-  std::vector<float> out;
-  auto add = [&out](const std::vector<float>& s) { out.insert(out.end(), s.begin(), s.end()); };
-  for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it) {
-    if (it->compressor) add(it->compressor->state());
-    if (it->momentum_compressor) {
-      add(it->momentum_compressor->state());
-      add(it->momentum);
-    }
-  }
-  if (opts_.momentum.on) out.push_back(momentum_ready_ ? 1.0f : 0.0f);
-  return out;
-}
-
-bool GradReducer::set_compression_state(const std::vector<float>& all) {
+int64_t GradReducer::compression_state_size() const {
   int64_t total = opts_.momentum.on ? 1 : 0;
   for (const Bucket& b : buckets_) {
     if (b.compressor) total += b.compressor->state_size();
     if (b.momentum_compressor)
       total += b.momentum_compressor->state_size() + int64_t(b.momentum.size());
   }
-  if (total != int64_t(all.size())) return false;
+  return total;
+}
+
+void GradReducer::compression_state(std::vector<float>& out) const {
+  out.resize(size_t(compression_state_size()));
+  float* at = out.data();
+  for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it) {
+    if (it->compressor) {
+      it->compressor->save_state(at);
+      at += it->compressor->state_size();
+    }
+    if (it->momentum_compressor) {
+      it->momentum_compressor->save_state(at);
+      at += it->momentum_compressor->state_size();
+      at = std::copy(it->momentum.begin(), it->momentum.end(), at);
+    }
+  }
+  if (opts_.momentum.on) *at = momentum_ready_ ? 1.0f : 0.0f;
+}
+
+std::vector<float> GradReducer::compression_state() const {
+  std::vector<float> out;
+  compression_state(out);
+  return out;
+}
+
+bool GradReducer::set_compression_state(const std::vector<float>& all) {
+  if (compression_state_size() != int64_t(all.size())) return false;
   const float* at = all.data();
   for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it) {
     if (it->compressor) {

@@ -178,6 +178,8 @@ class GradReducer : public GradientWindows {
   // The compressors' state (error-feedback residuals, PowerSGD's Q) of every bucket,
   // concatenated in buffer order (empty without compression), for checkpoints; with 1-bit Adam
   // each bucket's momentum follows its compressor's, and a last value says if it is there.
+  // Written into `out` (a checkpoint's copy, its capacity reused from the last one).
+  void compression_state(std::vector<float>& out) const;
   std::vector<float> compression_state() const;
   // Restores it; false (and nothing changed) if the length differs (another layout or method).
   bool set_compression_state(const std::vector<float>& all);
@@ -185,6 +187,7 @@ class GradReducer : public GradientWindows {
   void reset_compression_state();
 
  private:
+  int64_t compression_state_size() const;
   // Where one reduction of a bucket reads its gradients, keeps its 1/L part summed inside the
   // node (hierarchical) and leaves this rank's piece (ZeRO).
   struct Buffers {

@@ -127,6 +127,8 @@ MemoryBudget memory_budget(const Config& cfg, const ParallelDims& dims, const Ra
     b.grad_windows = double(GradReducer::window_buffer_elems(units, shard_ranks,
                                                              outer ? 0 : node_ranks, windows)) *
                      dtype_size(*o.grad_dtype);
+  if (node_ranks > 0 && !outer && !o.windowed_grads)
+    b.node_grads = elems / node_ranks * dtype_size(*o.grad_dtype);
   if (o.windowed_params) {
     b.param_shard = owned * dtype_size(dtype);
     b.param_windows = double(ParamGatherer::window_buffer_elems(units, ParamGatherer::kWindows)) *
@@ -231,11 +233,11 @@ double available_bytes(Kernels& kernels, const World& world) {
 // tens of seconds and then fails somewhere).
 void check_memory(const Config& cfg, World& world, Kernels& kernels, const std::string& origin) {
   const ParallelDims dims = Run::layout(cfg, world.size(), origin);
-  // With outer steps the node's data-parallel ranks share the shards: how many there are, as
-  // make_groups will find them. (Hierarchical ZeRO-2's node parts aside: 1/ranks-per-node of
-  // its windows and held units.)
+  // The data-parallel ranks on this node, as make_groups will find them: with outer steps they
+  // share the shards; the hierarchical all-reduce holds 1/node_ranks of the gradients summed
+  // inside the node.
   int node_ranks = 0;
-  if (cfg.comm.outer.on()) {
+  if (cfg.comm.outer.on() || cfg.parallel.allreduce == "hierarchical") {
     const auto node = node_of(world, cfg.parallel);
     for (int r : dims.replica_group(world.rank())) node_ranks += node(r) == node(world.rank());
   }
@@ -247,7 +249,7 @@ void check_memory(const Config& cfg, World& world, Kernels& kernels, const std::
   const double need = gpu ? b.device() : b.total();
   const double optimizer = b.optimizer - (gpu ? b.offloaded : 0) + b.offload_staging + b.grad_shard,
                snapshot = gpu ? 0 : b.snapshot;
-  const double grads = double(model.grads) + b.grad_windows;
+  const double grads = double(model.grads) + b.grad_windows + b.node_grads;
   const double weights = double(model.params) + b.param_shard + b.param_windows;
   const double have = available_bytes(kernels, world);
   const double GB = 1 << 30;

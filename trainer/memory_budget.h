@@ -26,6 +26,10 @@ struct MemoryBudget {
   double offloaded = 0, offload_staging = 0;
   double grad_shard = 0;    // ZeRO-1, -2 and -3: the reduced gradients of this rank's piece
   double grad_windows = 0;  // ZeRO-2 and -3: the windows backward writes gradients into
+  // The hierarchical all-reduce's node parts of the gradients: each bucket's part summed inside
+  // the node before it crosses nodes, 1/node_ranks of the flat buffer (ZeRO-2's windows hold
+  // their own).
+  double node_grads = 0;
   // ZeRO-3: this rank's pieces of the compute weights (model.params holds only the held
   // units'), and the windows each unit's are gathered into.
   double param_shard = 0, param_windows = 0;
@@ -51,8 +55,9 @@ struct MemoryBudget {
   static constexpr double kProcessBytes = 20 << 20;
   double process = kProcessBytes;
   double total() const {
-    return double(model.total()) + optimizer + grad_shard + grad_windows + param_shard +
-           param_windows + collectives + snapshot + offload_staging + outer + compression + process;
+    return double(model.total()) + optimizer + grad_shard + grad_windows + node_grads +
+           param_shard + param_windows + collectives + snapshot + offload_staging + outer +
+           compression + process;
   }
   // What a GPU holds: all but the host's (the offloaded state, the checkpoint's copy, the
   // process's own).

@@ -118,24 +118,20 @@ void OuterOptimizer::step(int64_t update) {
 // momentum (the same on every node) on the first node; each other node's weights and inner
 // moments (the first node's are the checkpoint's tensors); of a node's ranks without ZeRO (which
 // all hold the same) the first alone; and every rank's error-feedback residual.
-std::vector<float> OuterOptimizer::state() const {
-  std::vector<float> out;
+void OuterOptimizer::state(std::vector<float>& out) const {
   const int64_t kept = saves() ? (inter_.rank() == 0 ? 2 : 3) * n_ : 0;
-  out.reserve(size_t(kept + (quantizer_ ? quantizer_->state_size() : 0)));  // one allocation
+  out.resize(size_t(kept + (quantizer_ ? quantizer_->state_size() : 0)));
+  float* at = out.data();
   if (saves() && inter_.rank() == 0) {
-    out.insert(out.end(), outer_.begin(), outer_.end());
-    out.insert(out.end(), momentum_.begin(), momentum_.end());
+    at = std::copy(outer_.begin(), outer_.end(), at);
+    at = std::copy(momentum_.begin(), momentum_.end(), at);
   } else if (saves()) {
-    out.resize(3 * n_);
-    read_weights(out.data());
-    read_moments(AdamW::State::m, out.data() + n_);
-    read_moments(AdamW::State::v, out.data() + 2 * n_);
+    read_weights(at);
+    read_moments(AdamW::State::m, at + n_);
+    read_moments(AdamW::State::v, at + 2 * n_);
+    at += 3 * n_;
   }
-  if (quantizer_) {
-    const std::vector<float> r = quantizer_->state();
-    out.insert(out.end(), r.begin(), r.end());
-  }
-  return out;
+  if (quantizer_) quantizer_->save_state(at);
 }
 
 bool OuterOptimizer::set_state(const std::vector<float>& saved, Communicator& world,

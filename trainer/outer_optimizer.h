@@ -48,8 +48,9 @@ class OuterOptimizer {
 
   // For checkpoints: what this rank keeps (see outer_optimizer.cpp); set_state is collective
   // over the world's ranks (each node gets the outer state from the first) and returns false on
-  // every rank if any rank's saved state did not fit (another layout), changing nothing.
-  std::vector<float> state() const;
+  // every rank if any rank's saved state did not fit (another layout), changing nothing. state
+  // writes into `out` (a checkpoint's copy, its capacity reused from the last one).
+  void state(std::vector<float>& out) const;
   bool set_state(const std::vector<float>& saved, Communicator& world, int64_t update);
 
   int workers() const { return inter_.size(); }

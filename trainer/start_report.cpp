@@ -134,7 +134,7 @@ double print_start(const Run& run) {
   const double MB = 1 << 20;
   // One line from the plan the buffers are allocated by (and that check_memory refuses by).
   fmt::print(
-      "memory: recompute {}{}, rank 0 expects {:.1f} MB (weights {:.2f}{}, gradients {:.2f}, "
+      "memory: recompute {}{}, rank 0 expects {:.1f} MB (weights {:.2f}{}, gradients {:.2f}{}, "
       "activations {:.2f}, AdamW {:.2f}{}{}, {}{}{}checkpoint copy {:.2f}, the process's own "
       "{:.0f})\n",
       cfg.memory.recompute,
@@ -145,8 +145,9 @@ double print_start(const Run& run) {
       cfg.parallel.zero == 3 ? fmt::format(" held + shard {:.2f} + parameter windows {:.2f}",
                                            b.param_shard / MB, b.param_windows / MB)
                              : "",
-      double(b.model.grads) / MB, double(b.model.activations + b.model.stats) / MB,
-      b.optimizer / MB,
+      double(b.model.grads) / MB,
+      b.node_grads > 0 ? fmt::format(" + summed inside the node {:.2f}", b.node_grads / MB) : "",
+      double(b.model.activations + b.model.stats) / MB, b.optimizer / MB,
       b.offloaded > 0 ? fmt::format(" offloaded to host memory, updated on CPU threads{}",
                                     b.offload_staging > 0 ? fmt::format(" (device staging {:.2f})",
                                                                         b.offload_staging / MB)

@@ -603,9 +603,17 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     // A protective checkpoint's step was skipped, but its compression residuals have moved on
     // (not 1-bit Adam's or DGC's: a skipped step exchanges nothing).
     const bool moved_on = protective && !run.reducer.exchanges_momentum();
-    snap.rank_states = {
-        {"comm/state", moved_on ? std::vector<float>{} : run.reducer.compression_state(), {}}};
-    if (run.outer) snap.rank_states.push_back({"outer/state", run.outer->state(), {}});
+    // Each rank's own state, written into the last checkpoint's copy (no second copy is made).
+    snap.rank_states.resize(run.outer ? 2 : 1);
+    snap.rank_states[0].group = "comm/state";
+    if (moved_on)
+      snap.rank_states[0].mine.clear();
+    else
+      run.reducer.compression_state(snap.rank_states[0].mine);
+    if (run.outer) {
+      snap.rank_states[1].group = "outer/state";
+      run.outer->state(snap.rank_states[1].mine);
+    }
     for (Snapshot::RankState& r : snap.rank_states) {
       double size = double(r.mine.size());
       std::vector<double> sizes(world.size());
