@@ -21,12 +21,20 @@ double stage_cost(const ModelConfig& cfg, int first, int end, bool last) {
 
 }  // namespace
 
-double pipeline_imbalance(const ModelConfig& cfg, int stages) {
+std::vector<double> pipeline_stage_shares(const ModelConfig& cfg, int stages, double block_scale) {
   const std::vector<int> bounds = pipeline_partition(cfg, stages);
-  double most = 0;
+  const double head = stage_cost(cfg, 0, 0, true), block = stage_cost(cfg, 0, 1, false);
+  const double whole = cfg.n_layer * block + head;
+  std::vector<double> shares(static_cast<size_t>(stages));
   for (int s = 0; s < stages; s++)
-    most = std::max(most, stage_cost(cfg, bounds[s], bounds[s + 1], s == stages - 1));
-  return most * stages / stage_cost(cfg, 0, cfg.n_layer, true);
+    shares[s] =
+        ((bounds[s + 1] - bounds[s]) * block * block_scale + (s == stages - 1 ? head : 0)) / whole;
+  return shares;
+}
+
+double pipeline_imbalance(const ModelConfig& cfg, int stages) {
+  const std::vector<double> shares = pipeline_stage_shares(cfg, stages, 1);
+  return *std::max_element(shares.begin(), shares.end()) * stages;
 }
 
 std::vector<int> pipeline_partition(const ModelConfig& cfg, int stages) {

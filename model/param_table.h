@@ -47,6 +47,10 @@ struct ModelShard {
 // the last stage) is as small as it can be, so that a big vocabulary's head does not leave the
 // last stage the bottleneck of the pipeline.
 std::vector<int> pipeline_partition(const ModelConfig& cfg, int stages);
+// Each stage's share of the model's cost per token under that partition (at block_scale 1 they
+// sum to 1; the blocks' cost is scaled by block_scale where recomputation runs their forward
+// again).
+std::vector<double> pipeline_stage_shares(const ModelConfig& cfg, int stages, double block_scale);
 // The slowest stage's cost over the mean's (1: balanced): a pipeline runs at its slowest
 // stage's pace.
 double pipeline_imbalance(const ModelConfig& cfg, int stages);

@@ -376,10 +376,13 @@ namespace trainer {
 namespace {
 
 // The planner's step-time model follows each layout choice it ranks by (each of these fails when
-// its term is disconnected): the 1F1B bubble grows as micro-batches fall and hides in
-// co-located ranks' compute when a node's cores are oversubscribed twice; full recomputation
-// runs the forward again (4/3 of the compute); a reduction that may not overlap backward is all
-// exposed; a pipeline runs at its slowest stage's pace.
+// its term is disconnected): the 1F1B bubble grows as micro-batches fall, and is the other
+// stages' time while the slowest (the head's) works; it hides in co-located ranks' compute when
+// a node's cores are oversubscribed twice, unless one micro-batch has the stages take turns;
+// full recomputation runs the blocks' forward again (a third of their compute, not the head's);
+// a reduction that may not overlap backward is all exposed, as is one on oversubscribed cores
+// (no core is spare, and the ranks share the bandwidth); a pipeline runs at its slowest stage's
+// pace.
 TEST(Planner, StepEstimateFollowsTheLayout) {
   const Config base = load_config(test::source_dir() + "/configs/llama-125m.toml");
   PlanOptions o;
@@ -396,21 +399,33 @@ TEST(Planner, StepEstimateFollowsTheLayout) {
         ParallelDims::make(dp * tp * pp, dp, tp, pp, c.parallel.order, c.model);
     return estimate_layout(c, dims, o);
   };
+  // (M - 1) t_max + sum t: the bubble over compute is (S / imbalance - 1) / M ((S - 1) / M for
+  // balanced stages).
+  const double imbalance = pipeline_imbalance(base.model, 4);
+  ASSERT_GT(imbalance, 1.05);  // 12 blocks in 4 stages, the head (32000 x 768) on the last
   const Candidate pp1 = estimate(1, 1, 4, 8, 1), pp8 = estimate(1, 1, 4, 1, 8);
-  EXPECT_NEAR(pp1.bubble_s / pp1.compute_s, 3.0 / 1, 1e-9);  // (S - 1) / M
-  EXPECT_NEAR(pp8.bubble_s / pp8.compute_s, 3.0 / 8, 1e-9);
+  EXPECT_NEAR(pp1.bubble_s / pp1.compute_s, (4 / imbalance - 1) / 1, 1e-9);
+  EXPECT_NEAR(pp8.bubble_s / pp8.compute_s, (4 / imbalance - 1) / 8, 1e-9);
+  const Candidate dp4 = estimate(4, 1, 1, 2, 1);
   o.cluster.oversubscription = 2;
-  EXPECT_EQ(estimate(1, 1, 4, 8, 1).bubble_s, 0);
+  EXPECT_EQ(estimate(1, 1, 4, 1, 8).bubble_s, 0);
+  EXPECT_NEAR(estimate(1, 1, 4, 8, 1).bubble_s, pp1.bubble_s + pp1.compute_s - 2 * dp4.compute_s,
+              1e-9 * pp1.bubble_s);  // the stages in turn: each at a whole core's pace
+  EXPECT_NEAR(estimate(4, 1, 1, 2, 1).compute_s, 2 * dp4.compute_s, 1e-12);
   o.cluster.oversubscription = 1;
-  const Candidate none = estimate(4, 1, 1, 2, 1),
-                  full = estimate(4, 1, 1, 2, 1, [](Config&c) { c.memory.recompute = "full"; });
-  EXPECT_NEAR(full.compute_s, none.compute_s * 4 / 3, 1e-12);
+  const Candidate full = estimate(4, 1, 1, 2, 1, [](Config& c) { c.memory.recompute = "full"; });
+  const double head = pipeline_stage_shares(base.model, 1, 0)[0];  // the blocks' cost left out
+  ASSERT_GT(head, 0.1);
+  EXPECT_NEAR(full.compute_s, dp4.compute_s * (1 + (1 - head) / 3), 1e-12);
   o.cluster.intra_bytes_per_s = 1e9;  // slow enough that the reduction outlasts backward
   const Candidate overlapped = estimate(4, 1, 1, 2, 1),
                   exposed = estimate(4, 1, 1, 2, 1, [](Config&c) { c.parallel.overlap = false; });
   EXPECT_GT(exposed.dp_s, overlapped.dp_s);
   const double params = double(param_table(base.model).total);
   EXPECT_NEAR(exposed.dp_s, 2 * 0.75 * params * 4 / 1e9, 1e-9 * exposed.dp_s);
+  o.cluster.oversubscription = 2;  // no core to spare: nothing overlaps, at half the bandwidth
+  EXPECT_NEAR(estimate(4, 1, 1, 2, 1).dp_s, 2 * exposed.dp_s, 1e-9 * exposed.dp_s);
+  o.cluster.oversubscription = 1;
   EXPECT_GT(pipeline_imbalance(base.model, 5), 1.0);  // 12 blocks in 5 stages, the head last
   EXPECT_NEAR(estimate(1, 1, 4, 1, 8).compute_s / estimate(4, 1, 1, 1, 2).compute_s,
               pipeline_imbalance(base.model, 4), 1e-9);

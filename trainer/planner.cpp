@@ -34,34 +34,54 @@ double all_reduce_s(double bytes, int n, double bytes_per_s) {
 }
 
 // The step's estimate for a candidate whose memory is known (see Candidate's fields).
-void estimate(Candidate& c, const Config& cfg, const PlanOptions& o, int64_t global) {
+void estimate(Candidate& c, const Config& cfg, const PlanOptions& o) {
   const ModelConfig& m = cfg.model;
   const Cluster& k = o.cluster;
-  const double T = m.seq_len, C = m.d_model, tokens = double(global) * T;
+  const double T = m.seq_len, C = m.d_model;
   const double act = dtype_size(compute_dtype(cfg.precision));
   const double grad = cfg.precision.grads == "fp32" ? 4 : act;
-  // Model FLOPs, and what recomputation runs again: the whole forward (a third of them), or
-  // attention's scores and probabilities (its forward, 2 L C T a token).
-  double flops = flops_per_token(m) * tokens;
-  if (c.recompute == "full") flops *= 4.0 / 3;
-  if (c.recompute == "selective") flops += 2.0 * m.n_layer * C * T * tokens;
-  // A pipeline runs at its slowest stage's pace.
-  c.compute_s = flops / k.devices / (k.peak_flops * o.efficiency) * pipeline_imbalance(m, c.pp);
-  const double bubble = pipeline_bubble(c.pp, c.accum);
-  c.bubble_s = bubble < 1 ? c.compute_s * bubble / (1 - bubble) : INFINITY;
-  if (k.oversubscription > 1) c.bubble_s *= std::max(0.0, 2 - k.oversubscription);
+  // Recomputation runs the blocks' forward again (a third of their FLOPs), or attention's scores
+  // and probabilities (its forward, 2 C T a token of each block); not the embedding or the head.
+  const double block = 6.0 * double(m.block_matmul_params()) + 6.0 * C * T;  // flops_per_token's
+  const double block_scale = c.recompute == "full"        ? 4.0 / 3
+                             : c.recompute == "selective" ? 1 + 2.0 * C * T / block
+                                                          : 1;
+  // A micro-batch through stage s takes t_s on one rank at its peak (its tokens shared by the
+  // tp x cp ranks of the stage). With 1F1B the slowest stage works through all M micro-batches,
+  // and the others' time before its first and after its last is the fill and drain:
+  // (M - 1) t_max + sum t_s (balanced stages: (M + S - 1) t, the bubble (S - 1) / M of compute).
+  const double micro = double(c.micro_batch) * T * flops_per_token(m) / (c.tp * c.cp) /
+                       (k.peak_flops * o.efficiency);
+  double slowest = 0, through = 0;
+  for (double share : pipeline_stage_shares(m, c.pp, block_scale)) {
+    slowest = std::max(slowest, share * micro);
+    through += share * micro;
+  }
+  const double M = c.accum;
+  c.compute_s = M * slowest;
+  double pipeline_s = (M - 1) * slowest + through;
+  if (k.oversubscription > 1) {
+    // Ranks sharing cores: all of them busy take `oversubscription` times as long; a rank idle in
+    // the bubble leaves its share of the cores to the others.
+    c.compute_s = std::max(c.compute_s, k.oversubscription * M * through / c.pp);
+    pipeline_s = std::max(pipeline_s, c.compute_s);
+  }
+  c.bubble_s = pipeline_s - c.compute_s;
+  // A CPU collective inside a node is copies and sums on the ranks' cores: ranks sharing cores
+  // share its bandwidth, and with no core to spare nothing hides it behind backward.
+  const double oversubscribed = std::max(1.0, k.oversubscription);
+  const double intra_bw = k.intra_bytes_per_s / oversubscribed;
   const double layers = std::ceil(double(m.n_layer) / c.pp);
   const double rows = double(c.micro_batch) * T / c.cp;  // a micro-batch's tokens on a rank
   // Tensor parallelism: two all-reduces of the stream in each block's forward and two in its
   // backward (sequence parallelism moves the same bytes), two more where the forward is re-run.
   const int tp_collectives = c.recompute == "full" ? 6 : 4;
-  c.tp_s =
-      tp_collectives * layers * c.accum * all_reduce_s(rows * C * act, c.tp, k.intra_bytes_per_s);
+  c.tp_s = tp_collectives * layers * c.accum * all_reduce_s(rows * C * act, c.tp, intra_bw);
   // Context parallelism: the ring passes each rank's qkv rows cp - 1 times forward, and again in
   // backward, and their gradients (fp32 with 16-bit activations) cp times, home included.
   const double qkv = double(m.d_model + 2 * int64_t(m.kv_heads()) * m.head_size()) / c.tp;
   const double ring = rows * qkv * act;
-  const double cp_bw = c.tp * c.cp <= k.per_node ? k.intra_bytes_per_s : k.inter_bytes_per_s;
+  const double cp_bw = c.tp * c.cp <= k.per_node ? intra_bw : k.inter_bytes_per_s;
   c.cp_s =
       c.cp > 1 ? layers * c.accum * ((c.cp - 1) * 2 * ring + c.cp * rows * qkv * 4) / cp_bw : 0;
   // Data parallelism over the dp x cp replicas: the gradients reduced and (ZeRO) the updated
@@ -71,9 +91,10 @@ void estimate(Candidate& c, const Config& cfg, const PlanOptions& o, int64_t glo
   const int R = c.dp * c.cp;
   const double params = double(param_table(m).total) / (c.tp * c.pp);
   const double share = R > 1 ? double(R - 1) / R : 0;
-  const double dp_bw = k.devices <= k.per_node ? k.intra_bytes_per_s : k.inter_bytes_per_s;
+  const double dp_bw = k.devices <= k.per_node ? intra_bw : k.inter_bytes_per_s;
   // Without [parallel] overlap the reduction starts after backward: nothing hides it.
-  const double backward = cfg.parallel.overlap ? c.compute_s * 2 / 3 / c.accum : 0;
+  const double backward =
+      cfg.parallel.overlap && k.oversubscription <= 1 ? c.compute_s * 2 / 3 / c.accum : 0;
   const double gather = share * params * act / dp_bw;
   if (c.zero <= 1) {
     c.dp_s = std::max(0.0, 2 * share * params * grad / dp_bw - backward);
@@ -286,7 +307,6 @@ Plan make_plan(const Config& base, const PlanOptions& o, bool offload) {
 
 Candidate estimate_layout(const Config& cfg, const ParallelDims& dims, const PlanOptions& o) {
   const bool gpu = cfg.run.device != "cpu";
-  const int64_t G = int64_t(cfg.train.micro_batch) * cfg.train.grad_accum * dims.dp();
   Candidate cand{dims.dp(),
                  dims.tp(),
                  dims.pp(),
@@ -301,7 +321,7 @@ Candidate estimate_layout(const Config& cfg, const ParallelDims& dims, const Pla
     const double bytes = gpu ? b.device() : b.total();
     if (bytes > cand.bytes) cand.bytes = bytes, cand.memory = b, cand.stage = s;
   }
-  estimate(cand, cfg, o, G);
+  estimate(cand, cfg, o);
   return cand;
 }
 

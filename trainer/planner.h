@@ -25,8 +25,9 @@ struct Cluster {
   // Bus bandwidths for collectives, bytes/s per device: inside a node (NVLink) and between
   // nodes (the NIC).
   double intra_bytes_per_s = 450e9, inter_bytes_per_s = 50e9;
-  // CPU ranks sharing a node's cores: threads wanted per core (1 or less: a core each). Above
-  // 1, the time a rank idles in the pipeline's bubble is compute for the others on its cores.
+  // CPU ranks sharing a node's cores: threads wanted per core (1 or less: a core each; the peak
+  // is a rank's with its cores to itself). Above 1, ranks all busy at once share the cores, and
+  // the time a rank idles in the pipeline's bubble is compute for the others on its cores.
   double oversubscription = 1;
   std::string name = "H100 80GB";
 };

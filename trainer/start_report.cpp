@@ -33,7 +33,6 @@ Candidate planned_step(const Run& run) {
                           : int(std::thread::hardware_concurrency());
     if (cores > 0)
       k.oversubscription = double(run.world.local_size()) * omp_get_max_threads() / cores;
-    if (k.oversubscription > 1) k.peak_flops /= k.oversubscription;
   }
   set_bandwidths(k, cpu, 0, 0);
   Config c = cfg;
