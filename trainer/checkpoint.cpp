@@ -531,7 +531,7 @@ std::string write_checkpoint(const Snapshot& snap, const ModelConfig& model, Com
       }
     }
     if (next != snap.parts.size()) throw std::logic_error("snapshot parts out of table order");
-    auto write_group = [&](const std::string& group, const std::vector<float>& values) {
+    auto write_group = [&](const std::string& group, const HostVector<float>& values) {
       for (size_t t = 0; t < full.params.size(); t++) {
         const ParamInfo& q = full.params[t];
         f.write_part(group + q.name, q.shape, boxes[t], values.data() + starts[t]);

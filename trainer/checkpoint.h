@@ -34,6 +34,7 @@
 #include "io/config.h"
 #include "io/errors.h"
 #include "io/tokenizer.h"
+#include "kernels/cpu/host_memory.h"
 #include "model/stage_executor.h"
 #include "trainer/adamw.h"
 #include "trainer/loss_scaler.h"
@@ -85,8 +86,8 @@ struct Snapshot {
     int64_t begin, count, at;
   };
   std::vector<Part> parts;
-  std::vector<float> params, m, v;  // m, v empty without an optimizer
-  bool has_moments = false;         // the same on every rank: m and v are written
+  HostVector<float> params, m, v;  // m, v empty without an optimizer
+  bool has_moments = false;        // the same on every rank: m and v are written
   // State that is not a tensor, rank by rank, written as <group>/rank_<r> (none where empty).
   struct RankState {
     std::string group;           // "comm/state", "outer/state"

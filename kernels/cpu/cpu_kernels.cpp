@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/host_memory.h"
 #include "kernels/flop_meter.h"
 
 namespace trainer {
@@ -165,13 +166,10 @@ class CpuKernels final : public Kernels {
   }
 
   DPtr alloc(int64_t elems, DType dtype) override {
-    size_t bytes = std::max<size_t>(64, (elems * dtype_size(dtype) + 63) / 64 * 64);
-    void* p = std::aligned_alloc(64, bytes);
-    if (!p) throw std::bad_alloc();
-    std::memset(p, 0, bytes);
-    return {static_cast<std::byte*>(p), dtype};
+    return {static_cast<std::byte*>(allocate_host_memory(size_t(elems) * dtype_size(dtype))),
+            dtype};
   }
-  void free(DPtr p) override { std::free(p.p); }
+  void free(DPtr p) override { free_host_memory(p.p); }
   void zero(DPtr p, int64_t elems) override { std::memset(p.p, 0, elems * dtype_size(p.dtype)); }
   void copy_to_host(void* dst, DPtr src, int64_t elems) override {
     std::memcpy(dst, src.p, elems * dtype_size(src.dtype));
@@ -179,12 +177,8 @@ class CpuKernels final : public Kernels {
   void copy_from_host(DPtr dst, const void* src, int64_t elems) override {
     std::memcpy(dst.p, src, elems * dtype_size(dst.dtype));
   }
-  void* alloc_host(int64_t bytes) override {
-    void* p = std::aligned_alloc(64, std::max<size_t>(64, (size_t(bytes) + 63) / 64 * 64));
-    if (!p) throw std::bad_alloc();
-    return p;
-  }
-  void free_host(void* p) noexcept override { std::free(p); }
+  void* alloc_host(int64_t bytes) override { return allocate_host_memory(size_t(bytes)); }
+  void free_host(void* p) noexcept override { free_host_memory(p); }
 
   void encoder_forward(DPtr out, const int32_t* tokens, DPtr wte, DPtr wpe, int B, int T, int C,
                        VocabSlice v) override {
