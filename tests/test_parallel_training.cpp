@@ -294,6 +294,24 @@ INSTANTIATE_TEST_SUITE_P(Layouts, ParallelTraining, ::testing::ValuesIn(layouts(
 namespace trainer {
 namespace {
 
+// A plain process (no launcher) is Open MPI's isolated singleton: it forks no daemon (orted) for
+// spawning, which the trainer never does (comm/mpi_world.cpp); a setting of the user's is kept,
+// and with the isolation turned off the daemon is there to see (the check can fail).
+TEST_F(MpiCli, APlainProcessStartsNoDaemon) {
+  auto children = [&](const std::string& env) {
+    std::filesystem::remove_all(path("out"));
+    const auto r = test::run_command(
+        "env " + env + " " + test::trainer_bin() + " train " + path("run.toml") +
+        " --set train.steps=1000000 --set train.log_every=100000 >/dev/null 2>&1 & pid=$!; " +
+        wait_for_step(20) + "echo children: $(pgrep -P $pid -l); kill -TERM $pid; wait $pid");
+    EXPECT_EQ(r.code, 75) << r.output;
+    const size_t at = r.output.find("children:");
+    return at == std::string::npos ? std::string("?") : r.output.substr(at + 9);
+  };
+  EXPECT_EQ(children("TRAINER_TEST=1").find("orted"), std::string::npos);
+  EXPECT_NE(children("OMPI_MCA_ess_singleton_isolated=0").find("orted"), std::string::npos);
+}
+
 // --dry-run sets every rank up and writes nothing. Its plan is the run's: the memory line a real
 // start prints, each stage's memory and the largest rank's, and a step's model FLOPs over the
 // configured peak (1 TFLOP/s a rank) with the pipeline's bubble. What a run would refuse, it
