@@ -50,13 +50,20 @@ TEST(HostMemory, ZeroedAlignedAndLargeOnesMayBeHugePages) {
   }
   void* large = allocate_host_memory(size_t(8) << 20);
   EXPECT_EQ(reinterpret_cast<uintptr_t>(large) % (2 << 20), 0u);
-  const std::string smaps = mapping_of(large);
+  const std::string smaps = mapping_of(large), mode = thp_mode();
   ASSERT_FALSE(smaps.empty());
-  // Advised (VmFlags "hg"), and where the kernel allows them, eligible for huge pages.
-  const size_t flags = smaps.find("VmFlags:");
-  ASSERT_NE(flags, std::string::npos) << smaps;
-  EXPECT_NE(smaps.find(" hg", flags), std::string::npos) << smaps;
-  if (thp_mode().find("[never]") == std::string::npos) {
+  // The mapping is the buffer's pages alone (the header's page and the room to align are not
+  // advised, or gone); advised (VmFlags "hg") and, where the kernel allows them, eligible for
+  // huge pages.
+  const size_t size = smaps.find("\nSize:");
+  ASSERT_NE(size, std::string::npos) << smaps;
+  EXPECT_EQ(std::stoi(smaps.substr(size + 6)), 8192) << smaps;  // kB
+  if (!mode.empty()) {  // "": a kernel without transparent huge pages
+    const size_t flags = smaps.find("VmFlags:");
+    ASSERT_NE(flags, std::string::npos) << smaps;
+    EXPECT_NE(smaps.find(" hg", flags), std::string::npos) << smaps;
+  }
+  if (!mode.empty() && mode.find("[never]") == std::string::npos) {
     const size_t eligible = smaps.find("THPeligible:");
     ASSERT_NE(eligible, std::string::npos) << smaps;
     EXPECT_EQ(std::stoi(smaps.substr(eligible + 12)), 1) << smaps;

@@ -95,8 +95,7 @@ void report_memory(Run& run, ResidentMemory before_model, bool snapshot_taken, M
   }
 }
 
-// node_ranks: the data-parallel ranks on this rank's node under the hierarchical all-reduce
-// (0 otherwise), for ZeRO-2's windows.
+// node_ranks: see memory_budget.h.
 MemoryBudget memory_budget(const Config& cfg, const ParallelDims& dims, const RankCoords& me,
                            bool keeps_probs, int node_ranks) {
   const DType dtype = compute_dtype(cfg.precision);

@@ -65,7 +65,8 @@ struct MemoryBudget {
 };
 
 // node_ranks: the data-parallel ranks on this rank's node under the hierarchical all-reduce or
-// the outer steps (0 otherwise), for ZeRO-2's windows and, with outer steps, ZeRO's shards.
+// the outer steps (0 otherwise), for the gradients summed inside the node (ZeRO-2: its windows'
+// node parts), compression's part of the buffer and, with outer steps, ZeRO's shards.
 MemoryBudget memory_budget(const Config& cfg, const ParallelDims& dims, const RankCoords& me,
                            bool keeps_probs, int node_ranks);
 

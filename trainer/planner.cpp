@@ -14,7 +14,6 @@
 #include "io/errors.h"
 #include "kernels/kernels.h"
 #include "model/model_definition.h"
-#include "trainer/pipeline_schedule.h"
 #include "trainer/report_error.h"
 #include "trainer/run.h"
 
@@ -57,16 +56,15 @@ void estimate(Candidate& c, const Config& cfg, const PlanOptions& o) {
     slowest = std::max(slowest, share * micro);
     through += share * micro;
   }
-  const double M = c.accum;
-  c.compute_s = M * slowest;
-  double pipeline_s = (M - 1) * slowest + through;
-  if (k.oversubscription > 1) {
+  c.compute_s = c.accum * slowest;
+  c.bubble_s = through - slowest;  // the fill and drain (exactly 0 for one stage)
+  const double all_busy = k.oversubscription * c.accum * through / c.pp;
+  if (all_busy > c.compute_s) {
     // Ranks sharing cores: all of them busy take `oversubscription` times as long; a rank idle in
     // the bubble leaves its share of the cores to the others.
-    c.compute_s = std::max(c.compute_s, k.oversubscription * M * through / c.pp);
-    pipeline_s = std::max(pipeline_s, c.compute_s);
+    c.bubble_s = std::max(0.0, c.compute_s + c.bubble_s - all_busy);
+    c.compute_s = all_busy;
   }
-  c.bubble_s = pipeline_s - c.compute_s;
   // A CPU collective inside a node is copies and sums on the ranks' cores: ranks sharing cores
   // share its bandwidth, and with no core to spare nothing hides it behind backward.
   const double oversubscribed = std::max(1.0, k.oversubscription);

@@ -2,6 +2,7 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -10,7 +11,7 @@
 namespace trainer {
 namespace {
 
-constexpr size_t kHugePage = size_t(2) << 20;
+constexpr size_t kHugePage = size_t(2) << 20, kPage = 4096;
 constexpr size_t kHeader = 64;  // before the pointer: where the block starts, and how long it is
 
 struct Header {
@@ -25,7 +26,8 @@ Header* header_of(void* p) {
 }  // namespace
 
 void* allocate_host_memory(size_t bytes) {
-  bytes = (bytes + 63) / 64 * 64;
+  if (bytes > (size_t(1) << 62)) throw std::bad_alloc();  // a negative count, converted
+  bytes = std::max<size_t>(64, (bytes + 63) / 64 * 64);
   if (bytes < kHugePage) {
     void* base = std::aligned_alloc(64, kHeader + bytes);
     if (!base) throw std::bad_alloc();
@@ -33,16 +35,20 @@ void* allocate_host_memory(size_t bytes) {
     *header_of(p) = {base, 0};
     return std::memset(p, 0, bytes);
   }
-  // The header sits in the page below the aligned start: that page is a small one, the rest huge
-  // pages where the mapping covers them (the tail's partial one is small pages too).
-  const size_t mapped = kHugePage + bytes;
-  void* base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (base == MAP_FAILED) throw std::bad_alloc();
-  const auto start =
-      (reinterpret_cast<uintptr_t>(base) + kHeader + kHugePage - 1) / kHugePage * kHugePage;
-  void* p = reinterpret_cast<void*>(start);
+  // Mapped with room to align, then trimmed to the header's page below the aligned start and the
+  // buffer's pages: the header's page and the tail's partial 2 MB are then small pages (their
+  // 2 MB ranges are not all mapped), the rest huge pages where the kernel has them.
+  const size_t pages = (bytes + kPage - 1) / kPage * kPage, room = kHugePage + pages;
+  auto* mapped = static_cast<std::byte*>(
+      mmap(nullptr, room, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  if (mapped == MAP_FAILED) throw std::bad_alloc();
+  const uintptr_t at = reinterpret_cast<uintptr_t>(mapped) + kPage;
+  auto* p = reinterpret_cast<std::byte*>((at + kHugePage - 1) / kHugePage * kHugePage);
+  std::byte *base = p - kPage, *end = p + pages;
+  if (base > mapped) munmap(mapped, size_t(base - mapped));
+  if (end < mapped + room) munmap(end, size_t(mapped + room - end));
   madvise(p, bytes, MADV_HUGEPAGE);  // advice: where it is not taken, small pages
-  *header_of(p) = {base, mapped};
+  *header_of(p) = {base, size_t(end - base)};
   // Touched now, as the heap's were: what is allocated is resident (the memory plan counts the
   // buffers, used or not, as a GPU holds them), and its faults are not in the first step's time.
   return std::memset(p, 0, bytes);
