@@ -21,6 +21,7 @@
 #include "model/param_table.h"
 #include "test_util.h"
 #include "trainer/gpu_health.h"
+#include "trainer/memory_budget.h"
 #include "trainer/planner.h"
 
 namespace trainer {
@@ -429,6 +430,26 @@ TEST(Planner, StepEstimateFollowsTheLayout) {
   EXPECT_GT(pipeline_imbalance(base.model, 5), 1.0);  // 12 blocks in 5 stages, the head last
   EXPECT_NEAR(estimate(1, 1, 4, 1, 8).compute_s / estimate(4, 1, 1, 1, 2).compute_s,
               pipeline_imbalance(base.model, 4), 1e-9);
+}
+
+// The hierarchical all-reduce's node parts of the gradients are in the memory plan: 1/node_ranks
+// of the flat gradients (GradReducer's scratch), none with outer steps (which reduce inside the
+// node alone) or under ZeRO-2 (its windows hold their own).
+TEST(MemoryPlan, CountsTheGradientsSummedInsideTheNode) {
+  Config c = load_config(test::source_dir() + "/configs/llama-125m.toml");
+  c.parallel.dp = 4, c.parallel.zero = 1, c.parallel.allreduce = "hierarchical";
+  auto plan = [&](int node_ranks) {
+    const ParallelDims dims = ParallelDims::make(4, 4, 1, 1, c.parallel.order, c.model);
+    return memory_budget(c, dims, dims.coords(0), true, node_ranks);
+  };
+  const MemoryBudget flat = plan(0), hierarchical = plan(2);
+  EXPECT_EQ(flat.node_grads, 0);
+  EXPECT_NEAR(hierarchical.node_grads, double(flat.model.grads) / 2, 64);
+  EXPECT_GE(hierarchical.total() - flat.total(), hierarchical.node_grads);
+  c.parallel.zero = 2;
+  EXPECT_EQ(plan(2).node_grads, 0);
+  c.parallel.zero = 1, c.comm.outer.every_steps = 1;
+  EXPECT_EQ(plan(2).node_grads, 0);
 }
 
 // NVML is optional: a library that is not there leaves the readings out with a note (the run
