@@ -382,8 +382,8 @@ namespace {
 // a node's cores are oversubscribed twice, unless one micro-batch has the stages take turns;
 // full recomputation runs the blocks' forward again (a third of their compute, not the head's);
 // a reduction that may not overlap backward is all exposed, as is one on oversubscribed cores
-// (no core is spare, and the ranks share the bandwidth); a pipeline runs at its slowest stage's
-// pace.
+// (no core is spare, and the ranks share the bandwidth, unless the figure was measured with them
+// sharing it); a pipeline runs at its slowest stage's pace.
 TEST(Planner, StepEstimateFollowsTheLayout) {
   const Config base = load_config(test::source_dir() + "/configs/llama-125m.toml");
   PlanOptions o;
@@ -426,10 +426,29 @@ TEST(Planner, StepEstimateFollowsTheLayout) {
   EXPECT_NEAR(exposed.dp_s, 2 * 0.75 * params * 4 / 1e9, 1e-9 * exposed.dp_s);
   o.cluster.oversubscription = 2;  // no core to spare: nothing overlaps, at half the bandwidth
   EXPECT_NEAR(estimate(4, 1, 1, 2, 1).dp_s, 2 * exposed.dp_s, 1e-9 * exposed.dp_s);
+  o.cluster.intra_source = "measured";  // timed with the ranks sharing the cores: not halved
+  EXPECT_NEAR(estimate(4, 1, 1, 2, 1).dp_s, exposed.dp_s, 1e-9 * exposed.dp_s);
+  o.cluster.intra_source = "assumed";
   o.cluster.oversubscription = 1;
   EXPECT_GT(pipeline_imbalance(base.model, 5), 1.0);  // 12 blocks in 5 stages, the head last
   EXPECT_NEAR(estimate(1, 1, 4, 1, 8).compute_s / estimate(4, 1, 1, 1, 2).compute_s,
               pipeline_imbalance(base.model, 4), 1e-9);
+}
+
+// The bandwidth inside a node: the one given (--intra-node-gbps), else one measured among the
+// node's ranks, else the default (shared memory on the CPU); Gbit/s in, bytes/s out.
+TEST(Planner, BandwidthInsideANodeIsGivenMeasuredOrAssumed) {
+  Cluster k;
+  set_bandwidths(k, true, 8, 0, 16);
+  EXPECT_EQ(k.intra_source, "given");
+  EXPECT_EQ(k.intra_bytes_per_s, 1e9);
+  set_bandwidths(k, true, 0, 0, 16);
+  EXPECT_EQ(k.intra_source, "measured");
+  EXPECT_EQ(k.intra_bytes_per_s, 2e9);
+  set_bandwidths(k, true, 0, 0, 0);
+  EXPECT_EQ(k.intra_source, "assumed");
+  EXPECT_EQ(k.intra_bytes_per_s, 5e9);
+  EXPECT_EQ(k.inter_bytes_per_s, 1.25e9);
 }
 
 // The hierarchical all-reduce's node parts of the gradients are in the memory plan: 1/node_ranks

@@ -3,35 +3,14 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <chrono>
 #include <memory>
 
+#include "comm/bus_bandwidth.h"
 #include "comm/rank_groups.h"
 #include "model/model_definition.h"
 #include "trainer/run.h"
 
 namespace trainer {
-namespace {
-
-// The slowest inter-node group's bandwidth in Gbit/s, as a rank sends in a ring all-reduce of
-// 16 MB (the best of three after a warm-up).
-double measure_gbps(Communicator& inter, Communicator& world) {
-  constexpr int64_t n = 4 << 20;
-  std::vector<float> buf(n, 1.0f);
-  double best = 1e30;
-  for (int i = 0; i < 4; i++) {
-    world.barrier();
-    const auto t0 = std::chrono::steady_clock::now();
-    inter.all_reduce(host_ptr(buf.data()), n, ReduceOp::sum);
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (i > 0) best = std::min(best, s);
-  }
-  world.all_reduce(host_ptr(&best), 1, ReduceOp::max);
-  const double bytes = 2.0 * 4 * n * (inter.size() - 1) / inter.size();
-  return bytes * 8 / best / 1e9;
-}
-
-}  // namespace
 
 CommAdvice advise_communication(Config& cfg, World& world, const std::string& origin) {
   CommAdvice a;
@@ -51,7 +30,7 @@ CommAdvice advise_communication(Config& cfg, World& world, const std::string& or
   world.comm().all_reduce(host_ptr(&elems), 1, ReduceOp::max);
   a.gbps = cfg.comm.inter_node_gbps;
   if (N > 1 && a.gbps <= 0) {
-    a.gbps = measure_gbps(*inter, world.comm());
+    a.gbps = all_reduce_gbps(*inter, world.comm());
     a.measured = true;
   }
   auto way = [&](std::string name, double bytes, std::string method, int every) {

@@ -13,13 +13,16 @@
 #include <cstdlib>
 #include <filesystem>
 
+#include "comm/bus_bandwidth.h"
 #include "comm/communicator.h"
 #include "io/config.h"
 #include "io/token_shard.h"
 #include "io/tokenizer.h"
+#include "kernels/cpu/host_memory.h"
 #include "trainer/blas_setup.h"
 #include "trainer/checkpoint.h"
 #include "trainer/export.h"
+#include "trainer/node_shards.h"
 #include "trainer/planner.h"
 #include "trainer/prepare.h"
 #include "trainer/report_error.h"
@@ -91,10 +94,11 @@ std::string version_string() {
 
 int main(int argc, char** argv) {
   trainer::ensure_fast_blas(argv);
+  trainer::keep_freed_memory();  // before MPI: its collectives' temporaries reuse the heap
   // Line by line also into a file or a pipe (sbatch --output, | tee): a log that shows each
   // step as it happens and loses nothing to a SIGKILL.
   std::setvbuf(stdout, nullptr, _IOLBF, 1 << 16);
-  CLI::App app{"trainer: trains GPT-2 language models from one TOML config", "trainer"};
+  CLI::App app{"trainer: trains transformer language models from one TOML config", "trainer"};
   app.set_version_flag("--version", version_string());
   app.require_subcommand(1);
 
@@ -255,9 +259,21 @@ int main(int argc, char** argv) {
     if (*ex) return trainer::export_weights(exp);
     if (*pl) {
       const trainer::Config cfg = trainer::load_config(plan.config, plan.overrides);
+      // A CPU plan under mpirun times an all-reduce among the node's ranks for the bandwidth
+      // inside a node (a plain process has none to time); then rank 0 plans, the rest wait in
+      // MPI's finalisation.
+      std::unique_ptr<trainer::World> world;
+      double measured_gbps = 0;
+      if (cfg.run.device == "cpu" && plan_intra_gbps <= 0) {
+        world = trainer::make_mpi_world(&argc, &argv);
+        if (world->size() > 1)
+          measured_gbps = trainer::all_reduce_gbps(*trainer::node_group(*world), world->comm());
+        if (world->rank() > 0) return 0;
+        if (world->size() > 1 && plan_per_node <= 0) plan_per_node = world->local_size();
+      }
       trainer::Cluster& k = plan.options.cluster;
       trainer::set_cluster_defaults(k, cfg, plan_device, plan_per_node, plan_memory_gb,
-                                    plan_intra_gbps, plan_inter_gbps);
+                                    plan_intra_gbps, plan_inter_gbps, measured_gbps);
       return trainer::plan_command(plan);
     }
     if (*pre) {

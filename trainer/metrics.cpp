@@ -38,6 +38,7 @@ void MetricsLog::step(const StepStats& s, bool print) {
                       {"optimizer_ms", s.optimizer_s * 1e3},
                       {"comm_exposed_ms", s.comm_s * 1e3},
                       {"bytes_sent", s.bytes_sent},
+                      {"page_faults", s.page_faults},
                       {"buckets", s.buckets},
                       {"buckets_overlapped", s.buckets_overlapped},
                       {"first_bucket_layers_left", s.first_bucket_layers_left},

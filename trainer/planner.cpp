@@ -66,9 +66,11 @@ void estimate(Candidate& c, const Config& cfg, const PlanOptions& o) {
     c.compute_s = all_busy;
   }
   // A CPU collective inside a node is copies and sums on the ranks' cores: ranks sharing cores
-  // share its bandwidth, and with no core to spare nothing hides it behind backward.
+  // share its bandwidth (a measured figure has that in it), and with no core to spare nothing
+  // hides it behind backward.
   const double oversubscribed = std::max(1.0, k.oversubscription);
-  const double intra_bw = k.intra_bytes_per_s / oversubscribed;
+  const double intra_bw =
+      k.intra_source == "measured" ? k.intra_bytes_per_s : k.intra_bytes_per_s / oversubscribed;
   const double layers = std::ceil(double(m.n_layer) / c.pp);
   const double rows = double(c.micro_batch) * T / c.cp;  // a micro-batch's tokens on a rank
   // Tensor parallelism: two all-reduces of the stream in each block's forward and two in its
@@ -165,21 +167,26 @@ double device_peak_flops(const std::string& name, const std::string& precision) 
 }
 
 void set_cluster_defaults(Cluster& k, const Config& cfg, const std::string& device, int per_node,
-                          double memory_gb, double intra_gbps, double inter_gbps) {
+                          double memory_gb, double intra_gbps, double inter_gbps,
+                          double measured_intra_gbps) {
   const bool cpu = cfg.run.device == "cpu";
   // A CPU plan's ranks share this machine, one a core at most; GPUs come 8 to a node.
-  k.per_node = per_node > 0 ? per_node
-               : cpu        ? std::clamp(int(std::thread::hardware_concurrency()), 1, k.devices)
-                            : 8;
+  const int cores = std::max(1, int(std::thread::hardware_concurrency()));
+  k.per_node = per_node > 0 ? per_node : cpu ? std::clamp(cores, 1, k.devices) : 8;
+  // The threads a CPU rank runs, as the trainer sets them (run.threads, or the cores shared out);
+  // its ranks' threads over the node's cores above 1: they take turns.
+  const int threads = cfg.run.threads > 0 ? cfg.run.threads : std::max(1, cores / k.per_node);
+  if (cpu) k.oversubscription = double(k.per_node) * threads / cores;
   if (cpu && device.empty()) {
-    // This machine: a few 1024-cubed sgemms on every thread, and MemAvailable.
+    // This machine: a few 1024-cubed sgemms on every thread, and MemAvailable. A rank's peak is
+    // its threads' part of the cores (with all ranks busy, the estimate shares them out).
     auto kernels = make_cpu_kernels();
     const int n = 1024;
     DPtr a = kernels->alloc(int64_t(n) * n, DType::f32),
          w = kernels->alloc(int64_t(n) * n, DType::f32),
          out = kernels->alloc(int64_t(n) * n, DType::f32);
     for (int i = 0; i < 4; i++) kernels->matmul_forward(out, a, w, DPtr{}, n, n, n);
-    k.peak_flops = kernels->peak_flops(DType::f32) / k.per_node;
+    k.peak_flops = kernels->peak_flops(DType::f32) * std::min(threads, cores) / cores;
     for (DPtr p : {a, w, out}) kernels->free(p);
     k.name = fmt::format("CPU rank ({:.0f} GFLOP/s sgemm)", k.peak_flops / 1e9);
     std::ifstream in("/proc/meminfo");
@@ -210,11 +217,17 @@ void set_cluster_defaults(Cluster& k, const Config& cfg, const std::string& devi
     }
   }
   if (memory_gb > 0) k.memory_bytes = memory_gb * 1e9;
-  set_bandwidths(k, cpu, intra_gbps, inter_gbps);
+  set_bandwidths(k, cpu, intra_gbps, inter_gbps, measured_intra_gbps);
 }
 
-void set_bandwidths(Cluster& k, bool cpu, double intra_gbps, double inter_gbps) {
-  k.intra_bytes_per_s = (intra_gbps > 0 ? intra_gbps : cpu ? 40 : 3600) * 1e9 / 8;
+void set_bandwidths(Cluster& k, bool cpu, double intra_gbps, double inter_gbps,
+                    double measured_intra_gbps) {
+  k.intra_source = intra_gbps > 0 ? "given" : measured_intra_gbps > 0 ? "measured" : "assumed";
+  const double intra = intra_gbps > 0            ? intra_gbps
+                       : measured_intra_gbps > 0 ? measured_intra_gbps
+                       : cpu                     ? 40
+                                                 : 3600;
+  k.intra_bytes_per_s = intra * 1e9 / 8;
   k.inter_bytes_per_s = (inter_gbps > 0 ? inter_gbps : cpu ? 10 : 400) * 1e9 / 8;
 }
 
@@ -338,12 +351,12 @@ int plan_command(const PlanArgs& args) {
   const Cluster& k = o.cluster;
   fmt::print(
       "plan: {} ({:.2f}B parameters, seq_len {}) on {} x {} ({} GB each, {} GB usable; {:.3g} "
-      "TFLOP/s {} at {:.0f}%; {:.3g} / {:.3g} GB/s inside / between nodes of {}); global batch {} "
-      "sequences\n",
+      "TFLOP/s {} at {:.0f}%; {:.3g} GB/s {} inside nodes of {}, {:.3g} GB/s between them); "
+      "global batch {} sequences\n",
       cfg.run.name, double(param_table(cfg.model).total) / 1e9, cfg.model.seq_len, k.devices,
       k.name, gb(k.memory_bytes), gb(k.memory_bytes * (1 - o.headroom)), k.peak_flops / 1e12,
-      cfg.precision.compute, 100 * o.efficiency, k.intra_bytes_per_s / 1e9,
-      k.inter_bytes_per_s / 1e9, k.per_node, global_batch(cfg, k.devices));
+      cfg.precision.compute, 100 * o.efficiency, k.intra_bytes_per_s / 1e9, k.intra_source,
+      k.per_node, k.inter_bytes_per_s / 1e9, global_batch(cfg, k.devices));
   const Plan p = make_plan(cfg, o, cfg.memory.offload_optimizer);
   auto explain = [&](const Plan& plan) {
     if (!args.explain) return;

@@ -25,6 +25,10 @@ struct Cluster {
   // Bus bandwidths for collectives, bytes/s per device: inside a node (NVLink) and between
   // nodes (the NIC).
   double intra_bytes_per_s = 450e9, inter_bytes_per_s = 50e9;
+  // Where the figure inside a node comes from: "given", "assumed" (a default), or "measured":
+  // an all-reduce timed among the node's ranks on this machine, their sharing of the cores
+  // included (the estimate then does not divide it among them again).
+  std::string intra_source = "assumed";
   // CPU ranks sharing a node's cores: threads wanted per core (1 or less: a core each; the peak
   // is a rank's with its cores to itself). Above 1, ranks all busy at once share the cores, and
   // the time a rank idles in the pipeline's bubble is compute for the others on its cores.
@@ -94,11 +98,15 @@ double device_peak_flops(const std::string& name, const std::string& precision);
 // The cluster of the command line, each value not given (0, "") from the device: a GPU's data
 // sheet (by `device`'s name, or a number of TFLOP/s), or with [run] device = "cpu" this machine
 // (its available memory and a measured sgemm, shared by the ranks of a node). Bandwidths in
-// Gbit/s. Throws ConfigError naming --gpu when it is neither.
+// Gbit/s (measured_intra_gbps: see set_bandwidths). Throws ConfigError naming --gpu when it is
+// neither.
 void set_cluster_defaults(Cluster& k, const Config& cfg, const std::string& device, int per_node,
-                          double memory_gb, double intra_gbps, double inter_gbps);
+                          double memory_gb, double intra_gbps, double inter_gbps,
+                          double measured_intra_gbps = 0);
 // The bandwidths alone (Gbit/s; 0: the default, shared memory or NVLink inside a node, Ethernet
-// or InfiniBand between nodes).
-void set_bandwidths(Cluster& k, bool cpu, double intra_gbps, double inter_gbps);
+// or InfiniBand between nodes); measured_intra_gbps (0: none), in place of the default inside a
+// node: all_reduce_gbps among a node's ranks (comm/bus_bandwidth.h).
+void set_bandwidths(Cluster& k, bool cpu, double intra_gbps, double inter_gbps,
+                    double measured_intra_gbps = 0);
 
 }  // namespace trainer

@@ -14,7 +14,7 @@
 
 namespace trainer {
 
-Candidate planned_step(const Run& run) {
+Candidate planned_step(const Run& run, Cluster* cluster) {
   const Config& cfg = run.cfg;
   const double peak = run.kernels->peak_flops(compute_dtype(cfg.precision));
   if (peak <= 0) return {};
@@ -34,21 +34,26 @@ Candidate planned_step(const Run& run) {
     if (cores > 0)
       k.oversubscription = double(run.world.local_size()) * omp_get_max_threads() / cores;
   }
-  set_bandwidths(k, cpu, 0, 0);
+  set_bandwidths(k, cpu, 0, 0, run.node_gbps);
   Config c = cfg;
   c.train.grad_accum = run.schedule.accum(0, 0);  // the first step's (with a batch ramp)
+  if (cluster) *cluster = k;
   return estimate_layout(c, run.dims, o);
 }
 
 // One line: the estimate and its parts.
 static double print_planned_step(const Run& run, const char* prefix) {
-  const Candidate e = planned_step(run);
+  Cluster k;
+  const Candidate e = planned_step(run, &k);
   if (e.total_s() <= 0) return 0;
   fmt::print(
       "{}the planner's estimate: {:.4g} s a step (compute {:.3g}, bubble {:.3g}, tp {:.3g}, cp "
-      "{:.3g}, dp {:.3g}, optimizer {:.3g}) at {:.0f}% of the MFU peak\n",
+      "{:.3g}, dp {:.3g}, optimizer {:.3g}) at {:.0f}% of the MFU peak{}\n",
       prefix, e.total_s(), e.compute_s, e.bubble_s, e.tp_s, e.cp_s, e.dp_s, e.optimizer_s,
-      100 * PlanOptions().efficiency);
+      100 * PlanOptions().efficiency,
+      run.world.local_size() > 1 ? fmt::format(", collectives inside the node at {:.3g} GB/s ({})",
+                                               k.intra_bytes_per_s / 1e9, k.intra_source)
+                                 : "");
   return e.total_s();
 }
 

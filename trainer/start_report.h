@@ -11,9 +11,11 @@ double print_start(const Run& run);
 void print_dry_run(const Run& run);
 
 // The planner's estimate of a step of this run's layout (trainer/planner.h), on its ranks: their
-// MFU peak (on the CPU, what a rank gets of its node's cores) and the default bandwidths. None
-// (0 s) when the peak is unknown.
+// MFU peak (on the CPU, what a rank gets of its node's cores) and the bandwidths (inside a node
+// on the CPU: the one measured at start-up, Run::node_gbps). None (0 s) when the peak is unknown;
+// cluster (optional): the cluster the estimate was made for.
 struct Candidate;
-Candidate planned_step(const Run& run);
+struct Cluster;
+Candidate planned_step(const Run& run, Cluster* cluster = nullptr);
 
 }  // namespace trainer

@@ -21,6 +21,7 @@
 #include "io/dataset.h"
 #include "io/safetensors.h"
 #include "io/tokenizer.h"
+#include "kernels/cpu/host_memory.h"
 #include "model/init.h"
 #include "model/stage_executor.h"
 #include "trainer/adamw.h"
@@ -99,6 +100,7 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   s.step = step;
   s.batch = int64_t(B) * M * dp;
   const auto t_step = Clock::now();
+  const int64_t faults_before = page_faults();
   const auto& all = run.all_groups;
   std::vector<Communicator::Traffic> before;
   for (const auto& g : all) before.push_back(g.comm->traffic());
@@ -257,6 +259,7 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   s.compress_s = compression.seconds;
   s.bytes_uncompressed = compression.uncompressed_bytes;
   s.total_s = seconds_since(t_step);
+  s.page_faults = page_faults() - faults_before;
   s.bubble = s.pipe_wait_s / s.total_s;
   const double tokens = double(B) * T * M * dp;
   s.tokens_per_s = tokens / s.total_s;

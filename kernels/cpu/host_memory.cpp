@@ -1,12 +1,18 @@
 #include "kernels/cpu/host_memory.h"
 
 #include <sys/mman.h>
+#include <sys/resource.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <new>
+
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 namespace trainer {
 namespace {
@@ -61,6 +67,22 @@ void free_host_memory(void* p) noexcept {
     munmap(h.base, h.mapped);
   else
     std::free(h.base);
+}
+
+bool keep_freed_memory() {
+#if defined(__GLIBC__)
+  // Setting either also ends glibc's sliding threshold, which would otherwise rise to the
+  // largest block freed so far (at most 32 MB) and trim the heap at twice that.
+  return mallopt(M_MMAP_THRESHOLD, 1 << 30) == 1 && mallopt(M_TRIM_THRESHOLD, INT_MAX) == 1;
+#else
+  return false;
+#endif
+}
+
+int64_t page_faults() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return int64_t(u.ru_minflt) + int64_t(u.ru_majflt);
 }
 
 }  // namespace trainer
