@@ -453,7 +453,8 @@ TEST(Planner, BandwidthInsideANodeIsGivenMeasuredOrAssumed) {
 
 // The hierarchical all-reduce's node parts of the gradients are in the memory plan: 1/node_ranks
 // of the flat gradients (GradReducer's scratch), none with outer steps (which reduce inside the
-// node alone) or under ZeRO-2 (its windows hold their own).
+// node alone) or under ZeRO-2 (its windows hold their own); in the planner's plans as in the
+// trainer's.
 TEST(MemoryPlan, CountsTheGradientsSummedInsideTheNode) {
   Config c = load_config(test::source_dir() + "/configs/llama-125m.toml");
   c.parallel.dp = 4, c.parallel.zero = 1, c.parallel.allreduce = "hierarchical";
@@ -469,6 +470,16 @@ TEST(MemoryPlan, CountsTheGradientsSummedInsideTheNode) {
   EXPECT_EQ(plan(2).node_grads, 0);
   c.parallel.zero = 1, c.comm.outer.every_steps = 1;
   EXPECT_EQ(plan(2).node_grads, 0);
+  // The planner counts them too, for consecutive ranks on nodes of the cluster's size.
+  c.comm.outer.every_steps = 0;
+  PlanOptions o;
+  o.cluster.devices = 4, o.cluster.per_node = 2;
+  const ParallelDims dims = ParallelDims::make(4, 4, 1, 1, c.parallel.order, c.model);
+  EXPECT_EQ(estimate_layout(c, dims, o).memory.node_grads, hierarchical.node_grads);
+  o.cluster.per_node = 4;
+  EXPECT_NEAR(estimate_layout(c, dims, o).memory.node_grads, double(flat.model.grads) / 4, 64);
+  c.parallel.allreduce = "flat";
+  EXPECT_EQ(estimate_layout(c, dims, o).memory.node_grads, 0);
 }
 
 // NVML is optional: a library that is not there leaves the readings out with a note (the run

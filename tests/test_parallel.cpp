@@ -208,6 +208,25 @@ TEST(PipelineSchedule, RunsWithoutDeadlockAndTheKnownBubble) {
           << "S=" << S << " M=" << M;
 }
 
+// Unequal stages: the slowest works through every micro-batch. When it is the last (the LM
+// head's, as the partition usually leaves it), its bubble is the others' time before its first
+// forward and after its last backward, (sum - max) / ((M - 1) max + sum): the planner's
+// (M - 1) t_max + sum t_s. Elsewhere the others' work overlaps its own and that is a bound.
+TEST(PipelineSchedule, UnequalStagesWaitForTheSlowest) {
+  for (const std::vector<double>& costs : std::vector<std::vector<double>>{
+           {1, 1, 1, 2.5}, {0.5, 0.75, 1}, {2.5, 1, 1, 1}, {1, 3, 1}, {0.5, 1, 0.75}})
+    for (int M = 1; M <= 12; M++) {
+      double sum = 0, max = 0;
+      for (double c : costs) sum += c, max = std::max(max, c);
+      const double closed = (sum - max) / ((M - 1) * max + sum), bubble = pipeline_bubble(costs, M);
+      if (costs.back() == max || M == 1)
+        EXPECT_NEAR(bubble, closed, 1e-12) << "stages " << costs.size() << " M=" << M;
+      else
+        EXPECT_LT(bubble, closed) << "stages " << costs.size() << " M=" << M;
+      EXPECT_GT(bubble, 0) << "stages " << costs.size() << " M=" << M;
+    }
+}
+
 // The shards of every (tp, pp) layout tile the whole model: each logical element of each
 // parameter is held by exactly one tp rank (or every one, when replicated), the stages hold
 // contiguous, balanced layer ranges, and exactly one copy of each element is "owned".

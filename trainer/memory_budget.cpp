@@ -222,6 +222,14 @@ double host_available_bytes(const World& world) {
   return 0;
 }
 
+int node_ranks(const Config& cfg, const ParallelDims& dims, int rank,
+               const std::function<int(int)>& node) {
+  int n = 0;
+  if (cfg.comm.outer.on() || cfg.parallel.allreduce == "hierarchical")
+    for (int r : dims.replica_group(rank)) n += node(r) == node(rank);
+  return n;
+}
+
 // Bytes available to this rank: a GPU's arena, or on the CPU its share of the host's.
 double available_bytes(Kernels& kernels, const World& world) {
   if (const int64_t reserved = kernels.memory().reserved; reserved > 0) return double(reserved);
@@ -235,13 +243,9 @@ void check_memory(const Config& cfg, World& world, Kernels& kernels, const std::
   // The data-parallel ranks on this node, as make_groups will find them: with outer steps they
   // share the shards; the hierarchical all-reduce holds 1/node_ranks of the gradients summed
   // inside the node.
-  int node_ranks = 0;
-  if (cfg.comm.outer.on() || cfg.parallel.allreduce == "hierarchical") {
-    const auto node = node_of(world, cfg.parallel);
-    for (int r : dims.replica_group(world.rank())) node_ranks += node(r) == node(world.rank());
-  }
-  const MemoryBudget b = memory_budget(cfg, dims, dims.coords(world.rank()),
-                                       kernels.attention_keeps_probabilities(), node_ranks);
+  const MemoryBudget b =
+      memory_budget(cfg, dims, dims.coords(world.rank()), kernels.attention_keeps_probabilities(),
+                    node_ranks(cfg, dims, world.rank(), node_of(world, cfg.parallel)));
   const StageExecutor::Memory& model = b.model;
   // A GPU holds its own part (offloaded state is the host's); on the CPU it is all one memory.
   const bool gpu = kernels.memory().reserved > 0;

@@ -2,6 +2,7 @@
 // What one rank will hold, from the plan its buffers are allocated by: printed at start-up,
 // checked against the memory available before anything is allocated, and compared with the
 // measured peak at the end (the planner's accounting too).
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -69,6 +70,10 @@ struct MemoryBudget {
 // node parts), compression's part of the buffer and, with outer steps, ZeRO's shards.
 MemoryBudget memory_budget(const Config& cfg, const ParallelDims& dims, const RankCoords& me,
                            bool keeps_probs, int node_ranks);
+// That node_ranks for world rank `rank`, each rank's node given by `node` (as make_groups finds
+// them: the members of its data-parallel group on its node).
+int node_ranks(const Config& cfg, const ParallelDims& dims, int rank,
+               const std::function<int(int)>& node);
 
 // This process's peak resident memory (VmHWM), in MB; 0 where /proc does not tell.
 double peak_rss_mb();

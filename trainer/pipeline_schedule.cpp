@@ -28,7 +28,12 @@ std::vector<PipeAction> one_f_one_b(int stage, int stages, int micro_batches) {
 }
 
 double pipeline_bubble(int stages, int micro_batches) {
+  return pipeline_bubble(std::vector<double>(size_t(stages), 1.0), micro_batches);
+}
+
+double pipeline_bubble(const std::vector<double>& stage_costs, int micro_batches) {
   constexpr double kForward = 1, kBackward = 2;
+  const int stages = int(stage_costs.size());
   std::vector<std::vector<PipeAction>> plan(stages);
   for (int s = 0; s < stages; s++) plan[s] = one_f_one_b(s, stages, micro_batches);
   // done[kind][stage][micro]: finish time of that action, or -1 while not run.
@@ -47,7 +52,7 @@ double pipeline_bubble(int stages, int micro_batches) {
         if (t < 0) continue;
         ready = std::max(ready, t);
       }
-      clock[s] = ready + (a.kind == PipeAction::forward ? kForward : kBackward);
+      clock[s] = ready + (a.kind == PipeAction::forward ? kForward : kBackward) * stage_costs[s];
       done[a.kind][s][a.micro] = clock[s];
       next[s]++;
       progress = true;
@@ -56,8 +61,9 @@ double pipeline_bubble(int stages, int micro_batches) {
   for (int s = 0; s < stages; s++)
     if (next[s] != plan[s].size()) throw std::logic_error("pipeline schedule deadlocks");
   const double makespan = *std::max_element(clock.begin(), clock.end());
-  const double busy = micro_batches * (kForward + kBackward);
-  return 1.0 - busy / makespan;
+  const double slowest = *std::max_element(stage_costs.begin(), stage_costs.end());
+  const double busy = micro_batches * (kForward + kBackward) * slowest;
+  return std::max(0.0, 1.0 - busy / makespan);
 }
 
 std::string to_string(const PipeAction& a) {

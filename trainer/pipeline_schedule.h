@@ -20,9 +20,12 @@ struct PipeAction {
 
 std::vector<PipeAction> one_f_one_b(int stage, int stages, int micro_batches);
 
-// The idle fraction of the schedule when every forward and backward takes one time unit and
-// a backward two (the usual cost model): simulated over all stages, respecting every
-// send/receive dependency. For 1F1B this is (S - 1) / (M + S - 1).
+// The idle fraction of the slowest stage's schedule when stage s's forward of a micro-batch
+// takes stage_costs[s] and its backward twice that (the usual cost model): simulated over all
+// stages, respecting every send/receive dependency. For 1F1B over equal stages this is
+// (S - 1) / (M + S - 1); with unequal ones the fill and drain are the other stages' time.
+double pipeline_bubble(const std::vector<double>& stage_costs, int micro_batches);
+// Over `stages` equal stages.
 double pipeline_bubble(int stages, int micro_batches);
 
 std::string to_string(const PipeAction& a);

@@ -49,6 +49,8 @@ void estimate(Candidate& c, const Config& cfg, const PlanOptions& o) {
   // tp x cp ranks of the stage). With 1F1B the slowest stage works through all M micro-batches,
   // and the others' time before its first and after its last is the fill and drain:
   // (M - 1) t_max + sum t_s (balanced stages: (M + S - 1) t, the bubble (S - 1) / M of compute).
+  // That is 1F1B's schedule (pipeline_bubble) when the slowest stage is the last, the head's, as
+  // the partition usually leaves it; elsewhere a bound.
   const double micro = double(c.micro_batch) * T * flops_per_token(m) / (c.tp * c.cp) /
                        (k.peak_flops * o.efficiency);
   double slowest = 0, through = 0;
@@ -327,8 +329,14 @@ Candidate estimate_layout(const Config& cfg, const ParallelDims& dims, const Pla
                  cfg.train.micro_batch,
                  cfg.train.grad_accum,
                  cfg.memory.offload_optimizer};
+  // Consecutive ranks share a node, as mpirun places them by slot.
+  const int per_node =
+      cfg.parallel.ranks_per_node > 0 ? cfg.parallel.ranks_per_node : o.cluster.per_node;
   for (int s = 0; s < dims.pp(); s++) {  // the largest stage's first rank
-    const MemoryBudget b = memory_budget(cfg, dims, RankCoords{0, 0, s, 0}, !gpu, 0);
+    const RankCoords first{0, 0, s, 0};
+    const MemoryBudget b = memory_budget(
+        cfg, dims, first, !gpu,
+        node_ranks(cfg, dims, dims.rank_of(first), [&](int r) { return r / per_node; }));
     const double bytes = gpu ? b.device() : b.total();
     if (bytes > cand.bytes) cand.bytes = bytes, cand.memory = b, cand.stage = s;
   }

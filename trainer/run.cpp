@@ -106,6 +106,49 @@ void end_hung_checkpoint(World& world, double limit, int64_t step) {
   world.abort(1);
 }
 
+void Run::fill_snapshot(int64_t at, bool protective) {
+  Snapshot& snap = writer.snapshot();
+  take_snapshot(model, &optimizer, writes_checkpoint(), snap);
+  const int64_t samples = samples_at(at);
+  snap.state = {at,
+                tokens_at(at),
+                samples,
+                data_skipped,
+                scaler.state(),
+                layout(),
+                guard.recent_losses(),
+                guard.recent_norms(),
+                blended() ? blend : BlendPlan{},
+                blended() ? blend_positions.positions(samples) : std::vector<int64_t>{}};
+  snap.config_text = config_to_toml(cfg);
+  snap.tokenizer = tokenizer->serialize();
+  snap.seed = cfg.run.seed;
+  // A protective checkpoint's step was skipped, but its compression residuals have moved on
+  // (not 1-bit Adam's or DGC's: a skipped step exchanges nothing).
+  const bool moved_on = protective && !reducer.exchanges_momentum();
+  // Each rank's own state, written into the last checkpoint's copy (no second copy is made).
+  snap.rank_states.resize(outer ? 2 : 1);
+  snap.rank_states[0].group = "comm/state";
+  if (moved_on)
+    snap.rank_states[0].mine.clear();
+  else
+    reducer.compression_state(snap.rank_states[0].mine);
+  if (outer) {
+    snap.rank_states[1].group = "outer/state";
+    outer->state(snap.rank_states[1].mine);
+  }
+  // Every rank's sizes in one all-gather: rank r's i-th state at [r * states + i].
+  const size_t states = snap.rank_states.size();
+  std::vector<double> mine(states), all(states * size_t(world.size()));
+  for (size_t i = 0; i < states; i++) mine[i] = double(snap.rank_states[i].mine.size());
+  world.comm().all_gather(host_ptr(mine.data()), host_ptr(all.data()), int64_t(states));
+  for (size_t i = 0; i < states; i++) {
+    std::vector<int64_t>& sizes = snap.rank_states[i].sizes;
+    sizes.resize(size_t(world.size()));
+    for (size_t r = 0; r < sizes.size(); r++) sizes[r] = int64_t(all[r * states + i]);
+  }
+}
+
 double validation_loss(Run& run) {
   const int B = run.cfg.train.micro_batch, T = run.cfg.model.seq_len;
   Batch batch;

@@ -412,6 +412,12 @@ struct Run {
     return {world.size(),      dims.dp(), dims.tp(),         dims.pp(),
             cfg.parallel.zero, dims.cp(), cfg.parallel.order};
   }
+  // The checkpoint of step `at` into the writer's host copy (the last checkpoint's buffers,
+  // reused): this rank's weights and AdamW state, the run's state, and each rank's own state
+  // (compression residuals, the outer steps'), with every rank's sizes. A protective checkpoint
+  // (after a bad step, whose gradients the residuals already hold) leaves the residuals out.
+  // Collective over the world.
+  void fill_snapshot(int64_t at, bool protective);
   // Every communicator this rank uses, by group, the pipeline's last: the time blocked in the
   // others is exposed communication, in the pipeline's it is waiting for the neighbouring
   // stages. The hierarchical all-reduce's gather has its own communicator inside the node.

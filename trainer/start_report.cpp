@@ -123,7 +123,8 @@ double print_start(const Run& run) {
                                                (1 << 20))
                              : "")
           : fmt::format("of {:.3g} MB", double(run.reducer.bucket_bytes()) / (1 << 20)),
-      cfg.parallel.overlap ? "on" : "off", 100 * pipeline_bubble(dims.pp(), accum), dims.pp(),
+      cfg.parallel.overlap ? "on" : "off",
+      100 * pipeline_bubble(pipeline_stage_shares(cfg.model, dims.pp(), 1), accum), dims.pp(),
       accum);
   if (dims.pp() > 1) {
     const std::vector<int> bounds = pipeline_partition(cfg.model, dims.pp());
@@ -199,7 +200,8 @@ double print_start(const Run& run) {
 
 // --dry-run: what each pipeline stage's ranks would hold (their tensor-parallel ranks and ZeRO
 // pieces hold the same), the largest rank, and how long a step would take at the MFU peak with
-// the 1F1B bubble (communication aside): from the plan the buffers were just allocated by.
+// the 1F1B bubble of its stages (communication aside): from the plan the buffers were just
+// allocated by.
 void print_dry_run(const Run& run) {
   const Config& cfg = run.cfg;
   const ParallelDims& dims = run.dims;
@@ -223,14 +225,21 @@ void print_dry_run(const Run& run) {
   const double tokens = double(cfg.train.micro_batch) * cfg.model.seq_len * accum * dims.dp();
   const double flops = run.flops_per_token * tokens;
   const double peak = run.kernels->peak_flops(compute_dtype(cfg.precision));
-  const double bubble = pipeline_bubble(dims.pp(), accum);
+  // The slowest stage works through every micro-batch, idle in the bubble of its fill and drain.
+  const std::vector<double> shares = pipeline_stage_shares(cfg.model, dims.pp(), 1);
+  const double slowest = *std::max_element(shares.begin(), shares.end());
+  const double bubble = pipeline_bubble(shares, accum);
   if (peak > 0) {
-    const double seconds = flops / (dims.world() * peak) / (1 - bubble);
+    const double seconds = flops / (dims.world() * peak) * dims.pp() * slowest / (1 - bubble);
     fmt::print(
         "dry run: a step of {:.0f} tokens is {:.4g} TFLOP of model compute: at least {:.4g} s at "
-        "the MFU peak of {:.1f} GFLOP/s per rank with the {:.1f}% bubble ({:.4g} s at 50% MFU), "
+        "the MFU peak of {:.1f} GFLOP/s per rank with the {:.1f}% bubble{} ({:.4g} s at 50% MFU), "
         "communication not counted\n",
-        tokens, flops / 1e12, seconds, peak / 1e9, 100 * bubble, 2 * seconds);
+        tokens, flops / 1e12, seconds, peak / 1e9, 100 * bubble,
+        dims.pp() > 1
+            ? fmt::format(" and the slowest stage's {:.1f}% of the model's compute", 100 * slowest)
+            : "",
+        2 * seconds);
   }
   fmt::print("dry run: set up and allocated on {} rank{}; nothing trained, no run files written\n",
              dims.world(), dims.world() == 1 ? "" : "s");

@@ -586,43 +586,9 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   auto checkpoint = [&](int64_t at, bool sync, bool protective = false) {
     const auto t0 = Clock::now();
     bool ok = await_writer();  // one write at a time
-    Snapshot& snap = run.writer.snapshot();
-    take_snapshot(run.model, &run.optimizer, run.writes_checkpoint(), snap);
+    run.fill_snapshot(at, protective);
     snapshot_taken = true;
-    const int64_t samples = run.samples_at(at);
-    snap.state = {at,
-                  run.tokens_at(at),
-                  samples,
-                  run.data_skipped,
-                  run.scaler.state(),
-                  run.layout(),
-                  run.guard.recent_losses(),
-                  run.guard.recent_norms(),
-                  run.blended() ? run.blend : BlendPlan{},
-                  run.blended() ? run.blend_positions.positions(samples) : std::vector<int64_t>{}};
-    snap.config_text = config_to_toml(cfg);
-    snap.tokenizer = run.tokenizer->serialize();
-    snap.seed = cfg.run.seed;
-    // A protective checkpoint's step was skipped, but its compression residuals have moved on
-    // (not 1-bit Adam's or DGC's: a skipped step exchanges nothing).
-    const bool moved_on = protective && !run.reducer.exchanges_momentum();
-    // Each rank's own state, written into the last checkpoint's copy (no second copy is made).
-    snap.rank_states.resize(run.outer ? 2 : 1);
-    snap.rank_states[0].group = "comm/state";
-    if (moved_on)
-      snap.rank_states[0].mine.clear();
-    else
-      run.reducer.compression_state(snap.rank_states[0].mine);
-    if (run.outer) {
-      snap.rank_states[1].group = "outer/state";
-      run.outer->state(snap.rank_states[1].mine);
-    }
-    for (Snapshot::RankState& r : snap.rank_states) {
-      double size = double(r.mine.size());
-      std::vector<double> sizes(world.size());
-      world.comm().all_gather(host_ptr(&size), host_ptr(sizes.data()), 1);
-      r.sizes.assign(sizes.begin(), sizes.end());
-    }
+    const Snapshot& snap = run.writer.snapshot();
     const double mb = double(snap.params.size() * (snap.has_moments ? 3 : 1)) * 4 / (1 << 20);
     // In the background unless asked to wait (the final and the signalled checkpoints, or
     // async = false) or unable to (no writer thread).
