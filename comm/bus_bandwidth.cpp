@@ -17,12 +17,13 @@ double all_reduce_gbps(Communicator& group, Communicator& world, int64_t bytes) 
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (i > 0) best = std::min(best, s);
   }
-  // The slowest group's: the least bandwidth, as the largest of its negation.
-  double gbps =
-      group.size() > 1 ? 2.0 * 4 * n * (group.size() - 1) / group.size() * 8 / best / 1e9 : -1e30;
-  gbps = -gbps;
-  world.all_reduce(host_ptr(&gbps), 1, ReduceOp::max);
-  return gbps > 1e29 ? 0 : -gbps;
+  // The slowest group's: the least bandwidth, as the largest of its negation (a rank alone takes
+  // no part).
+  const int n_ranks = group.size();
+  double negated =
+      n_ranks > 1 ? -(2.0 * 4 * double(n) * (n_ranks - 1) / n_ranks * 8 / best / 1e9) : -1e30;
+  world.all_reduce(host_ptr(&negated), 1, ReduceOp::max);
+  return negated <= -1e29 ? 0 : -negated;
 }
 
 }  // namespace trainer

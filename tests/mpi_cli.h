@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -146,6 +147,12 @@ inline std::vector<StepRecord> steps_of(const std::string& metrics) {
     if (j.contains("loss")) out.push_back({j["step"], j["loss"], j["loss_scale"], j["skipped"]});
   }
   return out;
+}
+
+// The number that follows `what` in `text` (NaN when `what` is not there).
+inline double number_after(const std::string& text, const std::string& what) {
+  const size_t at = text.find(what);
+  return at == std::string::npos ? NAN : std::stod(text.substr(at + what.size()));
 }
 
 // A whole file as text ("" when it cannot be read).

@@ -317,8 +317,8 @@ TEST_F(MpiCli, APlainProcessStartsNoDaemon) {
 
 // The collectives' temporaries come from the heap the process keeps (kernels/cpu/host_memory.h,
 // keep_freed_memory): once warm, a step of 2-rank data parallelism with 57 MB of gradients (three
-// buckets) takes no fresh pages. Without it, each step faulted its all-reduces' scratch in again
-// (measured: 12,768 faults a step here, 23,000-29,000 on W-S).
+// buckets) takes none or a few page faults (0 measured). Without it, each step faulted its
+// all-reduces' scratch in again (measured: 12,768 faults a step here, 23,000-29,000 on W-S).
 TEST_F(MpiCli, CollectivesReuseTheirMemoryStepAfterStep) {
   const auto r = mpirun(2,
                         "--set parallel.dp=2 --set model.d_model=768 --set model.n_head=4 "
@@ -338,10 +338,6 @@ TEST_F(MpiCli, CollectivesReuseTheirMemoryStepAfterStep) {
 // all-reduce at that bandwidth (no overlap: all of it exposed); `trainer plan` under mpirun times
 // it the same way, and only rank 0 prints the plan.
 TEST_F(MpiCli, TheBandwidthInsideANodeIsMeasured) {
-  auto number_after = [](const std::string& text, const std::string& what) {
-    const size_t at = text.find(what);
-    return at == std::string::npos ? NAN : std::stod(text.substr(at + what.size()));
-  };
   const auto r = mpirun(4, "--set parallel.dp=4 --set parallel.overlap=false --dry-run");
   ASSERT_EQ(r.code, 0) << r.output;
   const size_t line = r.output.find("the planner's estimate:");
@@ -373,10 +369,6 @@ TEST_F(MpiCli, DryRunPlansEveryRankAndWritesNothing) {
   auto line = [](const std::string& output, const std::string& prefix) {
     const size_t at = output.find(prefix);
     return at == std::string::npos ? std::string() : output.substr(at, output.find('\n', at) - at);
-  };
-  auto number_after = [](const std::string& text, const std::string& what) {
-    const size_t at = text.find(what);
-    return at == std::string::npos ? NAN : std::stod(text.substr(at + what.size()));
   };
   const std::string out = path("dry");
   auto r = mpirun(4, layout + "--set run.out_dir=" + quoted(out) + " --dry-run");

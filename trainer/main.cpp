@@ -94,7 +94,11 @@ std::string version_string() {
 
 int main(int argc, char** argv) {
   trainer::ensure_fast_blas(argv);
-  trainer::keep_freed_memory();  // before MPI: its collectives' temporaries reuse the heap
+  // Before MPI: its collectives' temporaries reuse the heap.
+  if (!trainer::keep_freed_memory())
+    fmt::print(stderr,
+               "trainer: note: the allocator kept its own policy for freed memory (not glibc's, "
+               "or refused mallopt): collectives may fault their temporaries in afresh\n");
   // Line by line also into a file or a pipe (sbatch --output, | tee): a log that shows each
   // step as it happens and loses nothing to a SIGKILL.
   std::setvbuf(stdout, nullptr, _IOLBF, 1 << 16);
@@ -189,7 +193,8 @@ int main(int argc, char** argv) {
       ->required()
       ->check(CLI::Range(1, 1 << 20));
   pl->add_option("--gpus-per-node", plan_per_node,
-                 "devices a node (default 8; CPU: as many ranks as this machine has cores)")
+                 "devices a node (default 8; CPU: as many ranks as this machine has cores, "
+                 "under mpirun the ranks on this node)")
       ->check(CLI::Range(1, 1 << 10));
   pl->add_option("--gpu-memory", plan_memory_gb,
                  "GB a device (default: the GPU's; CPU: this machine's available memory over "
@@ -197,10 +202,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.001, 1e6));
   pl->add_option("--gpu", plan_device,
                  "h100, h200, a100, b200, l40s, or a device's TFLOP/s (default h100; CPU: this "
-                 "machine's measured sgemm over the ranks a node)");
+                 "machine's measured sgemm on a rank's run.threads cores)");
   pl->add_option("--intra-node-gbps", plan_intra_gbps,
                  "collective bus bandwidth inside a node, Gbit/s a device (default 3600: "
-                 "NVLink; CPU: 40)")
+                 "NVLink; CPU: measured among the ranks under mpirun, else 40)")
       ->check(CLI::Range(0.001, 1e9));
   pl->add_option("--inter-node-gbps", plan_inter_gbps,
                  "between nodes, Gbit/s a device (default 400: one NIC a GPU; CPU: 10)")
@@ -264,12 +269,14 @@ int main(int argc, char** argv) {
       // MPI's finalisation.
       std::unique_ptr<trainer::World> world;
       double measured_gbps = 0;
-      if (cfg.run.device == "cpu" && plan_intra_gbps <= 0) {
+      if (cfg.run.device == "cpu" && plan_device.empty() && plan_intra_gbps <= 0) {
         world = trainer::make_mpi_world(&argc, &argv);
-        if (world->size() > 1)
+        if (world->size() > 1) {
           measured_gbps = trainer::all_reduce_gbps(*trainer::node_group(*world), world->comm());
+          if (plan_per_node <= 0) plan_per_node = world->local_size();
+          if (plan_per_node != world->local_size()) measured_gbps = 0;  // not these nodes
+        }
         if (world->rank() > 0) return 0;
-        if (world->size() > 1 && plan_per_node <= 0) plan_per_node = world->local_size();
       }
       trainer::Cluster& k = plan.options.cluster;
       trainer::set_cluster_defaults(k, cfg, plan_device, plan_per_node, plan_memory_gb,

@@ -35,8 +35,8 @@ struct StepStats {
   // gather), bytes this rank sent, and the time its pipeline stage waited for its neighbours
   // (the measured bubble, with the transfers) as seconds and as a fraction of the step.
   double comm_s = 0, pipe_wait_s = 0, bubble = 0;
-  // Page faults this rank took in the step: once warm, a few hundred (the data's pages, first
-  // touches of what grew); thousands a step are memory handed back and faulted in again.
+  // Page faults this rank took in the step: once warm, none or a few (a new data page); thousands
+  // a step are memory handed back to the system and faulted in again.
   int64_t page_faults = 0;
   int64_t bytes_sent = 0;
   std::map<std::string, int64_t> bytes_by_group;  // of bytes_sent: dp, tp, pp, emb, intra, inter

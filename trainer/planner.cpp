@@ -1,6 +1,7 @@
 #include "trainer/planner.h"
 
 #include <fmt/format.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cctype>
@@ -175,20 +176,22 @@ void set_cluster_defaults(Cluster& k, const Config& cfg, const std::string& devi
   // A CPU plan's ranks share this machine, one a core at most; GPUs come 8 to a node.
   const int cores = std::max(1, int(std::thread::hardware_concurrency()));
   k.per_node = per_node > 0 ? per_node : cpu ? std::clamp(cores, 1, k.devices) : 8;
-  // The threads a CPU rank runs, as the trainer sets them (run.threads, or the cores shared out);
-  // its ranks' threads over the node's cores above 1: they take turns.
+  // The threads a CPU rank runs (run.threads, or the node's cores shared out, as threads_per_rank
+  // does for unbound ranks); its ranks' threads over the node's cores above 1: they take turns.
   const int threads = cfg.run.threads > 0 ? cfg.run.threads : std::max(1, cores / k.per_node);
   if (cpu) k.oversubscription = double(k.per_node) * threads / cores;
   if (cpu && device.empty()) {
-    // This machine: a few 1024-cubed sgemms on every thread, and MemAvailable. A rank's peak is
-    // its threads' part of the cores (with all ranks busy, the estimate shares them out).
+    // This machine: a few 1024-cubed sgemms on the threads this process runs (on the cores it may
+    // run on: under mpirun perhaps one), and MemAvailable. A rank's peak is a core's rate times
+    // the cores its threads take (with all ranks busy, the estimate shares them out).
     auto kernels = make_cpu_kernels();
     const int n = 1024;
     DPtr a = kernels->alloc(int64_t(n) * n, DType::f32),
          w = kernels->alloc(int64_t(n) * n, DType::f32),
          out = kernels->alloc(int64_t(n) * n, DType::f32);
     for (int i = 0; i < 4; i++) kernels->matmul_forward(out, a, w, DPtr{}, n, n, n);
-    k.peak_flops = kernels->peak_flops(DType::f32) * std::min(threads, cores) / cores;
+    const int ran_on = std::clamp(std::min(omp_get_max_threads(), omp_get_num_procs()), 1, cores);
+    k.peak_flops = kernels->peak_flops(DType::f32) / ran_on * std::min(threads, cores);
     for (DPtr p : {a, w, out}) kernels->free(p);
     k.name = fmt::format("CPU rank ({:.0f} GFLOP/s sgemm)", k.peak_flops / 1e9);
     std::ifstream in("/proc/meminfo");

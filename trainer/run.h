@@ -16,7 +16,6 @@
 #include <utility>
 #include <vector>
 
-#include "comm/bus_bandwidth.h"
 #include "comm/grad_reducer.h"
 #include "comm/parallel_dims.h"
 #include "comm/param_gatherer.h"
@@ -92,12 +91,10 @@ struct Run {
   std::unique_ptr<Tokenizer> tokenizer;  // [tokenizer]: samples, checkpoints, the data's check
   // The ranks of this node, who share the decompression of compressed shards.
   std::unique_ptr<Communicator> node = node_group(world);
-  // The bus bandwidth of an all-reduce among this node's ranks in Gbit/s, timed at start-up on
-  // the CPU, where it is copies on the ranks' own cores (the planner's estimate of a step takes
-  // it); 0 on GPUs and where each node has one rank.
-  double node_gbps = cfg.run.device == "cpu" && world.size() > 1
-                         ? all_reduce_gbps(*node, world.comm(), 8 << 20)
-                         : 0;
+  // The bus bandwidth of an all-reduce among this node's ranks in Gbit/s, timed by train() before
+  // the model on the CPU, where it is copies on the ranks' own cores (the planner's estimate of a
+  // step takes it); 0 on GPUs and where each node has one rank.
+  double node_gbps = 0;
   NodeShardDecompressor decompressor{*node, cfg.data.cache_dir};
   std::vector<Dataset> train_data;  // one per source of the blend
   Dataset val_data;

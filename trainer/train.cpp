@@ -13,6 +13,7 @@
 #include <optional>
 #include <thread>
 
+#include "comm/bus_bandwidth.h"
 #include "comm/grad_reducer.h"
 #include "comm/parallel_dims.h"
 #include "comm/rank_groups.h"
@@ -388,6 +389,8 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   if (auto failed = agree_on_setup(
           world, [&] { comm_advice = advise_communication(cfg, world, config_path); }))
     return *failed;
+  release_freed_memory();  // what reading the config and a checkpoint left (check_memory reads
+                           // the memory available)
   if (auto failed = agree_on_setup(world, [&] {
         placement = place_on_gpus(cfg, world, config_path);
         kernels = make_kernels(cfg, placement);
@@ -403,6 +406,13 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     world.comm().broadcast(host_ptr(&peak), 1, 0);
   }
   if (peak > 0) kernels->set_peak_flops(peak);
+  // The bandwidth of an all-reduce among this node's ranks, for the step's estimate: on the CPU
+  // copies through shared memory on the ranks' own cores, no data sheet's figure. Every rank
+  // takes part (a rank alone on its node too).
+  double node_gbps = 0;
+  if (cfg.run.device == "cpu" && world.size() > 1)
+    node_gbps = all_reduce_gbps(*node_group(world), world.comm(), 8 << 20);
+  release_freed_memory();  // the measurements' buffers, and MPI's
   // What the process holds before the model: the measured side of the memory plan is above it.
   const ResidentMemory before_model = resident_memory();
   if (auto failed = agree_on_setup(world, [&] {
@@ -413,6 +423,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
       }))
     return *failed;
   Run& run = *run_ptr;
+  run.node_gbps = node_gbps;
   const bool leader = world.rank() == 0;
   const std::string ckpt_dir = checkpoint_dir(cfg);
 

@@ -4,7 +4,6 @@
 #include <sys/resource.h>
 
 #include <algorithm>
-#include <climits>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -72,10 +71,20 @@ void free_host_memory(void* p) noexcept {
 bool keep_freed_memory() {
 #if defined(__GLIBC__)
   // Setting either also ends glibc's sliding threshold, which would otherwise rise to the
-  // largest block freed so far (at most 32 MB) and trim the heap at twice that.
-  return mallopt(M_MMAP_THRESHOLD, 1 << 30) == 1 && mallopt(M_TRIM_THRESHOLD, INT_MAX) == 1;
+  // largest block freed so far (at most 32 MB) and trim the heap at twice that. Older glibc
+  // refuses a threshold above 32 MB: then blocks up to 32 MB are kept.
+  const bool heap =
+      mallopt(M_MMAP_THRESHOLD, 1 << 30) == 1 || mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1;
+  const bool untrimmed = mallopt(M_TRIM_THRESHOLD, -1) == 1;  // -1: never (mallopt(3))
+  return heap && untrimmed;
 #else
   return false;
+#endif
+}
+
+void release_freed_memory() {
+#if defined(__GLIBC__)
+  malloc_trim(0);
 #endif
 }
 

@@ -39,12 +39,15 @@ using HostVector = std::vector<T, HostAllocator<T>>;
 // Makes the process's malloc keep what is freed for its next allocations (glibc: no trimming of
 // the heap, no mapping of its own below 1 GB), for the buffers others allocate and free in the
 // hot loop: Open MPI's collectives take their temporaries (a ring's segments, a reduction's
-// scratch) from malloc on every call, and glibc hands a large one back to the system when it is
-// freed, so every call faulted its pages in afresh. Measured on this machine (2 cores, a VM):
-// a 64 MB all-reduce among 4 ranks 0.27 -> 1.5 GB/s, among 2 ranks 0.40 -> 3.6 GB/s. The price:
-// memory freed stays the process's (its peak, which the memory plan counts, is unchanged). Call
-// first in main, before MPI starts. Returns false where the allocator refused (or is not glibc).
+// scratch) from malloc on every call, and glibc handed a large one back to the system when it
+// was freed, so every call faulted its pages in afresh. Measured on this machine (2 cores, a
+// VM): a 64 MB all-reduce among 4 ranks 0.27 -> 1.5 GB/s, among 2 ranks 0.40 -> 3.6 GB/s. The
+// price: memory freed stays the process's until release_freed_memory. Call first in main,
+// before MPI starts. Returns false where the allocator refused (or is not glibc's).
 bool keep_freed_memory();
+// Hands what is free in the heap back to the system, once, at a point where setting-up is done
+// and what it freed would otherwise count as held (before the memory check and the model).
+void release_freed_memory();
 // Page faults (minor and major) this process has taken so far.
 int64_t page_faults();
 
