@@ -359,6 +359,19 @@ TEST_F(MpiCli, TheBandwidthInsideANodeIsMeasured) {
   EXPECT_NE(plan.output.find("GB/s measured inside nodes of 2,"), std::string::npos) << plan.output;
 }
 
+// Ranks share the cores of their node only where their affinities overlap: under mpirun's
+// default binding two ranks have a core each, so a 2-stage pipeline's fill and drain are idle
+// time (a bubble in the estimate); counted against one core each they would be oversubscribed
+// twice and the idle stage's core lent to the other (no bubble).
+TEST_F(MpiCli, RanksBoundToCoresOfTheirOwnDoNotShareThem) {
+  const auto r = mpirun(2, "--set parallel.pp=2 --set parallel.micro_batches=4 --dry-run");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const size_t line = r.output.find("the planner's estimate:");
+  ASSERT_NE(line, std::string::npos) << r.output;
+  const std::string estimate = r.output.substr(line, r.output.find('\n', line) - line);
+  EXPECT_GT(number_after(estimate, "bubble "), 0) << estimate;
+}
+
 // --dry-run sets every rank up and writes nothing. Its plan is the run's: the memory line a real
 // start prints, each stage's memory and the largest rank's, and a step's model FLOPs over the
 // configured peak (1 TFLOP/s a rank) with the pipeline's bubble. What a run would refuse, it

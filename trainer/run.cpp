@@ -2,7 +2,9 @@
 
 #include <fmt/format.h>
 #include <omp.h>
+#include <sched.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
@@ -53,6 +55,19 @@ int threads_per_rank(const Config& cfg, const World& world) {
   const int cores = int(std::thread::hardware_concurrency());
   if (allowed < cores) return allowed;
   return std::max(1, cores / world.local_size());
+}
+
+int node_cores(Communicator& node) {
+  std::vector<double> used(CPU_SETSIZE, 0.0);  // 1 for each core some rank may run on
+  cpu_set_t allowed;
+  if (sched_getaffinity(0, sizeof allowed, &allowed) == 0) {
+    for (int c = 0; c < CPU_SETSIZE; c++) used[c] = CPU_ISSET(c, &allowed) ? 1 : 0;
+  } else {
+    const int all = std::clamp(int(std::thread::hardware_concurrency()), 1, CPU_SETSIZE);
+    std::fill(used.begin(), used.begin() + all, 1.0);
+  }
+  node.all_reduce(host_ptr(used.data()), int64_t(used.size()), ReduceOp::max);
+  return std::max(1, int(std::count(used.begin(), used.end(), 1.0)));
 }
 
 DType compute_dtype(const PrecisionConfig& p) {

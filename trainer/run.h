@@ -62,6 +62,9 @@ std::vector<AdamW::Segment> optimizer_segments(const std::vector<Span>& spans,
                                                const OptimConfig& cfg);
 
 int threads_per_rank(const Config& cfg, const World& world);
+// The cores the ranks of a node may run on together: the union of their affinities (a cpuset's
+// cores, or those mpirun bound each rank to), which their threads share. Collective over `node`.
+int node_cores(Communicator& node);
 DType compute_dtype(const PrecisionConfig& p);
 std::string_view precision_name(DType t);  // a buffer's type as [precision] names it
 
@@ -95,6 +98,7 @@ struct Run {
   // the model on the CPU, where it is copies on the ranks' own cores (the planner's estimate of a
   // step takes it); 0 on GPUs and where each node has one rank.
   double node_gbps = 0;
+  int node_cores = 0;  // the node's ranks' cores (node_cores()), set by train() on the CPU
   NodeShardDecompressor decompressor{*node, cfg.data.cache_dir};
   std::vector<Dataset> train_data;  // one per source of the blend
   Dataset val_data;

@@ -2,10 +2,8 @@
 
 #include <fmt/format.h>
 #include <omp.h>
-#include <sched.h>
 
 #include <algorithm>
-#include <thread>
 
 #include "trainer/blas_setup.h"
 #include "trainer/memory_budget.h"
@@ -24,16 +22,10 @@ Candidate planned_step(const Run& run, Cluster* cluster) {
   k.per_node = run.world.local_size();
   k.peak_flops = peak;
   const bool cpu = cfg.run.device == "cpu";
-  if (cpu) {
-    // The cores this rank may run on (its affinity: all of the node's unless bound) are the
-    // node's for the ranks on it.
-    cpu_set_t allowed;
-    const int cores = sched_getaffinity(0, sizeof allowed, &allowed) == 0
-                          ? CPU_COUNT(&allowed)
-                          : int(std::thread::hardware_concurrency());
-    if (cores > 0)
-      k.oversubscription = double(run.world.local_size()) * omp_get_max_threads() / cores;
-  }
+  // The node's ranks' threads over the cores they may run on together (mpirun binding each of
+  // two ranks to a core of its own is no sharing; four unbound ranks on two cores are).
+  if (cpu && run.node_cores > 0)
+    k.oversubscription = double(run.world.local_size()) * omp_get_max_threads() / run.node_cores;
   set_bandwidths(k, cpu, 0, 0, run.node_gbps);
   Config c = cfg;
   c.train.grad_accum = run.schedule.accum(0, 0);  // the first step's (with a batch ramp)

@@ -409,9 +409,14 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   // The bandwidth of an all-reduce among this node's ranks, for the step's estimate: on the CPU
   // copies through shared memory on the ranks' own cores, no data sheet's figure. Every rank
   // takes part (a rank alone on its node too).
+  // And the cores the node's ranks share.
   double node_gbps = 0;
-  if (cfg.run.device == "cpu" && world.size() > 1)
-    node_gbps = all_reduce_gbps(*node_group(world), world.comm(), 8 << 20);
+  int cores = 0;
+  if (cfg.run.device == "cpu") {
+    const std::unique_ptr<Communicator> node = node_group(world);
+    cores = node_cores(*node);
+    if (world.size() > 1) node_gbps = all_reduce_gbps(*node, world.comm(), 8 << 20);
+  }
   release_freed_memory();  // the measurements' buffers, and MPI's
   // What the process holds before the model: the measured side of the memory plan is above it.
   const ResidentMemory before_model = resident_memory();
@@ -424,6 +429,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     return *failed;
   Run& run = *run_ptr;
   run.node_gbps = node_gbps;
+  run.node_cores = cores;
   const bool leader = world.rank() == 0;
   const std::string ckpt_dir = checkpoint_dir(cfg);
 
