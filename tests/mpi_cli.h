@@ -149,6 +149,12 @@ inline std::vector<StepRecord> steps_of(const std::string& metrics) {
   return out;
 }
 
+// The rest of the line of `text` that starts at `what` ("" when `what` is not there).
+inline std::string line_from(const std::string& text, const std::string& what) {
+  const size_t at = text.find(what);
+  return at == std::string::npos ? std::string() : text.substr(at, text.find('\n', at) - at);
+}
+
 // The number that follows `what` in `text` (NaN when `what` is not there).
 inline double number_after(const std::string& text, const std::string& what) {
   const size_t at = text.find(what);

@@ -340,9 +340,8 @@ TEST_F(MpiCli, CollectivesReuseTheirMemoryStepAfterStep) {
 TEST_F(MpiCli, TheBandwidthInsideANodeIsMeasured) {
   const auto r = mpirun(4, "--set parallel.dp=4 --set parallel.overlap=false --dry-run");
   ASSERT_EQ(r.code, 0) << r.output;
-  const size_t line = r.output.find("the planner's estimate:");
-  ASSERT_NE(line, std::string::npos) << r.output;
-  const std::string estimate = r.output.substr(line, r.output.find('\n', line) - line);
+  const std::string estimate = line_from(r.output, "the planner's estimate:");
+  ASSERT_FALSE(estimate.empty()) << r.output;
   const double gb_per_s = number_after(estimate, "collectives inside the node at ");
   ASSERT_GT(gb_per_s, 0.01) << estimate;  // shared memory: 1-5 GB/s on the 2-core machine
   EXPECT_NE(estimate.find("GB/s (measured)"), std::string::npos) << estimate;
@@ -367,9 +366,8 @@ TEST_F(MpiCli, TheBandwidthInsideANodeIsMeasured) {
 TEST_F(MpiCli, RanksBoundToCoresOfTheirOwnDoNotShareThem) {
   const auto r = mpirun(2, "--set parallel.pp=2 --set parallel.micro_batches=4 --dry-run");
   ASSERT_EQ(r.code, 0) << r.output;
-  const size_t line = r.output.find("the planner's estimate:");
-  ASSERT_NE(line, std::string::npos) << r.output;
-  const std::string estimate = r.output.substr(line, r.output.find('\n', line) - line);
+  const std::string estimate = line_from(r.output, "the planner's estimate:");
+  ASSERT_FALSE(estimate.empty()) << r.output;
   EXPECT_GT(number_after(estimate, "bubble "), 0) << estimate;
 }
 
@@ -380,20 +378,16 @@ TEST_F(MpiCli, RanksBoundToCoresOfTheirOwnDoNotShareThem) {
 TEST_F(MpiCli, DryRunPlansEveryRankAndWritesNothing) {
   const std::string layout =
       "--set parallel.tp=2 --set parallel.pp=2 --set parallel.micro_batches=4 ";
-  auto line = [](const std::string& output, const std::string& prefix) {
-    const size_t at = output.find(prefix);
-    return at == std::string::npos ? std::string() : output.substr(at, output.find('\n', at) - at);
-  };
   const std::string out = path("dry");
   auto r = mpirun(4, layout + "--set run.out_dir=" + quoted(out) + " --dry-run");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_FALSE(fs::exists(out));
   EXPECT_EQ(count(r.output, "| loss "), 0) << r.output;
   EXPECT_EQ(count(r.output, "nothing trained, no run files written"), 1) << r.output;
-  const std::string memory = line(r.output, "dry run: memory per rank: ");
+  const std::string memory = line_from(r.output, "dry run: memory per rank: ");
   EXPECT_NE(memory.find("stage 0 "), std::string::npos) << r.output;
   EXPECT_NE(memory.find(", stage 1 "), std::string::npos) << r.output;
-  const std::string step = line(r.output, "dry run: a step of ");
+  const std::string step = line_from(r.output, "dry run: a step of ");
   const double tokens = number_after(step, "a step of "), tflop = number_after(step, "is ");
   const double seconds = number_after(step, "at least "), bubble = number_after(step, "with the ");
   const int64_t batch = 4 * 2 * 16;  // micro-batches x micro_batch x seq_len of run.toml
@@ -410,7 +404,7 @@ TEST_F(MpiCli, DryRunPlansEveryRankAndWritesNothing) {
   // A real start of the same layout plans the same memory.
   r = mpirun(4, layout + "--set train.steps=1 --set run.out_dir=" + quoted(path("real")));
   ASSERT_EQ(r.code, 0) << r.output;
-  const std::string real = line(r.output, "memory: ");
+  const std::string real = line_from(r.output, "memory: ");
   EXPECT_FALSE(real.empty());
   EXPECT_EQ(number_after(real, "rank 0 expects "), number_after(memory, "stage 0 ")) << real << "\n"
                                                                                      << memory;
