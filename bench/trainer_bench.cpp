@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "io/config.h"
+#include "kernels/cpu/host_memory.h"
 #include "kernels/kernels.h"
 #include "model/model_definition.h"
 #include "model/stage_executor.h"
@@ -127,6 +128,7 @@ Options parse_args(int argc, char** argv) {
 struct CpuSample {
   Clock::time_point wall;
   double machine_s = 0, self_s = 0;
+  int64_t page_faults = 0;
 };
 
 CpuSample cpu_sample() {
@@ -141,6 +143,7 @@ CpuSample cpu_sample() {
   getrusage(RUSAGE_SELF, &u);
   s.self_s = double(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
              1e-6 * double(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+  s.page_faults = trainer::page_faults();
   return s;
 }
 
@@ -269,6 +272,9 @@ int run(const Options& opt) {
       {"forward_ms", median(forward_s) * 1e3},
       {"backward_ms", median(backward_s) * 1e3},
       {"optimizer_ms", median(optimizer_s) * 1e3},
+      // Pages touched for the first time per step: 0 once warm (buffers and freed blocks are
+      // reused); thousands mean memory handed back to the system and faulted in again.
+      {"page_faults_per_step", double(cpu1.page_faults - cpu0.page_faults) / steps},
       {"first_loss", first_loss},  // a sanity check: the losses should track PyTorch's
       {"final_loss", loss},
       {"self_cpu_cores", self_cores},    // about `threads` when OpenMP had the cores to itself
@@ -282,6 +288,8 @@ int run(const Options& opt) {
 
 int main(int argc, char** argv) {
   trainer::ensure_fast_blas(argv);
+  trainer::keep_freed_memory();  // as the trainer does: freed blocks are reused, not faulted in
+                                 // again
   try {
     return run(parse_args(argc, argv));
   } catch (const std::exception& e) {

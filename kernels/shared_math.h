@@ -133,20 +133,29 @@ TRAINER_HD void sgd_element(T& param, T grad, T& m, const AdamWConsts<T>& a) {
   m = a.b1 * m + grad * a.gs;
   param -= a.lr * (m + a.wd * param);
 }
+// 1-bit Adam after its warm-up: grad is the momentum, exchanged; v stays frozen.
 template <class T, class Sqrt>
-TRAINER_HD void adamw_element(T& param, T grad, T& m, T& v, const AdamWConsts<T>& a, Sqrt sqrt) {
-  if (a.sgd) return sgd_element(param, grad, m, a);
-  if (a.frozen) {  // grad: the momentum, exchanged
-    m = grad * a.gs;
-    param -= a.lr * ((m * a.c1) / (sqrt(v * a.c2) + a.eps) + a.wd * param);
-    return;
-  }
+TRAINER_HD void frozen_adam_element(T& param, T grad, T& m, T v, const AdamWConsts<T>& a,
+                                    Sqrt sqrt) {
+  m = grad * a.gs;
+  param -= a.lr * ((m * a.c1) / (sqrt(v * a.c2) + a.eps) + a.wd * param);
+}
+template <class T, class Sqrt>
+TRAINER_HD void adam_element(T& param, T grad, T& m, T& v, const AdamWConsts<T>& a, Sqrt sqrt) {
   const T g = grad * a.gs;
   const T mi = a.b1 * m + (T(1) - a.b1) * g;
   const T vi = a.b2 * v + (T(1) - a.b2) * g * g;
   m = mi;
   v = vi;
   param -= a.lr * ((mi * a.c1) / (sqrt(vi * a.c2) + a.eps) + a.wd * param);
+}
+// The update a.sgd and a.frozen select. A loop that should vectorize picks the element function
+// once outside it instead (a branch in the loop body keeps the compiler from vectorizing).
+template <class T, class Sqrt>
+TRAINER_HD void adamw_element(T& param, T grad, T& m, T& v, const AdamWConsts<T>& a, Sqrt sqrt) {
+  if (a.sgd) return sgd_element(param, grad, m, a);
+  if (a.frozen) return frozen_adam_element(param, grad, m, v, a, sqrt);
+  adam_element(param, grad, m, v, a, sqrt);
 }
 
 }  // namespace trainer

@@ -32,12 +32,26 @@ double sum_squares(const T* x, int64_t n) {
   return total;
 }
 
+// Element i for every i, in threads and vector lanes.
+template <class Update>
+void for_each_element(int64_t n, Update update) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; i++) update(i);
+}
+
 template <class T>
 void adamw_update(T* param, const T* grad, T* m, T* v, int64_t n, const AdamWArgs& a) {
   const AdamWConsts<T> c = adamw_consts<T>(a);
   const auto sqrt = [](T x) { return std::sqrt(x); };
-#pragma omp parallel for simd schedule(static)
-  for (int64_t i = 0; i < n; i++) adamw_element(param[i], grad[i], m[i], v[i], c, sqrt);
+  // The variant is chosen here, not per element, so that the loops vectorize: with the branch
+  // inside, W-L's 125M-parameter update ran scalar, 160 ms against 65 (memory-bound).
+  if (c.sgd)
+    for_each_element(n, [&](int64_t i) { sgd_element(param[i], grad[i], m[i], c); });
+  else if (c.frozen)
+    for_each_element(
+        n, [&](int64_t i) { frozen_adam_element(param[i], grad[i], m[i], v[i], c, sqrt); });
+  else
+    for_each_element(n, [&](int64_t i) { adam_element(param[i], grad[i], m[i], v[i], c, sqrt); });
 }
 
 template double sum_squares<float>(const float*, int64_t);
