@@ -133,6 +133,7 @@ int score_choices(Run& run, const std::string& file, const std::string& state) {
 int evaluate(const EvalOptions& opts, World& world) {
   Config cfg;
   std::string state;
+  NodePeers node = node_peers(world);
   if (auto failed = agree_on_setup(world, [&] {
         state = resolve_checkpoint(opts.checkpoint);
         // The checkpoint's run in the default layout (data parallel over the world), with the
@@ -146,7 +147,7 @@ int evaluate(const EvalOptions& opts, World& world) {
         cfg.train.batch_ramp.clear();
         if (opts.batches > 0) cfg.train.val_batches = opts.batches;
         check_weights(state, cfg.model);
-        omp_set_num_threads(threads_per_rank(cfg, world));
+        omp_set_num_threads(threads_per_rank(cfg.run.threads, node.cores.share));
       }))
     return *failed;
   GpuPlacement placement;
@@ -159,7 +160,8 @@ int evaluate(const EvalOptions& opts, World& world) {
       }))
     return *failed;
   if (auto failed = agree_on_setup(world, [&] {
-        run_ptr = std::make_unique<Run>(cfg, world, origin, placement, std::move(kernels));
+        run_ptr = std::make_unique<Run>(cfg, world, origin, placement, std::move(kernels),
+                                        std::move(node));
         load_weights(state, run_ptr->model, &run_ptr->optimizer);
       }))
     return *failed;

@@ -22,7 +22,7 @@
 #include "trainer/blas_setup.h"
 #include "trainer/checkpoint.h"
 #include "trainer/export.h"
-#include "trainer/node_shards.h"
+#include "trainer/node_peers.h"
 #include "trainer/planner.h"
 #include "trainer/prepare.h"
 #include "trainer/report_error.h"

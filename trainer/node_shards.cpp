@@ -46,11 +46,4 @@ void NodeShardDecompressor::mapped(const DecompressedShard& d) {
   if (node_.rank() == 0) ShardDecompressor::mapped(d);
 }
 
-std::unique_ptr<Communicator> node_group(World& world) {
-  std::vector<int> members;
-  for (int r = 0; r < world.size(); r++)
-    if (world.node_of(r) == world.node_of(world.rank())) members.push_back(r);
-  return world.group(members);
-}
-
 }  // namespace trainer

@@ -8,6 +8,7 @@
 
 #include "comm/communicator.h"
 #include "io/compressed_shard.h"
+#include "trainer/node_peers.h"
 
 namespace trainer {
 
@@ -24,8 +25,5 @@ class NodeShardDecompressor : public ShardDecompressor {
  private:
   Communicator& node_;
 };
-
-// The ranks on this rank's node, as a communicator (collective over the world).
-std::unique_ptr<Communicator> node_group(World& world);
 
 }  // namespace trainer

@@ -176,9 +176,9 @@ void set_cluster_defaults(Cluster& k, const Config& cfg, const std::string& devi
   // A CPU plan's ranks share this machine, one a core at most; GPUs come 8 to a node.
   const int cores = std::max(1, int(std::thread::hardware_concurrency()));
   k.per_node = per_node > 0 ? per_node : cpu ? std::clamp(cores, 1, k.devices) : 8;
-  // The threads a CPU rank runs (run.threads, or the node's cores shared out, as threads_per_rank
-  // does for unbound ranks); its ranks' threads over the node's cores above 1: they take turns.
-  const int threads = cfg.run.threads > 0 ? cfg.run.threads : std::max(1, cores / k.per_node);
+  // The threads a CPU rank runs (per_node unbound ranks share the cores out); its ranks' threads
+  // over the node's cores above 1: they take turns.
+  const int threads = threads_per_rank(cfg.run.threads, double(cores) / k.per_node);
   if (cpu) k.oversubscription = double(k.per_node) * threads / cores;
   if (cpu && device.empty()) {
     // This machine: a few 1024-cubed sgemms on the threads this process runs (on the cores it may

@@ -1,14 +1,11 @@
 #include "trainer/run.h"
 
 #include <fmt/format.h>
-#include <omp.h>
-#include <sched.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
-#include <thread>
 
 #include "trainer/sampler.h"
 
@@ -45,29 +42,6 @@ std::vector<AdamW::Segment> optimizer_segments(const std::vector<Span>& spans,
   for (const Span& s : spans)
     segments.push_back({s.offset, s.count, s.shard_offset, AdamW::weight_decay(cfg, *s.param)});
   return segments;
-}
-
-// 0 threads = this rank's share of the cores: all the cores mpirun bound it to, or, unbound,
-// the node's cores divided among its ranks.
-int threads_per_rank(const Config& cfg, const World& world) {
-  if (cfg.run.threads > 0) return cfg.run.threads;
-  const int allowed = omp_get_num_procs();  // the affinity mask
-  const int cores = int(std::thread::hardware_concurrency());
-  if (allowed < cores) return allowed;
-  return std::max(1, cores / world.local_size());
-}
-
-int node_cores(Communicator& node) {
-  std::vector<double> used(CPU_SETSIZE, 0.0);  // 1 for each core some rank may run on
-  cpu_set_t allowed;
-  if (sched_getaffinity(0, sizeof allowed, &allowed) == 0) {
-    for (int c = 0; c < CPU_SETSIZE; c++) used[c] = CPU_ISSET(c, &allowed) ? 1 : 0;
-  } else {
-    const int all = std::clamp(int(std::thread::hardware_concurrency()), 1, CPU_SETSIZE);
-    std::fill(used.begin(), used.begin() + all, 1.0);
-  }
-  node.all_reduce(host_ptr(used.data()), int64_t(used.size()), ReduceOp::max);
-  return std::max(1, int(std::count(used.begin(), used.end(), 1.0)));
 }
 
 DType compute_dtype(const PrecisionConfig& p) {

@@ -61,10 +61,6 @@ std::vector<Range> owned_ranges(const std::vector<Span>& spans);
 std::vector<AdamW::Segment> optimizer_segments(const std::vector<Span>& spans,
                                                const OptimConfig& cfg);
 
-int threads_per_rank(const Config& cfg, const World& world);
-// The cores the ranks of a node may run on together: the union of their affinities (a cpuset's
-// cores, or those mpirun bound each rank to), which their threads share. Collective over `node`.
-int node_cores(Communicator& node);
 DType compute_dtype(const PrecisionConfig& p);
 std::string_view precision_name(DType t);  // a buffer's type as [precision] names it
 
@@ -92,14 +88,10 @@ struct Run {
   Trace trace;
   Groups groups;
   std::unique_ptr<Tokenizer> tokenizer;  // [tokenizer]: samples, checkpoints, the data's check
-  // The ranks of this node, who share the decompression of compressed shards.
-  std::unique_ptr<Communicator> node = node_group(world);
-  // The bus bandwidth of an all-reduce among this node's ranks in Gbit/s, timed by train() before
-  // the model on the CPU, where it is copies on the ranks' own cores (the planner's estimate of a
-  // step takes it); 0 on GPUs and where each node has one rank.
-  double node_gbps = 0;
-  int node_cores = 0;  // the node's ranks' cores (node_cores()), set by train() on the CPU
-  NodeShardDecompressor decompressor{*node, cfg.data.cache_dir};
+  // The ranks of this node (node_peers, before the Run): they share the decompression of
+  // compressed shards, and their cores and bandwidth enter the planner's estimate of a step.
+  NodePeers node;
+  NodeShardDecompressor decompressor{*node.comm, cfg.data.cache_dir};
   std::vector<Dataset> train_data;  // one per source of the blend
   Dataset val_data;
   StageExecutor model;
@@ -300,7 +292,7 @@ struct Run {
   }
 
   Run(const Config& c, World& w, const std::string& origin, const GpuPlacement& gpu,
-      std::unique_ptr<Kernels> k)
+      std::unique_ptr<Kernels> k, NodePeers peers)
       : cfg(c),
         world(w),
         dims(layout(c, w.size(), origin)),
@@ -313,6 +305,7 @@ struct Run {
             w, dims, c.parallel, c.parallel.allreduce == "hierarchical" || c.comm.outer.on(),
             traced_groups(group_wrapper(gpu, w, *kernels), c.profile.on() ? &trace : nullptr))),
         tokenizer(load_run_tokenizer(c, origin)),
+        node(std::move(peers)),
         train_data(load_sources(c, decompressor)),
         val_data(c.data.val, c.model.vocab_size, c.model.seq_len, c.data.format == "nanogpt",
                  decompressor),

@@ -351,6 +351,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   Config cfg;
   std::unique_ptr<Run> run_ptr;
   std::string resume, init;
+  NodePeers node = node_peers(world);  // who shares this node, its cores and its memory
   // Rank 0 alone picks the checkpoint to resume from (reading it back whole), or for a fresh
   // start the one to take the weights from, and tells the others, so that every rank starts
   // from the same one.
@@ -371,7 +372,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   GpuPlacement placement;
   std::unique_ptr<Kernels> kernels;
   if (auto failed = agree_on_setup(world, [&] {
-        omp_set_num_threads(threads_per_rank(cfg, world));
+        omp_set_num_threads(threads_per_rank(cfg.run.threads, node.cores.share));
         if (resume.empty()) return;
         checkpoint_config(resume);  // a readable checkpoint of ours
         check_same_model(resume, cfg.model);
@@ -409,27 +410,20 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   // The bandwidth of an all-reduce among this node's ranks, for the step's estimate: on the CPU
   // copies through shared memory on the ranks' own cores, no data sheet's figure. Every rank
   // takes part (a rank alone on its node too).
-  // And the cores the node's ranks share.
-  double node_gbps = 0;
-  int cores = 0;
-  if (cfg.run.device == "cpu") {
-    const std::unique_ptr<Communicator> node = node_group(world);
-    cores = node_cores(*node);
-    if (world.size() > 1) node_gbps = all_reduce_gbps(*node, world.comm(), 8 << 20);
-  }
+  if (cfg.run.device == "cpu" && world.size() > 1)
+    node.gbps = all_reduce_gbps(*node.comm, world.comm(), 8 << 20);
   release_freed_memory();  // the measurements' buffers, and MPI's
   // What the process holds before the model: the measured side of the memory plan is above it.
   const ResidentMemory before_model = resident_memory();
   if (auto failed = agree_on_setup(world, [&] {
-        run_ptr = std::make_unique<Run>(cfg, world, config_path, placement, std::move(kernels));
+        run_ptr = std::make_unique<Run>(cfg, world, config_path, placement, std::move(kernels),
+                                        std::move(node));
         check_one_tokenizer(world, *run_ptr->tokenizer, cfg.tokenizer);
         if (!resume.empty())
           check_same_tokenizer(resume, *run_ptr->tokenizer, tokenizer_name(cfg.tokenizer));
       }))
     return *failed;
   Run& run = *run_ptr;
-  run.node_gbps = node_gbps;
-  run.node_cores = cores;
   const bool leader = world.rank() == 0;
   const std::string ckpt_dir = checkpoint_dir(cfg);
 
