@@ -527,9 +527,11 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   // a checkpoint's stall, for every_steps = "auto".
   const bool auto_interval = cfg.checkpoint.every_steps == CheckpointConfig::kAutoSteps;
   CheckpointCosts costs{0, 0, cfg.checkpoint.mtbf_hours * 3600};
+  bool snapshot_taken = false;  // the checkpoint's host copy is allocated (the memory plan's)
   if ((cfg.checkpoint.async || auto_interval) &&
       (cfg.checkpoint.every_steps != 0 || cfg.checkpoint.every_minutes > 0)) {
     take_snapshot(run.model, &run.optimizer, run.writes_checkpoint(), run.writer.snapshot());
+    snapshot_taken = true;
     if (costs.mtbf_s > 0) {
       const auto t0 = Clock::now();
       take_snapshot(run.model, &run.optimizer, run.writes_checkpoint(), run.writer.snapshot());
@@ -589,7 +591,6 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     return report(run.writer.wait());
   };
   auto last_checkpoint_time = Clock::now();
-  bool snapshot_taken = false;  // the checkpoint's host copy is allocated
   // Training pays only for copying its state to host memory (the stall); the writer thread does
   // the rest unless `sync`. Returns false if a synchronous write failed.
   // protective: written after a bad step, whose gradients the compressors' error-feedback
