@@ -774,8 +774,8 @@ TrainState load_checkpoint(const std::string& state_file, StageExecutor& model, 
   const Meta meta = read_meta(f, state_file);
   load_params(f, model, optimizer);
   if (optimizer) {
-    upload_state(*optimizer, read_local(f, model, "optim/m/"), AdamW::State::m);
-    upload_state(*optimizer, read_local(f, model, "optim/v/"), AdamW::State::v);
+    load_state(f, "optim/m/", model, *optimizer, AdamW::State::m);
+    load_state(f, "optim/v/", model, *optimizer, AdamW::State::v);
   }
   return meta.state;
 }

@@ -13,12 +13,10 @@
 
 namespace trainer {
 
-// This rank's elements of the tensors in `group` of a checkpoint ("params/", "optim/m/"), in the
-// flat layout of its parameters.
-std::vector<float> read_local(const H5File& f, const StageExecutor& model,
-                              const std::string& group);
-// flat (read_local's layout) -> the optimizer's state, indexed by its segments.
-void upload_state(AdamW& optimizer, const std::vector<float>& flat, AdamW::State which);
+// This rank's elements of the tensors in `group` of a checkpoint ("optim/m/") into the
+// optimizer's state `which`, piece by piece.
+void load_state(const H5File& f, const std::string& group, const StageExecutor& model,
+                AdamW& optimizer, AdamW::State which);
 // A checkpoint's parameters into the model (and the optimizer's fp32 copy, if it keeps one).
 void load_params(const H5File& f, StageExecutor& model, AdamW* optimizer);
 
