@@ -147,7 +147,7 @@ int evaluate(const EvalOptions& opts, World& world) {
         cfg.train.batch_ramp.clear();
         if (opts.batches > 0) cfg.train.val_batches = opts.batches;
         check_weights(state, cfg.model);
-        omp_set_num_threads(threads_per_rank(cfg.run.threads, node.cores.share));
+        omp_set_num_threads(threads_per_rank(cfg.run.threads, node.core_share));
       }))
     return *failed;
   GpuPlacement placement;

@@ -40,7 +40,9 @@ NodePeers node_peers(World& world) {
   std::vector<double> ranks_on_core = mine;
   node.comm->all_reduce(host_ptr(ranks_on_core.data()), int64_t(ranks_on_core.size()),
                         ReduceOp::sum);
-  node.cores = share_cores(ranks_on_core, mine);
+  const CoreShare share = share_cores(ranks_on_core, mine);
+  node.cores = share.cores;
+  node.core_share = share.share;
   return node;
 }
 

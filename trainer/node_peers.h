@@ -19,7 +19,8 @@ CoreShare share_cores(std::span<const double> ranks_on_core, std::span<const dou
 
 struct NodePeers {
   std::unique_ptr<Communicator> comm;  // the ranks of this node
-  CoreShare cores;
+  int cores = 1;                       // the cores its ranks may run on together (CoreShare::cores)
+  double core_share = 1;               // this rank's share of them (CoreShare::share)
   // The bus bandwidth of an all-reduce among them in Gbit/s, timed by train() before the model
   // on the CPU, where it is copies on the ranks' own cores; 0 on GPUs and where a node has one
   // rank.

@@ -25,8 +25,7 @@ Candidate planned_step(const Run& run, Cluster* cluster) {
   // The node's ranks' threads over the cores they may run on together (mpirun binding each of
   // two ranks to a core of its own is no sharing; four unbound ranks on two cores are).
   if (cpu)
-    k.oversubscription =
-        double(run.world.local_size()) * omp_get_max_threads() / run.node.cores.cores;
+    k.oversubscription = double(run.world.local_size()) * omp_get_max_threads() / run.node.cores;
   set_bandwidths(k, cpu, 0, 0, run.node.gbps);
   Config c = cfg;
   c.train.grad_accum = run.schedule.accum(0, 0);  // the first step's (with a batch ramp)

@@ -351,7 +351,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   Config cfg;
   std::unique_ptr<Run> run_ptr;
   std::string resume, init;
-  NodePeers node = node_peers(world);  // who shares this node, its cores and its memory
+  NodePeers node = node_peers(world);  // who shares this node and its cores
   // Rank 0 alone picks the checkpoint to resume from (reading it back whole), or for a fresh
   // start the one to take the weights from, and tells the others, so that every rank starts
   // from the same one.
@@ -372,7 +372,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   GpuPlacement placement;
   std::unique_ptr<Kernels> kernels;
   if (auto failed = agree_on_setup(world, [&] {
-        omp_set_num_threads(threads_per_rank(cfg.run.threads, node.cores.share));
+        omp_set_num_threads(threads_per_rank(cfg.run.threads, node.core_share));
         if (resume.empty()) return;
         checkpoint_config(resume);  // a readable checkpoint of ours
         check_same_model(resume, cfg.model);
