@@ -109,31 +109,42 @@ TEST_F(MpiCli, EachRankHoldsWhatThePlanSays) {
               100 * worst);
 }
 
-// Periodic checkpoints written in the background have their host copy touched at start-up (so
-// that the first one's stall is a copy, not page faults): the memory plan counts it from then
-// on, though no checkpoint was taken before the report (it counted it only after one, and such
-// a run held 54% more than planned).
+// Periodic checkpoints written in the background have their host copy of the weights and
+// moments touched at start-up (so that the first one's stall is a copy, not page faults): the
+// memory plan counts that copy from then on, though no checkpoint was taken before the report
+// (it counted it only after one, and such a run held 54% more than planned), and not what a
+// checkpoint adds to it (int8 compression's residuals at dp 2: counting those, rank 0's plan was
+// 10% above what it held). Within 5% here: a rank holds between its plan without Open MPI's
+// reduction temporaries and its plan (EachRankHoldsWhatThePlanSays).
 TEST_F(MpiCli, TheCheckpointCopyTouchedAtStartUpIsPlanned) {
-  const std::string out = path("out");
-  const auto r =
-      mpirun(1,
-             "--set model.arch=\\\"llama\\\" --set model.seq_len=64 --set model.n_layer=10 "
-             "--set model.n_head=6 --set model.n_kv_head=2 --set model.d_model=384 "
-             "--set model.ffn_hidden=1024 --set train.steps=2 --set checkpoint.every_steps=100 "
-             "--set checkpoint.async=true --set run.out_dir=" +
-                 quoted(out));
-  ASSERT_EQ(r.code, 0) << r.output;
-  nlohmann::json planned, measured;
-  std::ifstream in(out + "/metrics.jsonl");
-  for (std::string line; std::getline(in, line);) {
-    auto j = nlohmann::json::parse(line);
-    if (j.contains("memory_planned_mb"))
-      planned = j["memory_planned_mb"], measured = j["memory_measured_mb"];
+  const std::string model =
+      "--set model.arch=\\\"llama\\\" --set model.seq_len=64 --set model.n_layer=10 "
+      "--set model.n_head=6 --set model.n_kv_head=2 --set model.d_model=384 "
+      "--set model.ffn_hidden=1024 --set train.steps=2 --set checkpoint.every_steps=100 "
+      "--set checkpoint.async=true --set run.overwrite=true ";
+  for (const auto& [ranks, layout] :
+       {std::pair{1, std::string()},
+        {2, "--set parallel.dp=2 --set comm.compression.method=" + quoted("int8") + " "}}) {
+    SCOPED_TRACE(layout);
+    const std::string out = path("out");
+    const auto r = mpirun(ranks, model + layout + "--set run.out_dir=" + quoted(out));
+    ASSERT_EQ(r.code, 0) << r.output;
+    nlohmann::json planned, measured, bound;
+    std::ifstream in(out + "/metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      auto j = nlohmann::json::parse(line);
+      if (j.contains("memory_planned_mb"))
+        planned = j["memory_planned_mb"], measured = j["memory_measured_mb"],
+        bound = j["memory_bound_mb"];
+    }
+    ASSERT_EQ(planned.size(), size_t(ranks)) << r.output;
+    EXPECT_GT(double(planned[0]), 300) << r.output;  // the copy (190 MB) included
+    for (int rank = 0; rank < ranks; rank++) {
+      const double plan = planned[rank], got = measured[rank], counted = plan - double(bound[rank]);
+      EXPECT_LE(got, 1.05 * plan) << "rank " << rank << "\n" << r.output;
+      EXPECT_GE(got, 0.95 * counted) << "rank " << rank << "\n" << r.output;
+    }
   }
-  ASSERT_EQ(planned.size(), 1u) << r.output;
-  const double plan = planned[0], got = measured[0];
-  EXPECT_GT(plan, 300) << r.output;  // the copy (190 MB) included
-  EXPECT_NEAR(got / plan, 1, 0.1) << r.output;
 }
 
 // A resumed run holds what a fresh one does. Set-up hands back what it freed before the model is
@@ -153,6 +164,9 @@ TEST_F(MpiCli, AResumedRunHoldsWhatAFreshOneDoes) {
   auto run = [&](int steps) {
     const auto r = mpirun(1, model + "--set train.steps=" + std::to_string(steps));
     EXPECT_EQ(r.code, 0) << r.output;
+    if (steps > 1) {
+      EXPECT_NE(r.output.find("resumed from "), std::string::npos) << r.output;
+    }
     const std::string plan = line_from(r.output, "memory plan per rank"),
                       rank0 = line_from(plan, "): 0: ");  // "): 0: planned / measured"
     return Held{number_after(plan, "peak RSS above the "), number_after(rank0, "): 0: "),

@@ -28,7 +28,7 @@ ResidentMemory resident_memory() {
 }
 
 std::vector<PlannedAndMeasured> planned_and_measured(Run& run, ResidentMemory before_model,
-                                                     bool snapshot_taken) {
+                                                     SnapshotCopy copy) {
   const Config& cfg = run.cfg;
   const MemoryBudget b = memory_budget(cfg, run.dims, run.dims.coords(run.world.rank()),
                                        run.kernels->attention_keeps_probabilities(),
@@ -36,7 +36,10 @@ std::vector<PlannedAndMeasured> planned_and_measured(Run& run, ResidentMemory be
   const double MB = 1 << 20;
   double mine[3] = {0, 0, b.collectives / MB};
   if (cfg.run.device == "cpu") {
-    mine[0] = (b.total() - (snapshot_taken ? 0 : b.snapshot)) / MB;
+    const double held = copy == SnapshotCopy::taken     ? b.snapshot
+                        : copy == SnapshotCopy::touched ? b.snapshot_weights
+                                                        : 0;
+    mine[0] = (b.total() - b.snapshot + held) / MB;
     mine[1] =
         peak_rss_mb() - before_model.total_mb - (resident_memory().file_mb - before_model.file_mb);
   } else {
@@ -51,14 +54,13 @@ std::vector<PlannedAndMeasured> planned_and_measured(Run& run, ResidentMemory be
   return out;
 }
 
-void report_memory(Run& run, ResidentMemory before_model, bool snapshot_taken, MetricsLog* log) {
+void report_memory(Run& run, ResidentMemory before_model, SnapshotCopy copy, MetricsLog* log) {
   const double rss = peak_rss_mb();
   double rss_max = rss;
   run.world.comm().all_reduce(host_ptr(&rss_max), 1, ReduceOp::max);
   double gpu_peak = double(run.kernels->memory().peak) / (1 << 20), gpu_peak_max = gpu_peak;
   run.world.comm().all_reduce(host_ptr(&gpu_peak_max), 1, ReduceOp::max);
-  const std::vector<PlannedAndMeasured> plan_check =
-      planned_and_measured(run, before_model, snapshot_taken);
+  const std::vector<PlannedAndMeasured> plan_check = planned_and_measured(run, before_model, copy);
   if (log) {
     fmt::print("peak memory: {:.0f} MB on rank 0, {:.0f} MB on the largest rank\n", rss, rss_max);
     // The plan's accounting (the planner's) against what each rank held.
@@ -148,7 +150,7 @@ MemoryBudget memory_budget(const Config& cfg, const ParallelDims& dims, const Ra
   // consecutive: the first node's are the first node_ranks.)
   const int index = dims.replica_index(me);
   const bool writes = cfg.parallel.zero ? !outer || index < node_ranks : index == 0;
-  b.snapshot = writes ? owned * 4 * 3 : 0;
+  b.snapshot = b.snapshot_weights = writes ? owned * 4 * 3 : 0;
   if (outer) {
     // Without ZeRO each rank of a node exchanges a slice of the whole model.
     const double slice = cfg.parallel.zero ? owned : owned / node_ranks;

@@ -41,6 +41,9 @@ struct MemoryBudget {
   // own, not counted.
   double collectives = 0;
   double snapshot = 0;
+  // Of `snapshot`, the weights' and moments' copy: what start-up touches for background
+  // checkpoints (the residuals, momentum and outer state join it at a checkpoint).
+  double snapshot_weights = 0;
   // [comm.outer]: the outer weights and momentum of this rank's elements, the int8 residual, and
   // an outer step's pseudo-gradient. Host memory.
   double outer = 0;
@@ -88,20 +91,23 @@ ResidentMemory resident_memory();
 // The plan against the measurement, on every rank: what the budget above says the rank holds,
 // and what it held at its peak. On the CPU, the peak resident memory above `before_model`
 // (taken just before the model is allocated), less the file pages mapped since (the token
-// files the loaders read); on a GPU the allocator's peak. The checkpoint's copy counts once one
-// has been taken. Rank 0 receives every rank's pair (the others: none).
+// files the loaders read); on a GPU the allocator's peak. The checkpoint's copy counts as far as
+// the run allocated it (SnapshotCopy). Rank 0 receives every rank's pair (the others: none).
 struct PlannedAndMeasured {
   double planned_mb = 0, measured_mb = 0;
   double bound_mb = 0;  // of the plan, what is a bound rather than a count (MPI's temporaries)
 };
 struct Run;
+// How much of the checkpoint's host copy a run allocated: none, its weights and moments (touched
+// at start-up for background checkpoints), or all of it (a checkpoint was taken).
+enum class SnapshotCopy { none, touched, taken };
 std::vector<PlannedAndMeasured> planned_and_measured(Run& run, ResidentMemory before_model,
-                                                     bool snapshot_taken);
+                                                     SnapshotCopy copy);
 // At the end of training (collective): rank 0 (with the run's `log`; null elsewhere) prints and
 // logs the peak memory of rank 0 and of the largest rank, and each rank's plan against its
 // measurement.
 class MetricsLog;
-void report_memory(Run& run, ResidentMemory before_model, bool snapshot_taken, MetricsLog* log);
+void report_memory(Run& run, ResidentMemory before_model, SnapshotCopy copy, MetricsLog* log);
 
 // A run that cannot fit is refused before anything is allocated (allocating first grows for
 // tens of seconds and then fails somewhere): a ConfigError naming `origin`.

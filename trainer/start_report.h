@@ -12,7 +12,7 @@ void print_dry_run(const Run& run);
 
 // The planner's estimate of a step of this run's layout (trainer/planner.h), on its ranks: their
 // MFU peak (on the CPU, what a rank gets of its node's cores) and the bandwidths (inside a node
-// on the CPU: the one measured at start-up, Run::node_gbps). None (0 s) when the peak is unknown;
+// on the CPU: the one measured at start-up, Run::node.gbps). None (0 s) when the peak is unknown;
 // cluster (optional): the cluster the estimate was made for.
 struct Candidate;
 struct Cluster;

@@ -527,11 +527,11 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
   // a checkpoint's stall, for every_steps = "auto".
   const bool auto_interval = cfg.checkpoint.every_steps == CheckpointConfig::kAutoSteps;
   CheckpointCosts costs{0, 0, cfg.checkpoint.mtbf_hours * 3600};
-  bool snapshot_taken = false;  // the checkpoint's host copy is allocated (the memory plan's)
+  SnapshotCopy snapshot_copy = SnapshotCopy::none;  // what the memory plan counts of it
   if ((cfg.checkpoint.async || auto_interval) &&
       (cfg.checkpoint.every_steps != 0 || cfg.checkpoint.every_minutes > 0)) {
     take_snapshot(run.model, &run.optimizer, run.writes_checkpoint(), run.writer.snapshot());
-    snapshot_taken = true;
+    snapshot_copy = SnapshotCopy::touched;
     if (costs.mtbf_s > 0) {
       const auto t0 = Clock::now();
       take_snapshot(run.model, &run.optimizer, run.writes_checkpoint(), run.writer.snapshot());
@@ -599,7 +599,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
     const auto t0 = Clock::now();
     bool ok = await_writer();  // one write at a time
     run.fill_snapshot(at, protective);
-    snapshot_taken = true;
+    snapshot_copy = SnapshotCopy::taken;
     const Snapshot& snap = run.writer.snapshot();
     const double mb = double(snap.params.size() * (snap.has_moments ? 3 : 1)) * 4 / (1 << 20);
     // In the background unless asked to wait (the final and the signalled checkpoints, or
@@ -767,7 +767,7 @@ int train(const std::string& config_path, const std::vector<std::string>& overri
         step - 1 == std::min<int64_t>(cfg.profile.steps[1], cfg.train.steps - 1))
       finish_profile(run);
   }
-  report_memory(run, before_model, snapshot_taken, log ? &*log : nullptr);
+  report_memory(run, before_model, snapshot_copy, log ? &*log : nullptr);
   if (leader) {
     if (run.scaler.overflows() > 0)
       fmt::print("skipped steps (non-finite gradients): {}, loss scale now {}\n",

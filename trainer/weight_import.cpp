@@ -3,11 +3,13 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <cstdlib>
 #include <functional>
 #include <map>
 
 #include "io/hdf5_file.h"
 #include "io/safetensors.h"
+#include "kernels/cpu/host_memory.h"
 #include "trainer/checkpoint.h"
 #include "trainer/hf_format.h"
 #include "trainer/llmc_format.h"
@@ -80,25 +82,44 @@ class ConvertedSource : public TensorSource {
   Read read_;
 };
 
+// Elements a load reads at a time: 16 MB, or (test hook) TRAINER_TEST_LOAD_PIECE=7 for pieces
+// that cut rows and the blocks of split tensors anywhere.
+int64_t load_piece_elems() {
+  if (const char* spec = std::getenv("TRAINER_TEST_LOAD_PIECE"))
+    if (const long long n = std::atoll(spec); n > 0) return n;
+  return int64_t(1) << 22;
+}
+
 // This rank's elements of the model's tensors, piece by piece: deliver(at, values, n) gets
 // elements [at, at + n) of the flat layout of its parameters. Each rank reads only the boxes of
 // its slices (the values arrive in local order), and a load holds one piece of at most 16 MB,
 // not a copy of the state (which a resumed CPU run held on top of the model: +32% of its plan).
+// `wanted` (when given) says whether a piece is needed at all: a ZeRO rank's optimizer state
+// covers 1/dp of the elements, and it reads only the pieces that overlap its segments.
 using Deliver = std::function<void(int64_t at, const float* values, int64_t n)>;
+using Wanted = std::function<bool(int64_t at, int64_t n)>;
 void for_each_local_piece(const TensorSource& source, const StageExecutor& model,
-                          const Deliver& deliver) {
-  constexpr int64_t kPiece = int64_t(1) << 22;
+                          const Deliver& deliver, const Wanted& wanted = nullptr) {
+  const int64_t piece_elems = load_piece_elems();
   const ParamTable full = param_table(model.config());
-  std::vector<float> piece;
+  HostVector<float> piece;  // handed back to the system when the load ends (host_memory.h)
   for (const ParamInfo& p : model.table().params)
-    for (int64_t at = 0; at < p.local_numel(); at += kPiece) {
-      const int64_t n = std::min(kPiece, p.local_numel() - at);
+    for (int64_t at = 0; at < p.local_numel(); at += piece_elems) {
+      const int64_t n = std::min(piece_elems, p.local_numel() - at);
+      if (wanted && !wanted(p.offset + at, n)) continue;
       std::vector<Box> boxes;
       append_boxes(p, at, n, boxes);
       piece.resize(size_t(n));
       source.read_part(p.name, full.at(p.name).shape, boxes, piece.data());
       deliver(p.offset + at, piece.data(), n);
     }
+}
+
+// Whether any of elements [at, at + n) of the flat layout is in the optimizer's state.
+bool in_state(const AdamW& optimizer, int64_t at, int64_t n) {
+  for (const AdamW::Segment& s : optimizer.segments())
+    if (std::max(at, s.offset) < std::min(at + n, s.offset + s.count)) return true;
+  return false;
 }
 
 // Elements [at, at + n) of the flat layout into the optimizer's state, indexed by its segments.
@@ -166,9 +187,12 @@ void check_safetensors(const SafetensorsFile& f, const ModelConfig& model) {
 
 void load_state(const H5File& f, const std::string& group, const StageExecutor& model,
                 AdamW& optimizer, AdamW::State which) {
-  for_each_local_piece(H5Group(f, group), model, [&](int64_t at, const float* values, int64_t n) {
-    write_state_piece(optimizer, which, at, values, n);
-  });
+  for_each_local_piece(
+      H5Group(f, group), model,
+      [&](int64_t at, const float* values, int64_t n) {
+        write_state_piece(optimizer, which, at, values, n);
+      },
+      [&](int64_t at, int64_t n) { return in_state(optimizer, at, n); });
 }
 
 void load_params(const H5File& f, StageExecutor& model, AdamW* optimizer) {
