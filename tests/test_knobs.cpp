@@ -149,7 +149,8 @@ TEST_F(MpiCli, PlotRunDrawsARunDirectory) {
 // ranks into one file; every transfer of a group (dp, tp) is an event on the group's track with
 // the bytes it sent (together, what the run logged for those steps) and its wait on the calling
 // thread's; rank 0 prints the table of its phases, top operators and transfers. Steps outside
-// the window record nothing, and a run without [profile] writes no trace.
+// the window record nothing, and a run without [profile] writes no trace. Every CPU operator is
+// an event: the matrix multiplies and attention with their FLOPs, the others without.
 TEST_F(MpiCli, ProfileTracesEveryPhaseOfTheChosenSteps) {
   const auto r = mpirun(4,
                         "--set train.steps=4 --set parallel.dp=2 --set parallel.tp=2 "
@@ -166,6 +167,7 @@ TEST_F(MpiCli, ProfileTracesEveryPhaseOfTheChosenSteps) {
     const nlohmann::json trace = nlohmann::json::parse(in);
     std::vector<std::pair<double, double>> steps, inside;  // [begin, end) in microseconds
     int matmuls = 0, layers = 0, waits = 0;
+    std::set<std::string> ops;
     std::map<std::string, double> traced_bytes;                    // by group
     std::map<int, std::vector<std::pair<double, double>>> tracks;  // by tid
     for (const auto& e : trace["traceEvents"]) {
@@ -184,6 +186,7 @@ TEST_F(MpiCli, ProfileTracesEveryPhaseOfTheChosenSteps) {
         EXPECT_GT(e["args"]["flops"].get<double>(), 0);
       }
       layers += e["cat"] == "layer";
+      if (e["cat"] == "op") ops.insert(e["name"].get<std::string>());
       waits += e["cat"] == "comm_wait";
       if (e["cat"] == "collective") {  // "all_reduce tp", on the group's own track
         const std::string name = e["name"];
@@ -224,6 +227,16 @@ TEST_F(MpiCli, ProfileTracesEveryPhaseOfTheChosenSteps) {
     }
     ASSERT_EQ(steps.size(), 2u);
     EXPECT_GT(matmuls, 0);
+    // The CPU's other operators too: a GPT-2 step's norms, activations, embedding, loss and
+    // optimizer (each one span, 16-bit staging included).
+    for (const char* op :
+         {"encoder_forward", "encoder_backward", "layernorm_forward", "layernorm_backward",
+          "gelu_forward", "gelu_backward", "residual_forward", "crossentropy_finish",
+          "crossentropy_backward", "adamw_update", "attention_forward", "attention_backward"})
+      EXPECT_TRUE(ops.count(op)) << op;
+    if (rank == 0) {  // the first replica sums the squares of the gradient norm
+      EXPECT_TRUE(ops.count("sum_squares"));
+    }
     EXPECT_EQ(layers, 2 * 2 * cli_model().n_layer);  // 2 steps x (forward, backward) x blocks
     for (const auto& [b, end] : steps) {
       double covered = 0;

@@ -170,7 +170,10 @@ class CpuKernels final : public Kernels {
             dtype};
   }
   void free(DPtr p) override { free_host_memory(p.p); }
-  void zero(DPtr p, int64_t elems) override { std::memset(p.p, 0, elems * dtype_size(p.dtype)); }
+  void zero(DPtr p, int64_t elems) override {
+    const OpSpan span(meter_, "zero");
+    std::memset(p.p, 0, elems * dtype_size(p.dtype));
+  }
   void copy_to_host(void* dst, DPtr src, int64_t elems) override {
     std::memcpy(dst, src.p, elems * dtype_size(src.dtype));
   }
@@ -182,6 +185,7 @@ class CpuKernels final : public Kernels {
 
   void encoder_forward(DPtr out, const int32_t* tokens, DPtr wte, DPtr wpe, int B, int T, int C,
                        VocabSlice v) override {
+    const OpSpan span(meter_, "encoder_forward");
     if (Staging::any_half({out, wte, wpe})) {
       Staging s(pool_);
       return encoder_forward(s.out(out, int64_t(B) * T * C), tokens,
@@ -195,6 +199,7 @@ class CpuKernels final : public Kernels {
   }
   void encoder_backward(DPtr dwte, DPtr dwpe, DPtr dout, const int32_t* tokens, int B, int T, int C,
                         VocabSlice v) override {
+    const OpSpan span(meter_, "encoder_backward");
     if (Staging::any_half({dwte, dwpe, dout})) {
       Staging s(pool_);
       return encoder_backward(s.inout(dwte, int64_t(v.width) * C), s.inout(dwpe, int64_t(T) * C),
@@ -207,6 +212,7 @@ class CpuKernels final : public Kernels {
   }
   void layernorm_forward(DPtr out, DPtr mean, DPtr rstd, DPtr inp, DPtr weight, DPtr bias,
                          int64_t N, int C) override {
+    const OpSpan span(meter_, "layernorm_forward");
     if (Staging::any_half({out, mean, rstd, inp, weight, bias})) {
       Staging s(pool_);
       return layernorm_forward(s.out(out, N * C), s.out(mean, N), s.out(rstd, N), s.in(inp, N * C),
@@ -219,6 +225,7 @@ class CpuKernels final : public Kernels {
   }
   void layernorm_backward(DPtr dinp, DPtr dweight, DPtr dbias, DPtr dout, DPtr inp, DPtr weight,
                           DPtr mean, DPtr rstd, int64_t N, int C) override {
+    const OpSpan span(meter_, "layernorm_backward");
     if (Staging::any_half({dinp, dweight, dbias, dout, inp, weight, mean, rstd})) {
       Staging s(pool_);
       return layernorm_backward(s.inout(dinp, N * C), s.inout(dweight, C), s.inout(dbias, C),
@@ -233,6 +240,7 @@ class CpuKernels final : public Kernels {
   }
   void rmsnorm_forward(DPtr out, DPtr rstd, DPtr inp, DPtr weight, int64_t N, int C,
                        float eps) override {
+    const OpSpan span(meter_, "rmsnorm_forward");
     if (Staging::any_half({out, rstd, inp, weight})) {
       Staging s(pool_);
       return rmsnorm_forward(s.out(out, N * C), s.out(rstd, N), s.in(inp, N * C), s.in(weight, C),
@@ -244,6 +252,7 @@ class CpuKernels final : public Kernels {
   }
   void rmsnorm_backward(DPtr dinp, DPtr dweight, DPtr dout, DPtr inp, DPtr weight, DPtr rstd,
                         int64_t N, int C) override {
+    const OpSpan span(meter_, "rmsnorm_backward");
     if (Staging::any_half({dinp, dweight, dout, inp, weight, rstd})) {
       Staging s(pool_);
       return rmsnorm_backward(s.inout(dinp, N * C), s.inout(dweight, C), s.in(dout, N * C),
@@ -367,6 +376,7 @@ class CpuKernels final : public Kernels {
     rope(dqkv, cos_sin, B, T, NH, NKV, hs, pos0, true);
   }
   void swiglu_forward(DPtr out, DPtr gate_up, int64_t N, int F) override {
+    const OpSpan span(meter_, "swiglu_forward");
     if (Staging::any_half({out, gate_up})) {
       Staging s(pool_);
       return swiglu_forward(s.out(out, N * F), s.in(gate_up, 2 * N * F), N, F);
@@ -375,6 +385,7 @@ class CpuKernels final : public Kernels {
              [&]<class S>(S) { cpu::swiglu_forward(out.as<S>(), gate_up.as<S>(), N, F); });
   }
   void swiglu_backward(DPtr d_gate_up, DPtr dout, DPtr gate_up, int64_t N, int F) override {
+    const OpSpan span(meter_, "swiglu_backward");
     if (Staging::any_half({d_gate_up, dout, gate_up})) {
       Staging s(pool_);
       return swiglu_backward(s.out(d_gate_up, 2 * N * F), s.in(dout, N * F),
@@ -386,6 +397,7 @@ class CpuKernels final : public Kernels {
   }
   void dropout(DPtr x, int64_t n, float p, uint64_t seed, int64_t offset) override {
     if (p == 0) return;  // a no-op, and no 16-bit staging round trip either
+    const OpSpan span(meter_, "dropout");
     if (Staging::any_half({x})) {
       Staging s(pool_);
       return dropout(s.inout(x, n), n, p, seed, offset);
@@ -393,6 +405,7 @@ class CpuKernels final : public Kernels {
     dispatch(x.dtype, [&]<class S>(S) { cpu::dropout(x.as<S>(), n, p, seed, offset); });
   }
   void gelu_forward(DPtr out, DPtr inp, int64_t n) override {
+    const OpSpan span(meter_, "gelu_forward");
     if (Staging::any_half({out, inp})) {
       Staging s(pool_);
       return gelu_forward(s.out(out, n), s.in(inp, n), n);
@@ -400,6 +413,7 @@ class CpuKernels final : public Kernels {
     dispatch(out.dtype, [&]<class S>(S) { cpu::gelu_forward(out.as<S>(), inp.as<S>(), n); });
   }
   void gelu_backward(DPtr dinp, DPtr inp, DPtr dout, int64_t n) override {
+    const OpSpan span(meter_, "gelu_backward");
     if (Staging::any_half({dinp, inp, dout})) {
       Staging s(pool_);
       return gelu_backward(s.out(dinp, n), s.in(inp, n), s.in(dout, n), n);
@@ -408,6 +422,7 @@ class CpuKernels final : public Kernels {
              [&]<class S>(S) { cpu::gelu_backward(dinp.as<S>(), inp.as<S>(), dout.as<S>(), n); });
   }
   void residual_forward(DPtr out, DPtr a, DPtr b, int64_t n) override {
+    const OpSpan span(meter_, "residual_forward");
     if (Staging::any_half({out, a, b})) {
       Staging s(pool_);
       return residual_forward(s.out(out, n), s.in(a, n), s.in(b, n), n);
@@ -416,6 +431,7 @@ class CpuKernels final : public Kernels {
              [&]<class S>(S) { cpu::residual_forward(out.as<S>(), a.as<S>(), b.as<S>(), n); });
   }
   void crossentropy_max(DPtr rowmax, DPtr logits, int64_t N, VocabSlice v) override {
+    const OpSpan span(meter_, "crossentropy_max");
     if (Staging::any_half({rowmax, logits})) {
       Staging s(pool_);
       return crossentropy_max(s.out(rowmax, N), s.in(logits, N * v.width), N, v);
@@ -425,6 +441,7 @@ class CpuKernels final : public Kernels {
   }
   void crossentropy_sumexp(DPtr sumexp, DPtr target_logit, DPtr logits, DPtr rowmax,
                            const int32_t* targets, int64_t N, VocabSlice v) override {
+    const OpSpan span(meter_, "crossentropy_sumexp");
     if (Staging::any_half({sumexp, target_logit, logits, rowmax})) {
       Staging s(pool_);
       return crossentropy_sumexp(s.out(sumexp, N), s.out(target_logit, N),
@@ -437,6 +454,7 @@ class CpuKernels final : public Kernels {
   }
   double crossentropy_finish(DPtr losses, DPtr probs, DPtr rowmax, DPtr sumexp, DPtr target_logit,
                              int64_t N, VocabSlice v) override {
+    const OpSpan span(meter_, "crossentropy_finish");
     if (Staging::any_half({losses, probs, rowmax, sumexp, target_logit})) {
       Staging s(pool_);
       return crossentropy_finish(s.out(losses, N), s.inout(probs, N * v.width), s.in(rowmax, N),
@@ -449,6 +467,7 @@ class CpuKernels final : public Kernels {
   }
   void crossentropy_backward(DPtr probs, const int32_t* targets, float dloss, int64_t N,
                              VocabSlice v) override {
+    const OpSpan span(meter_, "crossentropy_backward");
     if (Staging::any_half({probs})) {
       Staging s(pool_);
       return crossentropy_backward(s.inout(probs, N * v.width), targets, dloss, N, v);
@@ -457,6 +476,7 @@ class CpuKernels final : public Kernels {
              [&]<class S>(S) { cpu::crossentropy_backward(probs.as<S>(), targets, dloss, N, v); });
   }
   void convert(DPtr dst, DPtr src, int64_t n, uint64_t stochastic_seed) override {
+    const OpSpan span(meter_, "convert");
     if (dst.dtype == src.dtype) {
       if (dst.p != src.p) std::memcpy(dst.p, src.p, n * dtype_size(dst.dtype));
       return;
@@ -486,11 +506,13 @@ class CpuKernels final : public Kernels {
     });
   }
   double sum_squares(DPtr x, const std::vector<Range>& ranges) override {
+    const OpSpan span(meter_, "sum_squares");
     double total = 0;
     for (const Range& r : ranges) total += sum_squares(x + r.offset, r.count);
     return total;
   }
   double sum_squares(DPtr x, int64_t n) override {
+    const OpSpan span(meter_, "sum_squares");
     if (Staging::any_half({x})) {
       Staging s(pool_);
       return sum_squares(s.in(x, n), n);
@@ -499,6 +521,7 @@ class CpuKernels final : public Kernels {
   }
   void adamw_update(DPtr param, DPtr grad, DPtr m, DPtr v, int64_t n,
                     const AdamWArgs& args) override {
+    const OpSpan span(meter_, "adamw_update");
     if (Staging::any_half({param, grad, m, v})) {
       Staging s(pool_);
       return adamw_update(s.inout(param, n), s.in(grad, n), s.inout(m, n), s.inout(v, n), n, args);
@@ -512,6 +535,7 @@ class CpuKernels final : public Kernels {
   // RoPE forward or (inverse) backward. The table is fp32 whatever the activations; f64
   // arguments rotate by its angles widened to double.
   void rope(DPtr qkv, DPtr cos_sin, int B, int T, int NH, int NKV, int hs, int pos0, bool inverse) {
+    const OpSpan span(meter_, inverse ? "rope_backward" : "rope_forward");
     if (cos_sin.dtype != DType::f32)
       throw std::invalid_argument("rope: the cos/sin table must be f32, not " +
                                   std::string(dtype_name(cos_sin.dtype)));
