@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -84,7 +85,9 @@ class Trace {
   std::atomic<bool> recording_{false};
   std::atomic<Clock::rep> since_{0};  // when the recording last began
   mutable std::mutex mu_;
-  std::vector<Event> events_;
+  // A deque: recording an event never moves the ones before it (a vector's growth copied every
+  // event so far inside the traced step, 80-100 us at the end of a 1.3 ms one).
+  std::deque<Event> events_;
   std::vector<std::thread::id> threads_;
   std::vector<std::string> tracks_;  // tids kTrackBase + i
   static constexpr int kTrackBase = 1000;
