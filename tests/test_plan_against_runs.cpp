@@ -17,6 +17,22 @@
 namespace trainer {
 namespace {
 
+// The memory plan a run logged at its end (metrics.jsonl): each rank's planned, measured and
+// bound MB (report_memory).
+struct LoggedPlan {
+  nlohmann::json planned, measured, bound;
+};
+LoggedPlan logged_memory_plan(const std::string& out) {
+  LoggedPlan p;
+  std::ifstream in(out + "/metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.contains("memory_planned_mb"))
+      p = {j["memory_planned_mb"], j["memory_measured_mb"], j["memory_bound_mb"]};
+  }
+  return p;
+}
+
 // Each rank's memory plan against its measured peak, for 20 layouts of a Llama of 10 blocks (384
 // wide, 16M parameters; T 64; one process, and 2 and 4 ranks): the peak resident memory above
 // what the process held before the model was allocated, less the file pages mapped since (the
@@ -82,14 +98,7 @@ TEST_F(MpiCli, EachRankHoldsWhatThePlanSays) {
     const std::string out = path("plan_" + std::to_string(&c - cases.data()));
     const auto r = mpirun(c.ranks, model + c.settings + " --set run.out_dir=" + quoted(out));
     ASSERT_EQ(r.code, 0) << c.name << "\n" << r.output;
-    nlohmann::json planned, measured, bound;
-    std::ifstream in(out + "/metrics.jsonl");
-    for (std::string line; std::getline(in, line);) {
-      auto j = nlohmann::json::parse(line);
-      if (j.contains("memory_planned_mb"))
-        planned = j["memory_planned_mb"], measured = j["memory_measured_mb"],
-        bound = j["memory_bound_mb"];
-    }
+    const auto [planned, measured, bound] = logged_memory_plan(out);
     ASSERT_EQ(planned.size(), size_t(c.ranks)) << c.name;
     std::string row;
     for (int rank = 0; rank < c.ranks; rank++) {
@@ -129,14 +138,7 @@ TEST_F(MpiCli, TheCheckpointCopyTouchedAtStartUpIsPlanned) {
     const std::string out = path("out");
     const auto r = mpirun(ranks, model + layout + "--set run.out_dir=" + quoted(out));
     ASSERT_EQ(r.code, 0) << r.output;
-    nlohmann::json planned, measured, bound;
-    std::ifstream in(out + "/metrics.jsonl");
-    for (std::string line; std::getline(in, line);) {
-      auto j = nlohmann::json::parse(line);
-      if (j.contains("memory_planned_mb"))
-        planned = j["memory_planned_mb"], measured = j["memory_measured_mb"],
-        bound = j["memory_bound_mb"];
-    }
+    const auto [planned, measured, bound] = logged_memory_plan(out);
     ASSERT_EQ(planned.size(), size_t(ranks)) << r.output;
     EXPECT_GT(double(planned[0]), 300) << r.output;  // the copy (190 MB) included
     for (int rank = 0; rank < ranks; rank++) {
