@@ -40,7 +40,7 @@ fail() {
 pass() { printf 'PASS %s\n' "$1"; }
 
 stop_cluster() {
-  [[ -f $tmp/slurm.conf ]] && scancel --full --quiet --user=root 2>/dev/null
+  [[ -f $tmp/slurm.conf ]] && timeout 10 scancel --full --quiet --user=root 2>/dev/null
   local f
   for f in slurmctld slurmd munged; do
     [[ -f $tmp/$f.pid ]] && kill "$(cat "$tmp/$f.pid")" 2>/dev/null
@@ -60,16 +60,19 @@ cleanup() {
 trap cleanup EXIT
 
 # --- the cluster ------------------------------------------------------------------------------
-# Two free ports for slurmctld and slurmd.
+# Two free ports for slurmctld and slurmd, below the kernel's ephemeral range: outgoing
+# connections take ports there at any moment, and once one took slurmctld's between this check
+# and its bind (slurmctld died with "Address already in use" and the test waited 600 s).
+ephemeral=$(awk '{print $1}' /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null)
+ephemeral=${ephemeral:-32768}
 free_port() {
   local p
   while :; do
-    p=$((20000 + RANDOM % 40000))
-    ss -ltn 2>/dev/null | grep -q ":$p " || ss -ltn 2>/dev/null | grep -q ":$((p + 1)) " || break
+    p=$((10000 + RANDOM % (ephemeral - 10002)))
+    ss -tanH 2>/dev/null | awk '{print $4}' | grep -qE ":($p|$((p + 1)))\$" || break
   done
   echo "$p"
 }
-port=$(free_port)
 host=$(hostname -s)
 cpus=$(nproc)
 mem=$(($(free -m | awk '/^Mem:/ {print $2}') / 2))
@@ -80,9 +83,14 @@ munged --force --key-file="$tmp/munge.key" --socket="$tmp/munge.sock" \
   --pid-file="$tmp/munged.pid" --log-file="$tmp/munged.log" --seed-file="$tmp/munged.seed" ||
   skip "munged does not start here"
 : >"$tmp/plugstack.conf"
-# cred_expire=5 and sched_interval=1: a requeued job is eligible again after about 6 s (the
-# default is 2 minutes). OverSubscribe: the test's own srun runs beside nothing else anyway.
-cat >"$tmp/slurm.conf" <<EOF
+alive() { [[ -f $tmp/$1.pid ]] && kill -0 "$(cat "$tmp/$1.pid")" 2>/dev/null; }
+export SLURM_CONF=$tmp/slurm.conf
+# Up to three ports: a daemon that cannot bind its port exits, and the next try takes others.
+for ((try = 1; try <= 3; try++)); do
+  port=$(free_port)
+  # cred_expire=5 and sched_interval=1: a requeued job is eligible again after about 6 s (the
+  # default is 2 minutes). OverSubscribe: the test's own srun runs beside nothing else anyway.
+  cat >"$tmp/slurm.conf" <<EOF
 ClusterName=trainertest
 SlurmctldHost=$host
 SlurmUser=root
@@ -112,15 +120,26 @@ MinJobAge=3600
 NodeName=$host CPUs=$cpus RealMemory=$mem State=UNKNOWN
 PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
 EOF
-export SLURM_CONF=$tmp/slurm.conf
-slurmctld -f "$SLURM_CONF" || skip "slurmctld does not start here"
-slurmd -f "$SLURM_CONF" || skip "slurmd does not start here"
-for ((i = 0; i < 100; i++)); do
-  [[ $(sinfo -h -o %t 2>/dev/null) == idle ]] && break
-  sleep 0.2
+  rm -f "$tmp"/slurmctld.pid "$tmp"/slurmd.pid
+  slurmctld -f "$SLURM_CONF" || skip "slurmctld does not start here"
+  slurmd -f "$SLURM_CONF" || skip "slurmd does not start here"
+  # The node comes up within 20 s, unless a daemon died (each sinfo bounded: without a
+  # controller it waits for its timeouts).
+  for ((i = 0; i < 100; i++)); do
+    [[ $(timeout 5 sinfo -h -o %t 2>/dev/null) == idle ]] && break
+    alive slurmctld && alive slurmd || break
+    sleep 0.2
+  done
+  [[ $(timeout 5 sinfo -h -o %t 2>/dev/null) == idle ]] && break
+  echo "cluster: not up on ports $port-$((port + 1)) (try $try): $(tail -n 1 "$tmp/slurmctld.log" 2>/dev/null)"
+  stop_cluster
+  rm -rf "$tmp/state" "$tmp/spool"
+  mkdir -p "$tmp/state" "$tmp/spool"
+  munged --force --key-file="$tmp/munge.key" --socket="$tmp/munge.sock" \
+    --pid-file="$tmp/munged.pid" --log-file="$tmp/munged.log" --seed-file="$tmp/munged.seed"
 done
-[[ $(sinfo -h -o %t 2>/dev/null) == idle ]] || {
-  fail cluster "the node did not come up: $(sinfo 2>&1)"
+[[ $(timeout 5 sinfo -h -o %t 2>/dev/null) == idle ]] || {
+  fail cluster "the node did not come up: $(timeout 5 sinfo 2>&1)"
   exit 1
 }
 echo "cluster up: node $host, $cpus CPUs, ports $port-$((port + 1))"
