@@ -195,20 +195,20 @@ class Kernels {
   // out(B,T,C). What the forward keeps in `att` for the backward: the softmax probabilities
   // (B,NH,T,T) in the activation dtype; or, where this is false, each row's log-sum-exp
   // (B,NH,T) in fp32, the probabilities being recomputed by blocks in backward
-  // (kernels/blocked_attention.h), which then needs no datt.
+  // (kernels/blocked_attention.h).
   virtual bool attention_keeps_probabilities() const { return true; }
   virtual void attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH,
                                  int NKV) = 0;
-  // dqkv = ; datt is scratch of att's size; out is the forward's output
-  virtual void attention_backward(DPtr dqkv, DPtr datt, DPtr dout, DPtr qkv, DPtr out, DPtr att,
-                                  int B, int T, int C, int NH, int NKV) = 0;
+  // dqkv = the gradient of qkv from out's gradient dout; out is the forward's output
+  virtual void attention_backward(DPtr dqkv, DPtr dout, DPtr qkv, DPtr out, DPtr att, int B, int T,
+                                  int C, int NH, int NKV) = 0;
   // Multi-head attention (GPT-2): qkv(B,T,3C).
   void attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH) {
     attention_forward(out, att, qkv, B, T, C, NH, NH);
   }
-  void attention_backward(DPtr dqkv, DPtr datt, DPtr dout, DPtr qkv, DPtr out, DPtr att, int B,
-                          int T, int C, int NH) {
-    attention_backward(dqkv, datt, dout, qkv, out, att, B, T, C, NH, NH);
+  void attention_backward(DPtr dqkv, DPtr dout, DPtr qkv, DPtr out, DPtr att, int B, int T, int C,
+                          int NH) {
+    attention_backward(dqkv, dout, qkv, out, att, B, T, C, NH, NH);
   }
   // Inference over a key/value cache, one sequence: qkv(T, C + 2 NKV hs) holds positions
   // [0, T); the queries of rows [q0, T) attend causally to keys [0, their position].

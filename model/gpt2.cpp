@@ -86,13 +86,12 @@ class Gpt2 final : public ModelDefinition {
   // parallelism, d_full: a whole (B T, C) gradient gathered from the ranks' rows (or in forward
   // a projection's partial output), and d_local: this rank's rows of a reduce-scattered one.
   // ring: ring attention's six buffers (context parallelism).
-  enum Scratch { d_ln, d_qkv, d_att, d_atty, d_fch, d_drop, d_full, d_local, ring };
-  std::vector<ActSpec> backward_scratch(int64_t B, int64_t T, bool keeps_probs) const override {
+  enum Scratch { d_ln, d_qkv, d_atty, d_fch, d_drop, d_full, d_local, ring };
+  std::vector<ActSpec> backward_scratch(int64_t B, int64_t T) const override {
     const int64_t BT = B * T;
     const bool sp = shard_.sequence_parallel;
     std::vector<ActSpec> v = {{BT * C_},
                               {BT * 3 * Cl_},
-                              {probs_kept(keeps_probs) ? B * NHl_ * T * T : 0},
                               {BT * Cl_},
                               {BT * 4 * Cl_},
                               {cfg_.dropout > 0 ? BT * C_ : 0},
@@ -177,8 +176,7 @@ class Gpt2 final : public ModelDefinition {
     k.matmul_backward(s[d_atty], G(c, w.proj_w), G(c, w.proj_b), d_attn, a[atty], P(c, w.proj_w),
                       BT, Cl_, C_);
     c.tick();
-    attention_backward(c, s[d_qkv], s[d_att], s[d_atty], a[qkv], a[atty], a[att], Cl_, NHl_, NHl_,
-                       s + ring);
+    attention_backward(c, s[d_qkv], s[d_atty], a[qkv], a[atty], a[att], Cl_, NHl_, NHl_, s + ring);
     c.tick();
     k.matmul_backward(s[d_ln], G(c, w.qkv_w), G(c, w.qkv_b), s[d_qkv], a[ln1], P(c, w.qkv_w), BT,
                       C_, 3 * Cl_);

@@ -73,13 +73,12 @@ class Llama final : public ModelDefinition {
   // (or in forward a projection's partial output), and d_local: this rank's rows of a
   // reduce-scattered one.
   // ring: ring attention's six buffers (context parallelism).
-  enum Scratch { d_norm, d_qkv, d_att, d_atty, d_gate_up, d_swi, d_full, d_local, ring };
-  std::vector<ActSpec> backward_scratch(int64_t B, int64_t T, bool keeps_probs) const override {
+  enum Scratch { d_norm, d_qkv, d_atty, d_gate_up, d_swi, d_full, d_local, ring };
+  std::vector<ActSpec> backward_scratch(int64_t B, int64_t T) const override {
     const int64_t BT = B * T;
     const bool sp = shard_.sequence_parallel;
     std::vector<ActSpec> v = {{BT * C_},
                               {BT * QKVl_},
-                              {probs_kept(keeps_probs) ? B * NHl_ * T * T : 0},
                               {BT * Cl_},
                               {BT * 2 * Fl_},
                               {BT * Fl_},
@@ -168,8 +167,7 @@ class Llama final : public ModelDefinition {
     const DPtr d_res2 = leave_backward(c, d_res, s[d_full], C_);
     k.matmul_backward(s[d_atty], G(c, w.wo), DPtr{}, d_res2, a[atty], P(c, w.wo), BT, Cl_, C_);
     c.tick();
-    attention_backward(c, s[d_qkv], s[d_att], s[d_atty], a[qkv], a[atty], a[att], Cl_, NHl_, NKVl_,
-                       s + ring);
+    attention_backward(c, s[d_qkv], s[d_atty], a[qkv], a[atty], a[att], Cl_, NHl_, NKVl_, s + ring);
     c.tick();
     // The gradient of the rotated q and k, rotated back (qkv holds them rotated).
     rope(c, s[d_qkv], true);

@@ -48,11 +48,10 @@ void ModelDefinition::attention(const LayerCall& c, DPtr out, DPtr att, DPtr qkv
   if (combined.p != out.p) c.k.convert(out, combined, int64_t(c.B) * c.T * C, 0);
 }
 
-void ModelDefinition::attention_backward(const LayerCall& c, DPtr dqkv, DPtr datt, DPtr dout,
-                                         DPtr qkv, DPtr out, DPtr att, int C, int NH, int NKV,
+void ModelDefinition::attention_backward(const LayerCall& c, DPtr dqkv, DPtr dout, DPtr qkv,
+                                         DPtr out, DPtr att, int C, int NH, int NKV,
                                          const DPtr* ring) {
-  if (!c.split())
-    return c.k.attention_backward(dqkv, datt, dout, qkv, out, att, c.B, c.T, C, NH, NKV);
+  if (!c.split()) return c.k.attention_backward(dqkv, dout, qkv, out, att, c.B, c.T, C, NH, NKV);
   // The keys and values go round again, each with its gradient so far (ring[2] and ring[3] in
   // turn); after the last step every rank has received its own keys' and values' gradient. The
   // query gradients are summed in ring[5] (fp32 with 16-bit activations, as the travelling ones).

@@ -127,7 +127,7 @@ class ModelDefinition {
   virtual std::vector<ActSpec> head_activations(int64_t B, int64_t T) const = 0;
   // Backward's working memory, shared by the layers and the head (the residual stream's
   // gradient aside: the executor's).
-  virtual std::vector<ActSpec> backward_scratch(int64_t B, int64_t T, bool keeps_probs) const = 0;
+  virtual std::vector<ActSpec> backward_scratch(int64_t B, int64_t T) const = 0;
 
   // Constant tables (RoPE's angles), made once per backend and freed with it.
   virtual void prepare(Kernels&, int /*max_T*/) {}
@@ -163,10 +163,9 @@ class ModelDefinition {
   // being the six buffers of ring_scratch() in the definition's backward scratch.
   static void attention(const LayerCall& c, DPtr out, DPtr att, DPtr qkv, int C, int NH, int NKV,
                         const DPtr* ring);
-  // dqkv = the gradient of qkv, from out's gradient dout (datt: scratch of att's size where the
-  // probabilities are kept).
-  static void attention_backward(const LayerCall& c, DPtr dqkv, DPtr datt, DPtr dout, DPtr qkv,
-                                 DPtr out, DPtr att, int C, int NH, int NKV, const DPtr* ring);
+  // dqkv = the gradient of qkv, from out's gradient dout.
+  static void attention_backward(const LayerCall& c, DPtr dqkv, DPtr dout, DPtr qkv, DPtr out,
+                                 DPtr att, int C, int NH, int NKV, const DPtr* ring);
   // Whether attention keeps its probabilities for backward: where the backend does
   // (keeps_probs), and the sequence is not split (ring attention keeps log-sum-exps).
   bool probs_kept(bool keeps_probs) const { return keeps_probs && shard_.cp_size == 1; }

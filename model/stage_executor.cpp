@@ -136,7 +136,7 @@ StageExecutor::Plan StageExecutor::plan(const ModelDefinition& def, int max_B, i
   }
   // Backward scratch, shared by the slots.
   p.d_res = p.take(stream);
-  p.scratch = p.take(def.backward_scratch(max_B, max_T, keeps_probs));
+  p.scratch = p.take(def.backward_scratch(max_B, max_T));
   return p;
 }
 

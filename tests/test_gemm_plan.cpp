@@ -199,10 +199,9 @@ TEST(GemmPlan, BlockedAttentionIsTheCpusAttention) {
     DPtr qkv_d = d.upload(qkv), dout_d = d.upload(dout);
     DPtr out_ref = d.upload(std::vector<double>(BT * C)),
          att = d.upload(std::vector<double>(BT * NH * T));
-    DPtr dqkv_ref = d.upload(std::vector<double>(BT * width)),
-         datt = d.upload(std::vector<double>(BT * NH * T));
+    DPtr dqkv_ref = d.upload(std::vector<double>(BT * width));
     d.k->attention_forward(out_ref, att, qkv_d, B, T, C, NH, NKV);
-    d.k->attention_backward(dqkv_ref, datt, dout_d, qkv_d, out_ref, att, B, T, C, NH, NKV);
+    d.k->attention_backward(dqkv_ref, dout_d, qkv_d, out_ref, att, B, T, C, NH, NKV);
     const auto expected_out = d.download<double>(out_ref, BT * C);
     const auto expected_dqkv = d.download<double>(dqkv_ref, BT * width);
 

@@ -106,8 +106,8 @@ TEST_F(GradCheck, CausalAttention) {
   DPtr out = d.upload(Vec(B * T * C)), att = d.upload(Vec(B * NH * T * T));
   DPtr qkvd = d.upload(qkv);
   d.k->attention_forward(out, att, qkvd, B, T, C, NH);
-  DPtr dqkv = d.upload(Vec(B * T * 3 * C)), datt = d.upload(Vec(B * NH * T * T));
-  d.k->attention_backward(dqkv, datt, d.upload(r), qkvd, out, att, B, T, C, NH);
+  DPtr dqkv = d.upload(Vec(B * T * 3 * C));
+  d.k->attention_backward(dqkv, d.upload(r), qkvd, out, att, B, T, C, NH);
   expect_gradient(f, qkv, d.download<double>(dqkv, B * T * 3 * C), "dqkv");
 }
 
@@ -149,8 +149,8 @@ TEST_F(GradCheck, GroupedQueryAttention) {
     DPtr out = d.upload(Vec(B * T * C)), att = d.upload(Vec(B * NH * T * T));
     DPtr qkvd = d.upload(qkv);
     d.k->attention_forward(out, att, qkvd, B, T, C, NH, NKV);
-    DPtr dqkv = d.upload(Vec(B * T * W)), datt = d.upload(Vec(B * NH * T * T));
-    d.k->attention_backward(dqkv, datt, d.upload(r), qkvd, out, att, B, T, C, NH, NKV);
+    DPtr dqkv = d.upload(Vec(B * T * W));
+    d.k->attention_backward(dqkv, d.upload(r), qkvd, out, att, B, T, C, NH, NKV);
     expect_gradient(f, qkv, d.download<double>(dqkv, B * T * W),
                     "dqkv, NKV " + std::to_string(NKV));
   }

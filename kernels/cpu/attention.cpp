@@ -11,6 +11,7 @@
 
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/fast_math.h"
+#include "kernels/cpu/tile_product.h"
 
 namespace trainer::cpu {
 namespace {
@@ -32,87 +33,160 @@ struct QkvLayout {
   int64_t value_column(int h) const { return values + int64_t(h / group) * hs; }
 };
 
+int ceil_div(int a, int b) {
+  return (a + b - 1) / b;
+}
+
+// The per-thread buffers of one head's fused attention (kernels/cpu/tile_product.h): keys or
+// values packed once per head as panels, and one block of kBlock query rows' scores (padded to
+// whole panels) and outputs (padded to whole panels of the head size).
+template <class T>
+struct HeadPanels {
+  static constexpr int lanes = Simd<T>::lanes;
+  int T_, hs, padded_T, padded_hs, head_panels;
+  HeadPanels(int length, int head_size)
+      : T_(length),
+        hs(head_size),
+        padded_T(ceil_div(length, lanes) * lanes),
+        padded_hs(ceil_div(head_size, lanes) * lanes),
+        head_panels(padded_hs / lanes) {}
+  size_t transposed_size() const { return size_t(padded_T) * hs; }  // T x hs, transposed
+  size_t columns_size() const { return size_t(padded_hs) * T_; }    // T x hs, by columns
+  size_t block_rows_size() const { return size_t(kBlock) * padded_T; }
+  size_t block_out_size() const { return size_t(kBlock) * padded_hs; }
+  T* block_row(std::vector<T>& v, int i) const { return v.data() + int64_t(i) * padded_T; }
+  T* block_out_row(std::vector<T>& v, int i) const { return v.data() + int64_t(i) * padded_hs; }
+};
+
 }  // namespace
 
 template <class T>
 void attention_forward(T* out, T* att, const T* qkv, int B, int T_, int C, int NH, int NKV) {
   const QkvLayout l(C, NH, NKV);
-  const int hs = l.hs;
+  const HeadPanels<T> p(T_, l.hs);
+  const int hs = l.hs, L = p.lanes;
   const int64_t W = l.width;
   const T scale = T(1) / std::sqrt(T(hs));
-#pragma omp parallel for schedule(static)
-  for (int bh = 0; bh < B * NH; bh++) {
-    const int b = bh / NH, h = bh % NH;
-    const T* row0 = qkv + int64_t(b) * T_ * W;
-    const T *Q = row0 + l.query_column(h), *K = row0 + l.key_column(h),
-            *V = row0 + l.value_column(h);
-    T* A = att + int64_t(bh) * T_ * T_;
-    T* O = out + int64_t(b) * T_ * C + int64_t(h) * hs;
-    for (int r0 = 0; r0 < T_; r0 += kBlock) {
-      const int r1 = std::min(T_, r0 + kBlock);
-      gemm<T>(false, true, r1 - r0, r1, hs, scale, Q + r0 * W, W, K, W, T(0), A + int64_t(r0) * T_,
-              T_);
-      for (int i = r0; i < r1; i++) {
-        T* row = A + int64_t(i) * T_;
-        const T mx = row_max(row, i + 1);
-        scale_row(row, i + 1, T(1) / exp_shifted(row, i + 1, mx));
-        std::fill(row + i + 1, row + T_, T(0));
+#pragma omp parallel
+  {
+    std::vector<T> keys(p.transposed_size()), values(p.columns_size()), scores(p.block_rows_size()),
+        rows_out(p.block_out_size());
+#pragma omp for schedule(static)
+    for (int bh = 0; bh < B * NH; bh++) {
+      const int b = bh / NH, h = bh % NH;
+      const T* row0 = qkv + int64_t(b) * T_ * W;
+      const T* Q = row0 + l.query_column(h);
+      pack_transposed_panels(keys.data(), row0 + l.key_column(h), W, T_, hs);
+      pack_column_panels(values.data(), row0 + l.value_column(h), W, T_, hs);
+      T* A = att + int64_t(bh) * T_ * T_;
+      T* O = out + int64_t(b) * T_ * C + int64_t(h) * hs;
+      for (int r0 = 0; r0 < T_; r0 += kBlock) {
+        const int r1 = std::min(T_, r0 + kBlock);
+        // Scores, each group of rows over the key panels up to its last row's diagonal.
+        for (int i = r0; i < r1; i += kTileRows) {
+          const int rows = std::min(kTileRows, r1 - i);
+          product_rows<T>(rows, Q + i * W, W, 1, hs, keys.data(), int64_t(hs) * L,
+                          ceil_div(i + rows, L), p.block_row(scores, i - r0), p.padded_T, scale,
+                          false);
+        }
+        // Probabilities into att, 0 above the diagonal (read below, and by the backward).
+        for (int i = r0; i < r1; i++) {
+          T* s = p.block_row(scores, i - r0);
+          T* a = A + int64_t(i) * T_;
+          const T inv = T(1) / exp_shifted(s, i + 1, row_max(s, i + 1));
+#pragma omp simd
+          for (int j = 0; j <= i; j++) a[j] = s[j] * inv;
+          std::fill(a + i + 1, a + T_, T(0));
+        }
+        // out = P V, each group of rows over the keys up to its last row.
+        for (int i = r0; i < r1; i += kTileRows) {
+          const int rows = std::min(kTileRows, r1 - i);
+          product_rows<T>(rows, A + int64_t(i) * T_, T_, 1, i + rows, values.data(),
+                          int64_t(T_) * L, p.head_panels, p.block_out_row(rows_out, i - r0),
+                          p.padded_hs, T(1), false);
+        }
+        for (int i = r0; i < r1; i++)
+          std::copy_n(p.block_out_row(rows_out, i - r0), hs, O + int64_t(i) * C);
       }
-      gemm<T>(false, false, r1 - r0, hs, r1, T(1), A + int64_t(r0) * T_, T_, V, W, T(0),
-              O + int64_t(r0) * C, C);
     }
   }
 }
 
 template <class T>
-void attention_backward(T* dqkv, T* datt, const T* dout, const T* qkv, const T* att, int B, int T_,
-                        int C, int NH, int NKV) {
+void attention_backward(T* dqkv, const T* dout, const T* qkv, const T* att, int B, int T_, int C,
+                        int NH, int NKV) {
   const QkvLayout l(C, NH, NKV);
-  const int hs = l.hs;
+  const HeadPanels<T> p(T_, l.hs);
+  const int hs = l.hs, L = p.lanes;
   const int64_t W = l.width;
   const T scale = T(1) / std::sqrt(T(hs));
-#pragma omp parallel for schedule(static)
-  for (int bkv = 0; bkv < B * NKV; bkv++) {
-    const int b = bkv / NKV, kv = bkv % NKV;
-    const int64_t row0 = int64_t(b) * T_ * W;
-    const T *K = qkv + row0 + l.keys + int64_t(kv) * hs,
-            *V = qkv + row0 + l.values + int64_t(kv) * hs;
-    T *dK = dqkv + row0 + l.keys + int64_t(kv) * hs,
-      *dV = dqkv + row0 + l.values + int64_t(kv) * hs;
-    for (int g = 0; g < l.group; g++) {
-      const int h = kv * l.group + g;
-      const int64_t bh = int64_t(b) * NH + h;
-      const T* Q = qkv + row0 + l.query_column(h);
-      T* dQ = dqkv + row0 + l.query_column(h);
-      const T* A = att + bh * T_ * T_;
-      T* dA = datt + bh * T_ * T_;
-      const T* dO = dout + int64_t(b) * T_ * C + int64_t(h) * hs;
-      // The group's first query head overwrites dK and dV, the others add to them.
-      const T accumulate = g == 0 ? T(0) : T(1);
-
-      for (int r0 = 0; r0 < T_; r0 += kBlock) {
-        const int r1 = std::min(T_, r0 + kBlock);
-        // datt = dout @ V^T for this row block; then softmax backward in place. Entries above
-        // the diagonal inside the block are zeroed because the GEMMs below read them.
-        gemm<T>(false, true, r1 - r0, r1, hs, T(1), dO + int64_t(r0) * C, C, V, W, T(0),
-                dA + int64_t(r0) * T_, T_);
-        for (int i = r0; i < r1; i++) {
-          const T* a = A + int64_t(i) * T_;
-          T* d = dA + int64_t(i) * T_;
-          softmax_backward_row(d, a, i + 1, dot_row(a, d, i + 1));
-          std::fill(d + i + 1, d + r1, T(0));
+#pragma omp parallel
+  {
+    std::vector<T> keys(p.columns_size()), values(p.transposed_size()), dS(p.block_rows_size()),
+        rows_out(p.block_out_size()), queries(p.block_out_size()), douts(p.block_out_size()),
+        dK(p.columns_size()), dV(p.columns_size());
+#pragma omp for schedule(static)
+    for (int bkv = 0; bkv < B * NKV; bkv++) {
+      const int b = bkv / NKV, kv = bkv % NKV;
+      const int64_t row0 = int64_t(b) * T_ * W;
+      const T *K = qkv + row0 + l.keys + int64_t(kv) * hs,
+              *V = qkv + row0 + l.values + int64_t(kv) * hs;
+      pack_column_panels(keys.data(), K, W, T_, hs);
+      pack_transposed_panels(values.data(), V, W, T_, hs);
+      // dK and dV rows as the tiles write them (row-major, padded_hs wide), summed over the
+      // group's query heads.
+      std::fill(dK.begin(), dK.end(), T(0));
+      std::fill(dV.begin(), dV.end(), T(0));
+      for (int g = 0; g < l.group; g++) {
+        const int h = kv * l.group + g;
+        const T* Q = qkv + row0 + l.query_column(h);
+        T* dQ = dqkv + row0 + l.query_column(h);
+        const T* A = att + (int64_t(b) * NH + h) * T_ * T_;
+        const T* dO = dout + int64_t(b) * T_ * C + int64_t(h) * hs;
+        for (int r0 = 0; r0 < T_; r0 += kBlock) {
+          const int r1 = std::min(T_, r0 + kBlock), n = r1 - r0;
+          pack_column_panels(queries.data(), Q + r0 * W, W, n, hs);
+          pack_column_panels(douts.data(), dO + int64_t(r0) * C, C, n, hs);
+          // dP = dout V^T, then the softmax backward in place: dS = P (dP - P . dP). Entries
+          // above the diagonal inside the block are zeroed because the products below read them.
+          for (int i = r0; i < r1; i += kTileRows) {
+            const int rows = std::min(kTileRows, r1 - i);
+            product_rows<T>(rows, dO + int64_t(i) * C, C, 1, hs, values.data(), int64_t(hs) * L,
+                            ceil_div(i + rows, L), p.block_row(dS, i - r0), p.padded_T, T(1),
+                            false);
+          }
+          for (int i = r0; i < r1; i++) {
+            const T* a = A + int64_t(i) * T_;
+            T* d = p.block_row(dS, i - r0);
+            softmax_backward_row(d, a, i + 1, dot_row(a, d, i + 1));
+            std::fill(d + i + 1, d + r1, T(0));
+          }
+          // dQ = scale dS K over the causal prefix.
+          for (int i = r0; i < r1; i += kTileRows) {
+            const int rows = std::min(kTileRows, r1 - i);
+            product_rows<T>(rows, p.block_row(dS, i - r0), p.padded_T, 1, i + rows, keys.data(),
+                            int64_t(T_) * L, p.head_panels, p.block_out_row(rows_out, i - r0),
+                            p.padded_hs, scale, false);
+          }
+          for (int i = r0; i < r1; i++)
+            std::copy_n(p.block_out_row(rows_out, i - r0), hs, dQ + int64_t(i) * W);
+          // dK += scale dS^T Q and dV += P^T dout: key j receives from the block's rows i >= j.
+          for (int j = 0; j < r1; j += kTileRows) {
+            const int keys_here = std::min(kTileRows, r1 - j), k0 = std::max(r0, j);
+            product_rows<T>(keys_here, p.block_row(dS, k0 - r0) + j, 1, p.padded_T, r1 - k0,
+                            queries.data() + int64_t(k0 - r0) * L, int64_t(n) * L, p.head_panels,
+                            dK.data() + int64_t(j) * p.padded_hs, p.padded_hs, scale, true);
+            product_rows<T>(keys_here, A + int64_t(k0) * T_ + j, 1, T_, r1 - k0,
+                            douts.data() + int64_t(k0 - r0) * L, int64_t(n) * L, p.head_panels,
+                            dV.data() + int64_t(j) * p.padded_hs, p.padded_hs, T(1), true);
+          }
         }
-        // dQ = scale * dpre @ K over the causal prefix.
-        gemm<T>(false, false, r1 - r0, hs, r1, scale, dA + int64_t(r0) * T_, T_, K, W, T(0),
-                dQ + r0 * W, W);
       }
-      for (int c0 = 0; c0 < T_; c0 += kBlock) {
-        const int c1 = std::min(T_, c0 + kBlock);
-        // Key/value j only receives gradient from queries i >= j.
-        gemm<T>(true, false, c1 - c0, hs, T_ - c0, scale, dA + int64_t(c0) * T_ + c0, T_,
-                Q + c0 * W, W, accumulate, dK + c0 * W, W);
-        gemm<T>(true, false, c1 - c0, hs, T_ - c0, T(1), A + int64_t(c0) * T_ + c0, T_,
-                dO + int64_t(c0) * C, C, accumulate, dV + c0 * W, W);
+      T *dKout = dqkv + row0 + l.keys + int64_t(kv) * hs,
+        *dVout = dqkv + row0 + l.values + int64_t(kv) * hs;
+      for (int j = 0; j < T_; j++) {
+        std::copy_n(dK.data() + int64_t(j) * p.padded_hs, hs, dKout + j * W);
+        std::copy_n(dV.data() + int64_t(j) * p.padded_hs, hs, dVout + j * W);
       }
     }
   }
@@ -336,13 +410,12 @@ void attention_part_backward(T* dq, T* dkv, const T* dout, const T* q, const T* 
   }
 }
 
-#define INSTANTIATE(T)                                                                          \
-  template void attention_forward<T>(T*, T*, const T*, int, int, int, int, int);                \
-  template void attention_backward<T>(T*, T*, const T*, const T*, const T*, int, int, int, int, \
-                                      int);                                                     \
-  template void attention_inference<T>(T*, const T*, int, int, int, int, int);                  \
-  template void attention_part_forward<T>(T*, T*, const T*, const T*, const AttentionPart&);    \
-  template void attention_part_backward<T>(T*, T*, const T*, const T*, const T*, const T*,      \
+#define INSTANTIATE(T)                                                                            \
+  template void attention_forward<T>(T*, T*, const T*, int, int, int, int, int);                  \
+  template void attention_backward<T>(T*, const T*, const T*, const T*, int, int, int, int, int); \
+  template void attention_inference<T>(T*, const T*, int, int, int, int, int);                    \
+  template void attention_part_forward<T>(T*, T*, const T*, const T*, const AttentionPart&);      \
+  template void attention_part_backward<T>(T*, T*, const T*, const T*, const T*, const T*,        \
                                            const T*, const AttentionPart&);
 INSTANTIATE(float)
 INSTANTIATE(double)

@@ -308,19 +308,19 @@ class CpuKernels final : public Kernels {
       });
     });
   }
-  void attention_backward(DPtr dqkv, DPtr datt, DPtr dout, DPtr qkv, DPtr /*out*/, DPtr att, int B,
-                          int T, int C, int NH, int NKV) override {
-    if (Staging::any_half({dqkv, datt, dout, qkv, att})) {
+  void attention_backward(DPtr dqkv, DPtr dout, DPtr qkv, DPtr /*out*/, DPtr att, int B, int T,
+                          int C, int NH, int NKV) override {
+    if (Staging::any_half({dqkv, dout, qkv, att})) {
       Staging s(pool_);
       const int64_t qkv_elems = int64_t(B) * T * qkv_width(C, NH, NKV);
-      return attention_backward(s.out(dqkv, qkv_elems), s.out(datt, int64_t(B) * NH * T * T),
-                                s.in(dout, int64_t(B) * T * C), s.in(qkv, qkv_elems), DPtr{},
-                                s.in(att, int64_t(B) * NH * T * T), B, T, C, NH, NKV);
+      return attention_backward(s.out(dqkv, qkv_elems), s.in(dout, int64_t(B) * T * C),
+                                s.in(qkv, qkv_elems), DPtr{}, s.in(att, int64_t(B) * NH * T * T), B,
+                                T, C, NH, NKV);
     }
     meter_.timed("attention_backward", 2 * causal_attention_flops(B, T, C), [&] {
       dispatch(dout.dtype, [&]<class S>(S) {
-        cpu::attention_backward(dqkv.as<S>(), datt.as<S>(), dout.as<S>(), qkv.as<S>(), att.as<S>(),
-                                B, T, C, NH, NKV);
+        cpu::attention_backward(dqkv.as<S>(), dout.as<S>(), qkv.as<S>(), att.as<S>(), B, T, C, NH,
+                                NKV);
       });
     });
   }

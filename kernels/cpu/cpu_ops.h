@@ -46,8 +46,8 @@ void matmul_backward(T* dinp, T* dw, T* dbias, const T* dout, const T* inp, cons
 template <class T>
 void attention_forward(T* out, T* att, const T* qkv, int B, int T_, int C, int NH, int NKV);
 template <class T>
-void attention_backward(T* dqkv, T* datt, const T* dout, const T* qkv, const T* att, int B, int T_,
-                        int C, int NH, int NKV);
+void attention_backward(T* dqkv, const T* dout, const T* qkv, const T* att, int B, int T_, int C,
+                        int NH, int NKV);
 // Ring attention's parts (kernels/kernels.h, AttentionPart).
 template <class T>
 void attention_part_forward(T* out, T* lse, const T* q, const T* kv, const AttentionPart& p);

@@ -253,8 +253,8 @@ class CudaKernels final : public Kernels {
   using Kernels::attention_forward;
   void attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH,
                          int NKV) override;
-  void attention_backward(DPtr dqkv, DPtr datt, DPtr dout, DPtr qkv, DPtr out, DPtr att, int B,
-                          int T, int C, int NH, int NKV) override;
+  void attention_backward(DPtr dqkv, DPtr dout, DPtr qkv, DPtr out, DPtr att, int B, int T, int C,
+                          int NH, int NKV) override;
   void attention_inference(DPtr out, DPtr qkv, int T, int q0, int C, int NH, int NKV) override {
     cuda::attention_inference(compute_, out, qkv, T, q0, C, NH, NKV);
   }
@@ -525,8 +525,8 @@ void CudaKernels::attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, 
   });
 }
 
-void CudaKernels::attention_backward(DPtr dqkv, DPtr /*datt*/, DPtr dout, DPtr qkv, DPtr out,
-                                     DPtr att, int B, int T, int C, int NH, int NKV) {
+void CudaKernels::attention_backward(DPtr dqkv, DPtr dout, DPtr qkv, DPtr out, DPtr att, int B,
+                                     int T, int C, int NH, int NKV) {
   if (int64_t(B) * T == 0) return;
   const AttentionShape shape{B, T, C, NH, NKV};
   CudaAttentionSteps steps(compute_, *gemm_);

@@ -1,0 +1,116 @@
+#pragma once
+// Small register-tiled products for the attention kernels, where the operands are a few rows of
+// a matrix in cache and a strip of "panels" packed once per head. OpenBLAS answers each of these
+// calls by packing both operands again and zeroing C in a separate pass; for attention's short
+// inner dimension (the head size) and causal shapes that overhead, not the multiply-adds, set
+// the pace. Written with GCC vector types of the widest registers -march gives (zmm with
+// AVX-512), so one source serves float and double.
+//
+// A panel holds `lanes` columns of a matrix, row after row: element (k, l) of panel n sits at
+// panels[n * panel_stride + k * lanes + l]. The left operand X is read through two strides, so
+// that the same tile multiplies by X (row r, column k at x[r * rs + k * ks], rs = ld, ks = 1) and
+// by X^T (rs = 1, ks = ld).
+#include <cstdint>
+#include <cstring>
+
+namespace trainer::cpu {
+
+#if defined(__AVX512F__)
+constexpr int kVectorBytes = 64;
+constexpr int kTilePanels = 4;  // 6 x 4 accumulators + 4 panel vectors + 1 in 32 registers
+#elif defined(__AVX__)
+constexpr int kVectorBytes = 32;
+constexpr int kTilePanels = 2;  // 6 x 2 accumulators + 2 + 1 in 16 registers
+#else
+constexpr int kVectorBytes = 16;
+constexpr int kTilePanels = 2;
+#endif
+constexpr int kTileRows = 6;
+
+template <class T>
+struct Simd {
+  typedef T Vec __attribute__((vector_size(kVectorBytes)));
+  static constexpr int lanes = kVectorBytes / int(sizeof(T));
+  static Vec load(const T* p) {
+    Vec v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  }
+  static void store(T* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+};
+
+// C(R rows, NC panels) = alpha * sum over k < kn of X(r, k) * panel row k [+ C when `add`].
+template <class T, int R, int NC>
+inline void product_tile(const T* x, int64_t rs, int64_t ks, int64_t kn, const T* panels,
+                         int64_t panel_stride, T* c, int64_t ldc, T alpha, bool add) {
+  using S = Simd<T>;
+  typename S::Vec acc[R][NC] = {};
+  for (int64_t k = 0; k < kn; k++) {
+    typename S::Vec b[NC];
+    for (int n = 0; n < NC; n++) b[n] = S::load(panels + n * panel_stride + k * S::lanes);
+    for (int r = 0; r < R; r++) {
+      const T a = x[r * rs + k * ks];
+      for (int n = 0; n < NC; n++) acc[r][n] += a * b[n];
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int n = 0; n < NC; n++) {
+      T* out = c + r * ldc + n * S::lanes;
+      typename S::Vec v = alpha * acc[r][n];
+      if (add) v += S::load(out);
+      S::store(out, v);
+    }
+}
+
+// The compile-time tile shapes for a run-time count: the largest NC <= kTilePanels that fits.
+template <class T, int R, int NC = kTilePanels>
+inline void product_panels(const T* x, int64_t rs, int64_t ks, int64_t kn, const T* panels,
+                           int64_t panel_stride, int npanels, T* c, int64_t ldc, T alpha,
+                           bool add) {
+  if constexpr (NC > 0) {
+    int n = 0;
+    for (; n + NC <= npanels; n += NC)
+      product_tile<T, R, NC>(x, rs, ks, kn, panels + n * panel_stride, panel_stride,
+                             c + n * Simd<T>::lanes, ldc, alpha, add);
+    product_panels<T, R, NC - 1>(x, rs, ks, kn, panels + n * panel_stride, panel_stride,
+                                 npanels - n, c + n * Simd<T>::lanes, ldc, alpha, add);
+  }
+}
+
+// C(rows, npanels * lanes) = alpha * X(rows, kn) @ panels(kn, npanels * lanes) [+ C], for
+// rows <= kTileRows (callers step through their rows, each group with its own causal range).
+template <class T, int R = kTileRows>
+inline void product_rows(int rows, const T* x, int64_t rs, int64_t ks, int64_t kn, const T* panels,
+                         int64_t panel_stride, int npanels, T* c, int64_t ldc, T alpha, bool add) {
+  if constexpr (R > 0) {
+    if (rows == R)
+      return product_panels<T, R>(x, rs, ks, kn, panels, panel_stride, npanels, c, ldc, alpha, add);
+    product_rows<T, R - 1>(rows, x, rs, ks, kn, panels, panel_stride, npanels, c, ldc, alpha, add);
+  }
+}
+
+// Packs rows [0, rows) x columns [0, cols) of a row-major matrix (leading dimension ld) as
+// panels of its columns (panel stride rows * lanes), zero past `cols`.
+template <class T>
+void pack_column_panels(T* panels, const T* a, int64_t ld, int64_t rows, int cols) {
+  const int L = Simd<T>::lanes;
+  for (int n = 0; n * L < cols; n++)
+    for (int64_t k = 0; k < rows; k++) {
+      T* dst = panels + (n * rows + k) * L;
+      for (int l = 0; l < L; l++) dst[l] = n * L + l < cols ? a[k * ld + n * L + l] : T(0);
+    }
+}
+
+// Packs the transpose of rows [0, rows) x columns [0, cols) as panels of its columns: panel n
+// holds rows n * lanes... of `a` as columns (panel stride cols * lanes), zero past `rows`.
+template <class T>
+void pack_transposed_panels(T* panels, const T* a, int64_t ld, int64_t rows, int cols) {
+  const int L = Simd<T>::lanes;
+  for (int64_t n = 0; n * L < rows; n++)
+    for (int k = 0; k < cols; k++) {
+      T* dst = panels + (n * cols + k) * L;
+      for (int l = 0; l < L; l++) dst[l] = n * L + l < rows ? a[(n * L + l) * ld + k] : T(0);
+    }
+}
+
+}  // namespace trainer::cpu

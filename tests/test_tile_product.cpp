@@ -1,0 +1,85 @@
+// The fused attention's register tiles (kernels/cpu/tile_product.h) against a naive double
+// product: every row count up to a tile's, panel counts that need one, two and three tile widths
+// (with the narrower remainders), X read as a matrix and as a transpose, alpha and accumulation;
+// and the packing of column and transposed panels with their zero padding.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "kernels/cpu/tile_product.h"
+#include "tests/test_util.h"
+
+namespace trainer::cpu {
+namespace {
+
+using test::all_close;
+using test::random_vector;
+
+template <class T>
+void check_products() {
+  const int L = Simd<T>::lanes;
+  const int64_t kn = 37, ld = 53;  // k not a multiple of anything, X's rows longer than needed
+  const std::vector<T> x = random_vector<T>(size_t(kn) * ld, 1);
+  for (int npanels = 1; npanels <= 2 * kTilePanels + 1; npanels++) {
+    const int64_t stride = kn * L + 3;  // panels need not be adjacent
+    const std::vector<T> panels = random_vector<T>(size_t(npanels) * stride, 2);
+    for (int rows = 1; rows <= kTileRows; rows++)
+      for (bool transposed : {false, true})
+        for (bool add : {false, true}) {
+          SCOPED_TRACE(testing::Message() << "panels " << npanels << " rows " << rows
+                                          << (transposed ? " X^T" : " X") << (add ? " +C" : ""));
+          // X(r, k): row r, column k of x, or row k, column r of it.
+          const int64_t rs = transposed ? 1 : ld, ks = transposed ? ld : 1;
+          const int64_t ldc = int64_t(npanels) * L + 5;
+          std::vector<T> c = random_vector<T>(size_t(rows) * ldc, 3);
+          std::vector<double> want(c.size());
+          const T alpha = T(0.75);
+          for (int r = 0; r < rows; r++)
+            for (int64_t col = 0; col < ldc; col++) {
+              double& w = want[r * ldc + col];
+              w = double(c[r * ldc + col]);
+              if (col >= int64_t(npanels) * L) continue;  // past the panels: untouched
+              double sum = 0;
+              for (int64_t k = 0; k < kn; k++)
+                sum += double(x[r * rs + k * ks]) *
+                       double(panels[(col / L) * stride + k * L + col % L]);
+              w = alpha * sum + (add ? w : 0.0);
+            }
+          product_rows<T>(rows, x.data(), rs, ks, kn, panels.data(), stride, npanels, c.data(), ldc,
+                          alpha, add);
+          EXPECT_TRUE(all_close(c, want, 1e-5, 1e-5));
+        }
+  }
+}
+
+TEST(TileProduct, MatchesTheNaiveProductForEveryTileShape) {
+  check_products<float>();
+  check_products<double>();
+}
+
+TEST(TileProduct, PanelsHoldTheMatrixAndZerosPastIt) {
+  const int L = Simd<float>::lanes;
+  const int64_t rows = 2 * L + 3, ld = 70;
+  const int cols = L + 5;
+  const std::vector<float> a = random_vector(size_t(rows) * ld, 4);
+  const int col_panels = (cols + L - 1) / L, row_panels = int((rows + L - 1) / L);
+  std::vector<float> by_columns(size_t(col_panels) * rows * L, 9.0f),
+      transposed(size_t(row_panels) * cols * L, 9.0f);
+  pack_column_panels(by_columns.data(), a.data(), ld, rows, cols);
+  pack_transposed_panels(transposed.data(), a.data(), ld, rows, cols);
+  for (int n = 0; n < col_panels; n++)
+    for (int64_t k = 0; k < rows; k++)
+      for (int l = 0; l < L; l++) {
+        const int col = n * L + l;
+        EXPECT_EQ(by_columns[(n * rows + k) * L + l], col < cols ? a[k * ld + col] : 0.0f);
+      }
+  for (int n = 0; n < row_panels; n++)
+    for (int k = 0; k < cols; k++)
+      for (int l = 0; l < L; l++) {
+        const int64_t row = int64_t(n) * L + l;
+        EXPECT_EQ(transposed[(n * cols + k) * L + l], row < rows ? a[row * ld + k] : 0.0f);
+      }
+}
+
+}  // namespace
+}  // namespace trainer::cpu
