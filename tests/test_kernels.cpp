@@ -217,13 +217,14 @@ TEST(Kernels, AttentionForwardBackward) {
 // rank's key/value gradients summed over the ranks that saw them, its gradient. Double
 // precision, so the sums' order is the only difference: 1e-12. Multi-head, grouped and
 // multi-query, T = 8 per rank with cp = 4 (chunks of 4) and T = 80 with cp = 2 (chunks of 40
-// over the kernel's 64-row blocks).
+// over the kernel's 64-row blocks); head sizes 2 and 20 (one and three vector panels, CPU).
 TEST(Kernels, RingAttentionPartsAreTheWholeAttention) {
   Device d;
-  const int B = 2, C = 12, NH = 6, hs = C / NH;
-  for (auto [cp, T] : {std::array{2, 160}, std::array{4, 32}})
+  const int B = 2, NH = 6;
+  for (auto [cp, T, C] : {std::array{2, 160, 12}, std::array{4, 32, 12}, std::array{2, 160, 120}})
     for (int NKV : {NH, NH / 3, 1}) {
-      SCOPED_TRACE(testing::Message() << "cp " << cp << ", NKV " << NKV);
+      SCOPED_TRACE(testing::Message() << "cp " << cp << ", C " << C << ", NKV " << NKV);
+      const int hs = C / NH;
       const int W = C + 2 * NKV * hs, Tl = T / cp;
       const ContextParallel ring(0, cp, {});
       auto qkv = random_vector<double>(size_t(B) * T * W, 31),

@@ -399,7 +399,7 @@ TEST_F(MpiCli, ContextParallelTrainsEightThousandTokenSequences) {
       if (j.contains("loss")) steps.back().push_back({j["loss"], j["grad_norm"]});
     }
   }
-  EXPECT_GT(activations[0], 3000);
+  EXPECT_GT(activations[0], 2000);
   EXPECT_LT(activations[2], 100);
   ASSERT_EQ(steps[0].size(), 2u);
   ASSERT_EQ(steps[1].size(), 2u);

@@ -257,6 +257,41 @@ std::array<int, 2> run_widths(const AttentionPart& p, const std::array<KeyRun, 2
   return w;
 }
 
+// One head's keys and values for a part, packed run by run (kernels/cpu/tile_product.h): run k's
+// scores start at column `column[k]` of a block row (whole panels each), its transposed panels
+// at `transposed[k]` and its column panels at `columns[k]`.
+template <class T>
+struct PartPanels {
+  static constexpr int lanes = Simd<T>::lanes;
+  std::array<KeyRun, 2> runs;
+  std::array<int64_t, 2> column, transposed, columns;
+  int64_t row_width;  // a block row's scores: both runs, padded
+  int hs, padded_hs, head_panels;
+  PartPanels(const AttentionPart& p)
+      : runs(key_runs(p)),
+        hs(p.C / p.NH),
+        padded_hs(ceil_div(p.C / p.NH, lanes) * lanes),
+        head_panels(padded_hs / lanes) {
+    const int64_t padded0 = int64_t(ceil_div(runs[0].end - runs[0].begin, lanes)) * lanes;
+    column = {0, padded0};
+    row_width = padded0 + int64_t(ceil_div(runs[1].end - runs[1].begin, lanes)) * lanes;
+    transposed = {0, padded0 * hs};
+    columns = {0, int64_t(runs[0].end - runs[0].begin) * padded_hs};
+  }
+  int length(int k) const { return runs[k].end - runs[k].begin; }
+  size_t transposed_size() const { return size_t(row_width) * hs; }
+  size_t columns_size() const { return size_t(runs[1].end) * padded_hs; }
+  // Rows [begin, end) of a run of keys or values (leading dimension ld), packed.
+  void pack_transposed(T* panels, const T* a, int64_t ld) const {
+    for (int k = 0; k < 2; k++)
+      pack_transposed_panels(panels + transposed[k], a + runs[k].begin * ld, ld, length(k), hs);
+  }
+  void pack_columns(T* panels, const T* a, int64_t ld) const {
+    for (int k = 0; k < 2; k++)
+      pack_column_panels(panels + columns[k], a + runs[k].begin * ld, ld, length(k), hs);
+  }
+};
+
 }  // namespace
 
 int64_t attention_part_pairs(const AttentionPart& p) {
@@ -270,59 +305,72 @@ int64_t attention_part_pairs(const AttentionPart& p) {
 template <class T>
 void attention_part_forward(T* out, T* lse, const T* q, const T* kv, const AttentionPart& p) {
   const QkvLayout l(p.C, p.NH, p.NKV);
-  const int hs = l.hs, T_ = p.T, C = p.C;
-  const int64_t W = l.width;
+  const PartPanels<T> pp(p);
+  const int hs = l.hs, T_ = p.T, C = p.C, L = pp.lanes;
+  const int64_t W = l.width, SW = pp.row_width;
   const T scale = T(1) / std::sqrt(T(hs));
-  const auto runs = key_runs(p);
+  const auto& runs = pp.runs;
 #pragma omp parallel
   {
-    std::vector<T> S(size_t(kBlock) * std::max(T_, 1)), O(size_t(kBlock) * hs);
+    std::vector<T> keys(pp.transposed_size()), values(pp.columns_size()), S(size_t(kBlock) * SW),
+        O(size_t(kBlock) * pp.padded_hs);
 #pragma omp for schedule(static)
     for (int bh = 0; bh < p.B * p.NH; bh++) {
       const int b = bh / p.NH, h = bh % p.NH;
       const int64_t row0 = int64_t(b) * T_ * W;
-      const T *Q = q + row0 + l.query_column(h), *K = kv + row0 + l.key_column(h),
-              *V = kv + row0 + l.value_column(h);
+      const T* Q = q + row0 + l.query_column(h);
+      pp.pack_transposed(keys.data(), kv + row0 + l.key_column(h), W);
+      pp.pack_columns(values.data(), kv + row0 + l.value_column(h), W);
       T* Out = out + int64_t(b) * T_ * C + int64_t(h) * hs;
       T* Lse = lse + int64_t(bh) * T_;
       for (int r0 = 0; r0 < T_; r0 += kBlock) {
         const int r1 = std::min(T_, r0 + kBlock), rows = r1 - r0;
         const std::array<int, 2> width = run_widths(p, runs, r0, r1);
-        for (int k = 0; k < 2; k++)
-          if (width[k] > 0)
-            gemm<T>(false, true, rows, width[k], hs, scale, Q + r0 * W, W, K + runs[k].begin * W, W,
-                    T(0), S.data() + runs[k].begin, T_);
+        for (int i = r0; i < r1; i += kTileRows) {
+          const int n = std::min(kTileRows, r1 - i);
+          const std::array<int, 2> w = run_widths(p, runs, i, i + n);
+          for (int k = 0; k < 2; k++)
+            if (w[k] > 0)
+              product_rows<T>(n, Q + i * W, W, 1, hs, keys.data() + pp.transposed[k],
+                              int64_t(hs) * L, ceil_div(w[k], L),
+                              S.data() + (i - r0) * SW + pp.column[k], SW, scale, false);
+        }
         // Each row's softmax over its visible keys: probabilities (normalised within the part)
-        // in place of the scores, 0 elsewhere in the GEMMs' columns.
+        // in place of the scores, 0 elsewhere in the products' columns.
         std::vector<T> part_lse(size_t(rows), -INFINITY);
         for (int i = r0; i < r1; i++) {
-          T* s = S.data() + int64_t(i - r0) * T_;
+          T* s = S.data() + int64_t(i - r0) * SW;
           const int pos = p.queries.position(i);
           T mx = -INFINITY;
-          for (const KeyRun& r : runs) mx = std::max(mx, row_max(s + r.begin, r.visible(pos)));
+          for (int k = 0; k < 2; k++)
+            mx = std::max(mx, row_max(s + pp.column[k], runs[k].visible(pos)));
           T sum = 0;
           for (int k = 0; k < 2; k++) {
             const int seen = runs[k].visible(pos);
-            sum += exp_shifted(s + runs[k].begin, seen, mx);
-            std::fill(s + runs[k].begin + seen, s + runs[k].begin + width[k], T(0));
+            sum += exp_shifted(s + pp.column[k], seen, mx);
+            std::fill(s + pp.column[k] + seen, s + pp.column[k] + width[k], T(0));
           }
           if (sum == 0) continue;  // no key of the part is visible
-          for (const KeyRun& r : runs) scale_row(s + r.begin, r.visible(pos), T(1) / sum);
+          for (int k = 0; k < 2; k++) scale_row(s + pp.column[k], runs[k].visible(pos), T(1) / sum);
           part_lse[i - r0] = mx + std::log(sum);
         }
-        bool any = false;
-        for (int k = 0; k < 2; k++)
-          if (width[k] > 0) {
-            gemm<T>(false, false, rows, hs, width[k], T(1), S.data() + runs[k].begin, T_,
-                    V + runs[k].begin * W, W, any ? T(1) : T(0), O.data(), hs);
-            any = true;
-          }
+        // This part's output of each row; rows that see none of its keys are not read below.
+        for (int i = r0; i < r1; i += kTileRows) {
+          const int n = std::min(kTileRows, r1 - i);
+          const std::array<int, 2> w = run_widths(p, runs, i, i + n);
+          for (int k = 0; k < 2; k++)
+            if (w[k] > 0)
+              product_rows<T>(n, S.data() + (i - r0) * SW + pp.column[k], SW, 1, w[k],
+                              values.data() + pp.columns[k], int64_t(pp.length(k)) * L,
+                              pp.head_panels, O.data() + int64_t(i - r0) * pp.padded_hs,
+                              pp.padded_hs, T(1), k == 1 && w[0] > 0);
+        }
         // The online softmax: out and lse so far (over earlier parts) and this part's, weighted
         // by their shares of the combined normaliser.
         for (int i = r0; i < r1; i++) {
           const T lp = part_lse[i - r0];
           T* o = Out + int64_t(i) * C;
-          const T* op = O.data() + int64_t(i - r0) * hs;
+          const T* op = O.data() + int64_t(i - r0) * pp.padded_hs;
           if (p.first) {
             Lse[i] = lp;
             for (int e = 0; e < hs; e++) o[e] = std::isinf(lp) ? T(0) : op[e];
@@ -344,13 +392,17 @@ template <class T>
 void attention_part_backward(T* dq, T* dkv, const T* dout, const T* q, const T* kv, const T* out,
                              const T* lse, const AttentionPart& p) {
   const QkvLayout l(p.C, p.NH, p.NKV);
-  const int hs = l.hs, T_ = p.T, C = p.C;
-  const int64_t W = l.width;
+  const PartPanels<T> pp(p);
+  const int hs = l.hs, T_ = p.T, C = p.C, L = pp.lanes, hsp = pp.padded_hs;
+  const int64_t W = l.width, SW = pp.row_width;
   const T scale = T(1) / std::sqrt(T(hs));
-  const auto runs = key_runs(p);
+  const auto& runs = pp.runs;
 #pragma omp parallel
   {
-    std::vector<T> P(size_t(kBlock) * std::max(T_, 1)), dP(P.size());
+    std::vector<T> keys_t(pp.transposed_size()), keys(pp.columns_size()),
+        values_t(pp.transposed_size()), P(size_t(kBlock) * SW), dP(P.size()),
+        rows_out(size_t(kBlock) * hsp), queries(rows_out.size()), douts(rows_out.size()),
+        dK(pp.columns_size()), dV(pp.columns_size());
     // Threads split over key/value heads: each accumulates its own dK and dV (and its group's
     // dQ), so no two write one gradient.
 #pragma omp for schedule(static)
@@ -359,8 +411,11 @@ void attention_part_backward(T* dq, T* dkv, const T* dout, const T* q, const T* 
       const int64_t row0 = int64_t(b) * T_ * W;
       const T *K = kv + row0 + l.keys + int64_t(kvh) * hs,
               *V = kv + row0 + l.values + int64_t(kvh) * hs;
-      T *dK = dkv + row0 + l.keys + int64_t(kvh) * hs,
-        *dV = dkv + row0 + l.values + int64_t(kvh) * hs;
+      pp.pack_transposed(keys_t.data(), K, W);
+      pp.pack_columns(keys.data(), K, W);
+      pp.pack_transposed(values_t.data(), V, W);
+      std::fill(dK.begin(), dK.end(), T(0));
+      std::fill(dV.begin(), dV.end(), T(0));
       for (int g = 0; g < l.group; g++) {
         const int h = kvh * l.group + g;
         const T* Q = q + row0 + l.query_column(h);
@@ -369,43 +424,75 @@ void attention_part_backward(T* dq, T* dkv, const T* dout, const T* q, const T* 
                 *dO = dout + int64_t(b) * T_ * C + int64_t(h) * hs;
         const T* Lse = lse + (int64_t(b) * p.NH + h) * T_;
         for (int r0 = 0; r0 < T_; r0 += kBlock) {
-          const int r1 = std::min(T_, r0 + kBlock), rows = r1 - r0;
+          const int r1 = std::min(T_, r0 + kBlock), n = r1 - r0;
           const std::array<int, 2> width = run_widths(p, runs, r0, r1);
-          for (int k = 0; k < 2; k++)
-            if (width[k] > 0) {
-              const int64_t j0 = runs[k].begin;
-              gemm<T>(false, true, rows, width[k], hs, scale, Q + r0 * W, W, K + j0 * W, W, T(0),
-                      P.data() + j0, T_);
-              gemm<T>(false, true, rows, width[k], hs, T(1), dO + int64_t(r0) * C, C, V + j0 * W, W,
-                      T(0), dP.data() + j0, T_);
-            }
+          pack_column_panels(queries.data(), Q + r0 * W, W, n, hs);
+          pack_column_panels(douts.data(), dO + int64_t(r0) * C, C, n, hs);
+          for (int i = r0; i < r1; i += kTileRows) {
+            const int m = std::min(kTileRows, r1 - i);
+            const std::array<int, 2> w = run_widths(p, runs, i, i + m);
+            for (int k = 0; k < 2; k++)
+              if (w[k] > 0) {
+                const int64_t at = (i - r0) * SW + pp.column[k];
+                product_rows<T>(m, Q + i * W, W, 1, hs, keys_t.data() + pp.transposed[k],
+                                int64_t(hs) * L, ceil_div(w[k], L), P.data() + at, SW, scale,
+                                false);
+                product_rows<T>(m, dO + int64_t(i) * C, C, 1, hs,
+                                values_t.data() + pp.transposed[k], int64_t(hs) * L,
+                                ceil_div(w[k], L), dP.data() + at, SW, T(1), false);
+              }
+          }
           // P = exp(S - lse) over the visible keys (the whole attention's probabilities), and
-          // dS = P (dP - D) with D = dO . O, in place of dP.
+          // dS = P (dP - D) with D = dO . O, in place of dP; 0 elsewhere in the block's columns.
           for (int i = r0; i < r1; i++) {
-            T* pr = P.data() + int64_t(i - r0) * T_;
-            T* d = dP.data() + int64_t(i - r0) * T_;
+            T* pr = P.data() + int64_t(i - r0) * SW;
+            T* d = dP.data() + int64_t(i - r0) * SW;
             const int pos = p.queries.position(i);
             const T D = dot_row(dO + int64_t(i) * C, O + int64_t(i) * C, hs);
             for (int k = 0; k < 2; k++) {
-              const int j0 = runs[k].begin, seen = runs[k].visible(pos);
+              const int64_t j0 = pp.column[k];
+              const int seen = runs[k].visible(pos);
               exp_shifted(pr + j0, seen, Lse[i]);
               softmax_backward_row(d + j0, pr + j0, seen, D);
               std::fill(pr + j0 + seen, pr + j0 + width[k], T(0));
               std::fill(d + j0 + seen, d + j0 + width[k], T(0));
             }
           }
+          // dQ += scale dS K.
+          for (int i = r0; i < r1; i += kTileRows) {
+            const int m = std::min(kTileRows, r1 - i);
+            const std::array<int, 2> w = run_widths(p, runs, i, i + m);
+            if (w[0] + w[1] == 0) continue;
+            T* rows = rows_out.data() + int64_t(i - r0) * hsp;
+            for (int k = 0; k < 2; k++)
+              if (w[k] > 0)
+                product_rows<T>(m, dP.data() + (i - r0) * SW + pp.column[k], SW, 1, w[k],
+                                keys.data() + pp.columns[k], int64_t(pp.length(k)) * L,
+                                pp.head_panels, rows, hsp, scale, k == 1 && w[0] > 0);
+            for (int r = 0; r < m; r++)
+              for (int e = 0; e < hs; e++) dQ[(i + r) * W + e] += rows[r * hsp + e];
+          }
+          // dK += scale dS^T Q and dV += P^T dO over the keys some row of the block sees.
           for (int k = 0; k < 2; k++)
-            if (width[k] > 0) {
-              const int64_t j0 = runs[k].begin;
-              gemm<T>(false, false, rows, hs, width[k], scale, dP.data() + j0, T_, K + j0 * W, W,
-                      T(1), dQ + r0 * W, W);
-              gemm<T>(true, false, width[k], hs, rows, scale, dP.data() + j0, T_, Q + r0 * W, W,
-                      T(1), dK + j0 * W, W);
-              gemm<T>(true, false, width[k], hs, rows, T(1), P.data() + j0, T_,
-                      dO + int64_t(r0) * C, C, T(1), dV + j0 * W, W);
+            for (int j = 0; j < width[k]; j += kTileRows) {
+              const int m = std::min(kTileRows, width[k] - j);
+              const int64_t key = runs[k].begin + j;
+              product_rows<T>(m, dP.data() + pp.column[k] + j, 1, SW, n, queries.data(),
+                              int64_t(n) * L, pp.head_panels, dK.data() + key * hsp, hsp, scale,
+                              true);
+              product_rows<T>(m, P.data() + pp.column[k] + j, 1, SW, n, douts.data(),
+                              int64_t(n) * L, pp.head_panels, dV.data() + key * hsp, hsp, T(1),
+                              true);
             }
         }
       }
+      T *dKout = dkv + row0 + l.keys + int64_t(kvh) * hs,
+        *dVout = dkv + row0 + l.values + int64_t(kvh) * hs;
+      for (int j = 0; j < T_; j++)
+        for (int e = 0; e < hs; e++) {
+          dKout[j * W + e] += dK[j * hsp + e];
+          dVout[j * W + e] += dV[j * hsp + e];
+        }
     }
   }
 }
