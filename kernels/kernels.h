@@ -199,7 +199,8 @@ class Kernels {
   virtual bool attention_keeps_probabilities() const { return true; }
   virtual void attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH,
                                  int NKV) = 0;
-  // dqkv = the gradient of qkv from out's gradient dout; out is the forward's output
+  // dqkv = the gradient of qkv from out's gradient dout (overwritten, where the parts below add
+  // theirs); out is the forward's output
   virtual void attention_backward(DPtr dqkv, DPtr dout, DPtr qkv, DPtr out, DPtr att, int B, int T,
                                   int C, int NH, int NKV) = 0;
   // Multi-head attention (GPT-2): qkv(B,T,3C).

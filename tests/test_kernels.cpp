@@ -192,10 +192,12 @@ struct NaiveAttention {
 
 TEST(Kernels, AttentionForwardBackward) {
   Device d;
-  // T = 150 spans three of the kernel's 64-row blocks, with a ragged last block; head sizes 64
-  // and 80 fill whole vector panels (CPU), or leave a ragged one, as 4 and 8 leave one panel.
-  for (auto [B, T, C, NH] : {std::array{2, 7, 12, 3}, std::array{1, 150, 16, 2},
-                             std::array{1, 133, 128, 2}, std::array{2, 70, 160, 2}}) {
+  // T = 150 spans three of the kernel's 64-row blocks, with a ragged last block. Head sizes 4 and
+  // 8 are one vector panel on the CPU, 64 and 80 several whole ones, 35 several with a ragged
+  // last one for every vector width.
+  for (auto [B, T, C, NH] :
+       {std::array{2, 7, 12, 3}, std::array{1, 150, 16, 2}, std::array{1, 133, 128, 2},
+        std::array{2, 70, 160, 2}, std::array{1, 133, 70, 2}}) {
     auto qkv = random_vector(B * T * 3 * C, 12), dout = random_vector(B * T * C, 13);
     NaiveAttention ref(qkv, dout, B, T, C, NH, NH);
     DPtr out = d.upload(std::vector<float>(B * T * C));
@@ -214,32 +216,34 @@ TEST(Kernels, AttentionForwardBackward) {
 // Ring attention by its parts, without the ring: rank r's queries (its two chunks of each
 // sequence, model/context_parallel.h) against every rank's keys and values in ring order, folded
 // by the online softmax, give the whole causal attention's rows; and backward's parts, each
-// rank's key/value gradients summed over the ranks that saw them, its gradient. Double
-// precision, so the sums' order is the only difference: 1e-12. Multi-head, grouped and
-// multi-query, T = 8 per rank with cp = 4 (chunks of 4) and T = 80 with cp = 2 (chunks of 40
-// over the kernel's 64-row blocks); head sizes 2 and 20 (one and three vector panels, CPU).
-TEST(Kernels, RingAttentionPartsAreTheWholeAttention) {
+// rank's key/value gradients summed over the ranks that saw them, its gradient. In double the
+// sums' order is the only difference (1e-12); in float, rounding (1e-5). Multi-head, grouped and
+// multi-query, T = 8 per rank with cp = 4 (chunks of 4), T = 80 with cp = 2 (chunks of 40 over
+// the kernel's 64-row blocks) and T = 78 (chunks of 39, ragged for every vector width); head
+// sizes 2 and 21 (one panel, and several with a ragged last one, on the CPU).
+template <class S>
+void check_ring_parts(double tol) {
   Device d;
   const int B = 2, NH = 6;
-  for (auto [cp, T, C] : {std::array{2, 160, 12}, std::array{4, 32, 12}, std::array{2, 160, 120}})
+  for (auto [cp, T, C] : {std::array{2, 160, 12}, std::array{4, 32, 12}, std::array{2, 156, 126}})
     for (int NKV : {NH, NH / 3, 1}) {
       SCOPED_TRACE(testing::Message() << "cp " << cp << ", C " << C << ", NKV " << NKV);
       const int hs = C / NH;
       const int W = C + 2 * NKV * hs, Tl = T / cp;
       const ContextParallel ring(0, cp, {});
-      auto qkv = random_vector<double>(size_t(B) * T * W, 31),
-           dout = random_vector<double>(size_t(B) * T * C, 32);
-      DPtr out = d.upload(std::vector<double>(size_t(B) * T * C));
-      DPtr att = d.upload(std::vector<double>(size_t(B) * NH * T * T));
-      DPtr dqkv = d.upload(std::vector<double>(size_t(B) * T * W));
+      auto qkv = random_vector<S>(size_t(B) * T * W, 31),
+           dout = random_vector<S>(size_t(B) * T * C, 32);
+      DPtr out = d.upload(std::vector<S>(size_t(B) * T * C));
+      DPtr att = d.upload(std::vector<S>(size_t(B) * NH * T * T));
+      DPtr dqkv = d.upload(std::vector<S>(size_t(B) * T * W));
       d.k->attention_forward(out, att, d.upload(qkv), B, T, C, NH, NKV);
       d.k->attention_backward(dqkv, d.upload(dout), d.upload(qkv), out, att, B, T, C, NH, NKV);
-      const auto want_out = d.download<double>(out, size_t(B) * T * C);
-      const auto want_dqkv = d.download<double>(dqkv, size_t(B) * T * W);
+      const auto want_out = d.download<S>(out, size_t(B) * T * C);
+      const auto want_dqkv = d.download<S>(dqkv, size_t(B) * T * W);
       // Rank r's rows of a (B, T, width) tensor.
-      auto rows_of = [&](const std::vector<double>& whole, int r, int width) {
+      auto rows_of = [&](const std::vector<S>& whole, int r, int width) {
         const TokenChunks ch = ContextParallel(r, cp, {}).chunks(Tl);
-        std::vector<double> mine(size_t(B) * Tl * width);
+        std::vector<S> mine(size_t(B) * Tl * width);
         for (int b = 0; b < B; b++)
           for (int t = 0; t < Tl; t++)
             std::copy_n(&whole[(size_t(b) * T + ch.position(t)) * width], width,
@@ -249,10 +253,10 @@ TEST(Kernels, RingAttentionPartsAreTheWholeAttention) {
       std::vector<DPtr> q, o, lse, dq, dkv;
       for (int r = 0; r < cp; r++) {
         q.push_back(d.upload(rows_of(qkv, r, W)));
-        o.push_back(d.upload(std::vector<double>(size_t(B) * Tl * C, 5.0)));
-        lse.push_back(d.upload(std::vector<double>(size_t(B) * NH * Tl, 5.0)));
-        dq.push_back(d.upload(std::vector<double>(size_t(B) * Tl * W)));
-        dkv.push_back(d.upload(std::vector<double>(size_t(B) * Tl * W)));
+        o.push_back(d.upload(std::vector<S>(size_t(B) * Tl * C, 5.0)));
+        lse.push_back(d.upload(std::vector<S>(size_t(B) * NH * Tl, 5.0)));
+        dq.push_back(d.upload(std::vector<S>(size_t(B) * Tl * W)));
+        dkv.push_back(d.upload(std::vector<S>(size_t(B) * Tl * W)));
       }
       for (int r = 0; r < cp; r++) {
         const ContextParallel me(r, cp, {});
@@ -262,8 +266,8 @@ TEST(Kernels, RingAttentionPartsAreTheWholeAttention) {
           part.first = s == 0;
           d.k->attention_part_forward(o[r], lse[r], q[r], q[me.holder(s)], part);
         }
-        EXPECT_TRUE(all_close(d.download<double>(o[r], size_t(B) * Tl * C), rows_of(want_out, r, C),
-                              1e-12, 1e-12))
+        EXPECT_TRUE(
+            all_close(d.download<S>(o[r], size_t(B) * Tl * C), rows_of(want_out, r, C), tol, tol))
             << "rank " << r;
       }
       for (int r = 0; r < cp; r++) {
@@ -277,12 +281,17 @@ TEST(Kernels, RingAttentionPartsAreTheWholeAttention) {
         }
       }
       for (int r = 0; r < cp; r++) {
-        std::vector<double> got = d.download<double>(dq[r], size_t(B) * Tl * W);
-        const std::vector<double> kv = d.download<double>(dkv[r], size_t(B) * Tl * W);
+        std::vector<S> got = d.download<S>(dq[r], size_t(B) * Tl * W);
+        const std::vector<S> kv = d.download<S>(dkv[r], size_t(B) * Tl * W);
         for (size_t i = 0; i < got.size(); i++) got[i] += kv[i];  // disjoint columns
-        EXPECT_TRUE(all_close(got, rows_of(want_dqkv, r, W), 1e-12, 1e-12)) << "rank " << r;
+        EXPECT_TRUE(all_close(got, rows_of(want_dqkv, r, W), tol, tol)) << "rank " << r;
       }
     }
+}
+
+TEST(Kernels, RingAttentionPartsAreTheWholeAttention) {
+  check_ring_parts<double>(1e-12);
+  check_ring_parts<float>(1e-5);
 }
 
 TEST(Kernels, GeluForwardBackward) {

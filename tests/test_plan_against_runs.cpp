@@ -359,10 +359,10 @@ TEST_F(MpiCli, ContextParallelHoldsACpthOfEachSequence) {
 }
 
 // The bar: T = 8192 trains on this machine with cp = 4 (a two-layer Llama, one sequence a
-// step): each rank plans well under 100 MB of activations where one process plans over 3 GB
+// step): each rank plans well under 100 MB of activations where one process plans over 2 GB
 // (its attention keeps 8192 x 8192 probabilities a head), and the
 // per-step losses and gradient norms are those of cp = 2 to 1e-5 (the layout table checks
-// context parallelism against one process; one process takes 3.3 GB and 4 times as long here).
+// context parallelism against one process, which takes over 2 GB and 4 times as long here).
 TEST_F(MpiCli, ContextParallelTrainsEightThousandTokenSequences) {
   const std::string model =
       "--set model.arch=\\\"llama\\\" --set model.seq_len=8192 --set model.n_layer=2 "

@@ -4,6 +4,7 @@
 // and the packing of column and transposed panels with their zero padding.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "kernels/cpu/tile_product.h"
@@ -16,29 +17,30 @@ using test::all_close;
 using test::random_vector;
 
 template <class T>
-void check_products() {
+void check_products(int64_t kn) {
   const int L = Simd<T>::lanes;
-  const int64_t kn = 37, ld = 53;  // k not a multiple of anything, X's rows longer than needed
-  const std::vector<T> x = random_vector<T>(size_t(kn) * ld, 1);
+  const int64_t ld = 53;  // X's rows longer than needed
+  const std::vector<T> x = random_vector<T>(size_t(std::max<int64_t>(kn, kTileRows)) * ld, 1);
   for (int npanels = 1; npanels <= 2 * kTilePanels + 1; npanels++) {
     const int64_t stride = kn * L + 3;  // panels need not be adjacent
     const std::vector<T> panels = random_vector<T>(size_t(npanels) * stride, 2);
     for (int rows = 1; rows <= kTileRows; rows++)
       for (bool transposed : {false, true})
         for (bool add : {false, true}) {
-          SCOPED_TRACE(testing::Message() << "panels " << npanels << " rows " << rows
+          SCOPED_TRACE(testing::Message() << "k " << kn << " panels " << npanels << " rows " << rows
                                           << (transposed ? " X^T" : " X") << (add ? " +C" : ""));
           // X(r, k): row r, column k of x, or row k, column r of it.
           const int64_t rs = transposed ? 1 : ld, ks = transposed ? ld : 1;
           const int64_t ldc = int64_t(npanels) * L + 5;
-          std::vector<T> c = random_vector<T>(size_t(rows) * ldc, 3);
+          // One row more than the tile's: it must stay as it was.
+          std::vector<T> c = random_vector<T>(size_t(rows + 1) * ldc, 3);
           std::vector<double> want(c.size());
           const T alpha = T(0.75);
-          for (int r = 0; r < rows; r++)
+          for (int r = 0; r <= rows; r++)
             for (int64_t col = 0; col < ldc; col++) {
               double& w = want[r * ldc + col];
               w = double(c[r * ldc + col]);
-              if (col >= int64_t(npanels) * L) continue;  // past the panels: untouched
+              if (r == rows || col >= int64_t(npanels) * L) continue;  // untouched
               double sum = 0;
               for (int64_t k = 0; k < kn; k++)
                 sum += double(x[r * rs + k * ks]) *
@@ -52,33 +54,42 @@ void check_products() {
   }
 }
 
+// k = 37 is a multiple of nothing; k = 1 is a single step of the loop.
 TEST(TileProduct, MatchesTheNaiveProductForEveryTileShape) {
-  check_products<float>();
-  check_products<double>();
+  for (int64_t kn : {37, 1}) {
+    check_products<float>(kn);
+    check_products<double>(kn);
+  }
 }
 
-TEST(TileProduct, PanelsHoldTheMatrixAndZerosPastIt) {
-  const int L = Simd<float>::lanes;
+template <class T>
+void check_packing() {
+  const int L = Simd<T>::lanes;
   const int64_t rows = 2 * L + 3, ld = 70;
   const int cols = L + 5;
-  const std::vector<float> a = random_vector(size_t(rows) * ld, 4);
+  const std::vector<T> a = random_vector<T>(size_t(rows) * ld, 4);
   const int col_panels = (cols + L - 1) / L, row_panels = int((rows + L - 1) / L);
-  std::vector<float> by_columns(size_t(col_panels) * rows * L, 9.0f),
-      transposed(size_t(row_panels) * cols * L, 9.0f);
+  std::vector<T> by_columns(size_t(col_panels) * rows * L, T(9)),
+      transposed(size_t(row_panels) * cols * L, T(9));
   pack_column_panels(by_columns.data(), a.data(), ld, rows, cols);
   pack_transposed_panels(transposed.data(), a.data(), ld, rows, cols);
   for (int n = 0; n < col_panels; n++)
     for (int64_t k = 0; k < rows; k++)
       for (int l = 0; l < L; l++) {
         const int col = n * L + l;
-        EXPECT_EQ(by_columns[(n * rows + k) * L + l], col < cols ? a[k * ld + col] : 0.0f);
+        EXPECT_EQ(by_columns[(n * rows + k) * L + l], col < cols ? a[k * ld + col] : T(0));
       }
   for (int n = 0; n < row_panels; n++)
     for (int k = 0; k < cols; k++)
       for (int l = 0; l < L; l++) {
         const int64_t row = int64_t(n) * L + l;
-        EXPECT_EQ(transposed[(n * cols + k) * L + l], row < rows ? a[row * ld + k] : 0.0f);
+        EXPECT_EQ(transposed[(n * cols + k) * L + l], row < rows ? a[row * ld + k] : T(0));
       }
+}
+
+TEST(TileProduct, PanelsHoldTheMatrixAndZerosPastIt) {
+  check_packing<float>();
+  check_packing<double>();
 }
 
 }  // namespace

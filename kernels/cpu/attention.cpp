@@ -1,9 +1,11 @@
-// Causal grouped-query attention through GEMMs. Forward splits work over (batch, query head)
-// pairs across threads (OpenBLAS runs single-threaded inside a parallel region), and each head
-// is processed in blocks of rows so that the GEMMs skip the masked upper triangle beyond each
-// block. Backward splits over (batch, key/value head): the thread owning a key/value head runs
-// all the query heads of its group and accumulates their dK and dV, so no two threads write one
-// gradient.
+// Causal grouped-query attention, fused over register tiles (kernels/cpu/tile_product.h).
+// Forward splits work over (batch, query head) pairs across threads; each thread packs its
+// head's keys and values once, then takes the queries in blocks of 64 rows: the block's scores
+// (over the keys up to each group of rows' diagonal), their softmax and the product with the
+// values stay in cache, and only the probabilities go out to `att` for the backward. Backward
+// splits over (batch, key/value head): the thread owning a key/value head runs all the query
+// heads of its group block by block and accumulates their dK and dV, so no two threads write
+// one gradient, and no T x T gradient of the scores is ever stored.
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -193,7 +195,7 @@ void attention_backward(T* dqkv, const T* dout, const T* qkv, const T* att, int 
 }
 
 // Straight loops, one (query, head) pair at a time: generation runs one new query per step,
-// where GEMM blocking gains nothing.
+// where blocking gains nothing.
 template <class T>
 void attention_inference(T* out, const T* qkv, int T_, int q0, int C, int NH, int NKV) {
   const QkvLayout l(C, NH, NKV);
@@ -248,7 +250,8 @@ std::array<KeyRun, 2> key_runs(const AttentionPart& p) {
   return {KeyRun{0, split, p.keys.start0}, KeyRun{split, p.T, p.keys.start1}};
 }
 
-// For query rows [r0, r1): the widest visible prefix of each run (the columns its GEMMs cover).
+// For query rows [r0, r1): the widest visible prefix of each run (the columns its products
+// cover).
 std::array<int, 2> run_widths(const AttentionPart& p, const std::array<KeyRun, 2>& runs, int r0,
                               int r1) {
   std::array<int, 2> w{0, 0};

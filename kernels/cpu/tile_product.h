@@ -10,6 +10,7 @@
 // panels[n * panel_stride + k * lanes + l]. The left operand X is read through two strides, so
 // that the same tile multiplies by X (row r, column k at x[r * rs + k * ks], rs = ld, ks = 1) and
 // by X^T (rs = 1, ks = ld).
+#include <cassert>
 #include <cstdint>
 #include <cstring>
 
@@ -26,6 +27,16 @@ constexpr int kVectorBytes = 16;
 constexpr int kTilePanels = 2;
 #endif
 constexpr int kTileRows = 6;
+
+// The tiles' code depends on -march: an inline namespace named by the vector width keeps two
+// translation units built for different widths from sharing (and silently swapping) them.
+#if defined(__AVX512F__)
+inline namespace tiles_64_bytes {
+#elif defined(__AVX__)
+inline namespace tiles_32_bytes {
+#else
+inline namespace tiles_16_bytes {
+#endif
 
 template <class T>
 struct Simd {
@@ -82,6 +93,7 @@ inline void product_panels(const T* x, int64_t rs, int64_t ks, int64_t kn, const
 template <class T, int R = kTileRows>
 inline void product_rows(int rows, const T* x, int64_t rs, int64_t ks, int64_t kn, const T* panels,
                          int64_t panel_stride, int npanels, T* c, int64_t ldc, T alpha, bool add) {
+  assert(rows >= 1 && rows <= kTileRows);
   if constexpr (R > 0) {
     if (rows == R)
       return product_panels<T, R>(x, rs, ks, kn, panels, panel_stride, npanels, c, ldc, alpha, add);
@@ -113,4 +125,5 @@ void pack_transposed_panels(T* panels, const T* a, int64_t ld, int64_t rows, int
     }
 }
 
+}  // namespace tiles_N_bytes
 }  // namespace trainer::cpu
