@@ -166,6 +166,7 @@ TEST_F(MpiCli, ProfileTracesEveryPhaseOfTheChosenSteps) {
     ASSERT_TRUE(in.good());
     const nlohmann::json trace = nlohmann::json::parse(in);
     std::vector<std::pair<double, double>> steps, inside;  // [begin, end) in microseconds
+    std::map<std::string, int> phases;                     // by name, over the traced steps
     int matmuls = 0, layers = 0, waits = 0;
     std::set<std::string> ops;
     std::map<std::string, double> traced_bytes;                    // by group
@@ -181,6 +182,7 @@ TEST_F(MpiCli, ProfileTracesEveryPhaseOfTheChosenSteps) {
       if (e["cat"] == "step") steps.push_back({b, end});
       if (e["cat"] == "phase" && e["name"] != "data" && e["name"] != "checkpoint")
         inside.push_back({b, end});
+      if (e["cat"] == "phase") phases[e["name"].get<std::string>()]++;
       if (e["name"] == "matmul_forward") {
         matmuls++;
         EXPECT_GT(e["args"]["flops"].get<double>(), 0);
@@ -238,10 +240,16 @@ TEST_F(MpiCli, ProfileTracesEveryPhaseOfTheChosenSteps) {
       EXPECT_TRUE(ops.count("sum_squares"));
     }
     EXPECT_EQ(layers, 2 * 2 * cli_model().n_layer);  // 2 steps x (forward, backward) x blocks
+    // Each step's phases, once a step; the data waits inside its forward and backward.
+    for (const char* phase :
+         {"forward and backward", "gradient reduction", "loss and norm", "optimizer"})
+      EXPECT_EQ(phases[phase], 2) << phase;
+    EXPECT_GE(phases["data"], 2);
     for (const auto& [b, end] : steps) {
       double covered = 0;
+      // The phases do not overlap; the last ends where the step does (to rounding: ts + dur).
       for (const auto& [pb, pe] : inside)
-        if (pb >= b && pe <= end) covered += pe - pb;  // the phases do not overlap
+        if (pb >= b - 0.01 && pe <= end + 0.01) covered += pe - pb;
       EXPECT_GE(covered / (end - b), 0.95) << "step at " << b;
     }
   }

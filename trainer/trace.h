@@ -59,6 +59,44 @@ class Trace {
     Clock::time_point t0_;
   };
 
+  // A whole (a step, category `whole`, named so) made of consecutive phases (category `part`):
+  // each phase ends at the instant the next begins and the whole ends with the last, so the
+  // phases cover it exactly. Recording a span takes a lock that another thread (a transfer's)
+  // may hold, and a preempted holder makes that wait milliseconds on a shared core: the wait
+  // then belongs to a phase instead of falling between two.
+  class Phases {
+   public:
+    Phases(Trace* trace, const char* whole, const char* part, const char* first)
+        : trace_(trace && trace->recording() ? trace : nullptr),
+          whole_(whole),
+          part_(part),
+          name_(first),
+          begin_(trace_ ? Clock::now() : Clock::time_point{}),
+          t0_(begin_) {}
+    ~Phases() { end(); }
+    void next(const char* name) {
+      if (!trace_ || !name_) return;
+      const Clock::time_point t = Clock::now();
+      trace_->add(name_, part_, t0_, t);
+      name_ = name;
+      t0_ = t;
+    }
+    void end() {
+      if (!trace_ || !name_) return;
+      const Clock::time_point t = Clock::now();
+      trace_->add(name_, part_, t0_, t);
+      trace_->add(whole_, whole_, begin_, t);
+      name_ = nullptr;
+    }
+    Phases(const Phases&) = delete;
+    Phases& operator=(const Phases&) = delete;
+
+   private:
+    Trace* trace_;
+    const char *whole_, *part_, *name_;
+    Clock::time_point begin_, t0_;
+  };
+
   // The events as trace-event JSON.
   void write(const std::string& path) const;
 

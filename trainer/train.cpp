@@ -105,10 +105,8 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   const auto& all = run.all_groups;
   std::vector<Communicator::Traffic> before;
   for (const auto& g : all) before.push_back(g.comm->traffic());
-  // The profile's spans (recorded only in the profiled steps): the step, and its phases in turn.
-  const Trace::Span step_span(&run.trace, "step", "step");
-  std::optional<Trace::Span> phase;
-  phase.emplace(&run.trace, "forward and backward", "phase");
+  // The profile's spans (recorded only in the profiled steps): the step, made of its phases.
+  Trace::Phases phase(&run.trace, "step", "phase", "forward and backward");
 
   run.model.zero_grad();
   run.reducer.start_step(step);
@@ -137,7 +135,7 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
 
   // The tied embedding's two copies (first and last stage) get the sum of both gradients
   // (an untied model has none: its head is the last stage's own parameter).
-  phase.emplace(&run.trace, "gradient reduction", "phase");
+  phase.next("gradient reduction");
   if (run.tied_embedding && run.groups.emb->size() > 1)
     run.groups.emb->all_reduce(run.model.grad(*run.tied_embedding), run.tied_embedding->numel,
                                ReduceOp::sum);
@@ -155,7 +153,7 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   }
 
   const auto t_opt = Clock::now();
-  phase.emplace(&run.trace, "loss and norm", "phase");
+  phase.next("loss and norm");
   // The step's mean loss and squared gradient norm, summed over the world: each loss once per
   // data-parallel replica, each gradient element once.
   const bool zero = cfg.parallel.zero >= 1;
@@ -209,7 +207,7 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   // as they join the momentum exchanged.
   double update_scale = clip / scale;
   if (exchanges_momentum) {
-    phase.emplace(&run.trace, "momentum exchange", "phase");
+    phase.next("momentum exchange");
     if (s.skipped) {
       run.reducer.skip();
     } else {
@@ -226,14 +224,14 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   s.buckets = int(started.size());
   for (int layers_left : started) s.buckets_overlapped += layers_left > 0;
   s.first_bucket_layers_left = started.empty() ? -1 : started.front();
-  phase.emplace(&run.trace, "optimizer", "phase");
+  phase.next("optimizer");
   if (!s.skipped) {
     run.optimizer.update(float(s.lr), float(update_scale), step + 1);
     run.gather_params();
   }
   // The nodes meet (on schedule, whether or not this step updated).
   if (run.outer && run.outer->due(step, cfg.train.steps)) {
-    phase.emplace(&run.trace, "outer step", "phase");
+    phase.next("outer step");
     run.outer->step(step + 1);
     run.gather_params();
     s.outer_step = true;
@@ -246,7 +244,7 @@ StepStats train_step(Run& run, int64_t step, bool checkpoint_due) {
   }
   run.kernels->synchronize();  // the update's kernels, on a GPU, have finished
   s.optimizer_s = seconds_since(t_opt);
-  phase.reset();
+  phase.end();
 
   for (size_t i = 0; i < all.size(); i++) {
     const Communicator::Traffic now = all[i].comm->traffic();
