@@ -172,8 +172,8 @@ int run(const Options& opt) {
   model_options.grad_dtype = trainer::DType::f32;  // mixed precision keeps fp32 gradients
   model_options.recompute = trainer::parse_recompute(opt.recompute);
   // What the plan says the model holds (weights, gradients, activations), before it is made.
-  const trainer::StageExecutor::Memory planned = trainer::StageExecutor::memory_needed(
-      w.model, dtype, B, T, model_options, kernels->attention_keeps_probabilities());
+  const trainer::StageExecutor::Memory planned =
+      trainer::StageExecutor::memory_needed(w.model, dtype, B, T, model_options);
   trainer::StageExecutor model(w.model, *kernels, dtype, B, T, model_options);
   model.init_parameters(opt.seed);
   trainer::AdamW optimizer(model, optim);

@@ -192,24 +192,23 @@ class Kernels {
   // qkv(B,T,C + 2 NKV hs) rows hold NH query heads, then NKV key heads, then NKV value heads, of
   // hs = C / NH each; query head h attends with key/value head h / (NH / NKV) (NKV = NH:
   // multi-head attention, NKV = 1: multi-query), without repeating K and V in memory.
-  // out(B,T,C). What the forward keeps in `att` for the backward: the softmax probabilities
-  // (B,NH,T,T) in the activation dtype; or, where this is false, each row's log-sum-exp
-  // (B,NH,T) in fp32, the probabilities being recomputed by blocks in backward
-  // (kernels/blocked_attention.h).
-  virtual bool attention_keeps_probabilities() const { return true; }
-  virtual void attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH,
+  // out(B,T,C). No T x T matrix is kept: the forward keeps each row's log-sum-exp lse(B,NH,T)
+  // (the statistics' dtype: fp32 for 16-bit activations), and the backward recomputes the
+  // probabilities block by block from it, as FlashAttention does (kernels/blocked_attention.h on
+  // the GPU, kernels/cpu/attention.cpp on the CPU).
+  virtual void attention_forward(DPtr out, DPtr lse, DPtr qkv, int B, int T, int C, int NH,
                                  int NKV) = 0;
   // dqkv = the gradient of qkv from out's gradient dout (overwritten, where the parts below add
-  // theirs); out is the forward's output
-  virtual void attention_backward(DPtr dqkv, DPtr dout, DPtr qkv, DPtr out, DPtr att, int B, int T,
+  // theirs); out and lse are the forward's
+  virtual void attention_backward(DPtr dqkv, DPtr dout, DPtr qkv, DPtr out, DPtr lse, int B, int T,
                                   int C, int NH, int NKV) = 0;
   // Multi-head attention (GPT-2): qkv(B,T,3C).
-  void attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH) {
-    attention_forward(out, att, qkv, B, T, C, NH, NH);
+  void attention_forward(DPtr out, DPtr lse, DPtr qkv, int B, int T, int C, int NH) {
+    attention_forward(out, lse, qkv, B, T, C, NH, NH);
   }
-  void attention_backward(DPtr dqkv, DPtr dout, DPtr qkv, DPtr out, DPtr att, int B, int T, int C,
+  void attention_backward(DPtr dqkv, DPtr dout, DPtr qkv, DPtr out, DPtr lse, int B, int T, int C,
                           int NH) {
-    attention_backward(dqkv, dout, qkv, out, att, B, T, C, NH, NH);
+    attention_backward(dqkv, dout, qkv, out, lse, B, T, C, NH, NH);
   }
   // Inference over a key/value cache, one sequence: qkv(T, C + 2 NKV hs) holds positions
   // [0, T); the queries of rows [q0, T) attend causally to keys [0, their position].

@@ -45,13 +45,14 @@ class Gpt2 final : public ModelDefinition {
     }
   }
 
-  // ln1, ln1 mean and rstd, qkv, att, atty, res2, ln2, ln2 mean and rstd, fch, gelu(fch).
+  // ln1, ln1 mean and rstd, qkv, attention's log-sum-exps, its output, res2, ln2, ln2 mean and
+  // rstd, fch, gelu(fch).
   enum Act {
     ln1,
     ln1_mean,
     ln1_rstd,
     qkv,
-    att,
+    lse,
     atty,
     res2,
     ln2,
@@ -62,13 +63,13 @@ class Gpt2 final : public ModelDefinition {
   };
   // The norms' outputs are whole (they enter a tensor-parallel region); their statistics and
   // res2 are this rank's rows of the residual stream (stream_rows()).
-  std::vector<ActSpec> layer_activations(int64_t B, int64_t T, bool keeps_probs) const override {
+  std::vector<ActSpec> layer_activations(int64_t B, int64_t T) const override {
     const int64_t BT = B * T, R = stream_rows(B, T);
     return {{BT * C_},
             {R, true},
             {R, true},
             {.elems = qkv_rows(B, T) * 3 * Cl_, .kv_cache = true},
-            attention_keeps(B, NHl_, T, keeps_probs),
+            attention_keeps(B, NHl_, T),
             {BT * Cl_},
             {R * C_},
             {BT * C_},
@@ -127,7 +128,7 @@ class Gpt2 final : public ModelDefinition {
     enter_forward(c, a[ln1], C_);
     k.matmul_forward(qkv_rows, a[ln1], P(c, w.qkv_w), P(c, w.qkv_b), BT, C_, 3 * Cl_);
     c.tick();  // collectives in flight (ZeRO-3's next unit) progress between kernels
-    attention(c, a[atty], a[att], a[qkv], Cl_, NHl_, NHl_, s + ring);
+    attention(c, a[atty], a[lse], a[qkv], Cl_, NHl_, NHl_, s + ring);
     c.tick();
     const DPtr proj = leave_target(c, a[res2], s[d_full]);
     k.matmul_forward(proj, a[atty], P(c, w.proj_w), row_bias(c, w.proj_b), BT, Cl_, C_);
@@ -147,7 +148,6 @@ class Gpt2 final : public ModelDefinition {
 
   void layer_recompute(const LayerCall& c, int) const override {
     const DPtr* a = c.acts;
-    recompute_attention(c, a[atty], a[att], a[qkv], Cl_, NHl_, NHl_);
     c.k.gelu_forward(a[fch_gelu], a[fch], int64_t(c.B) * c.T * 4 * Cl_);
   }
 
@@ -176,7 +176,7 @@ class Gpt2 final : public ModelDefinition {
     k.matmul_backward(s[d_atty], G(c, w.proj_w), G(c, w.proj_b), d_attn, a[atty], P(c, w.proj_w),
                       BT, Cl_, C_);
     c.tick();
-    attention_backward(c, s[d_qkv], s[d_atty], a[qkv], a[atty], a[att], Cl_, NHl_, NHl_, s + ring);
+    attention_backward(c, s[d_qkv], s[d_atty], a[qkv], a[atty], a[lse], Cl_, NHl_, NHl_, s + ring);
     c.tick();
     k.matmul_backward(s[d_ln], G(c, w.qkv_w), G(c, w.qkv_b), s[d_qkv], a[ln1], P(c, w.qkv_w), BT,
                       C_, 3 * Cl_);

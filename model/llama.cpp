@@ -49,15 +49,15 @@ class Llama final : public ModelDefinition {
     }
   }
 
-  enum Act { attn_norm, attn_rstd, qkv, att, atty, res2, ffn_norm, ffn_rstd, gate_up, swi };
+  enum Act { attn_norm, attn_rstd, qkv, lse, atty, res2, ffn_norm, ffn_rstd, gate_up, swi };
   // The norms' outputs are whole (they enter a tensor-parallel region); their statistics and
   // res2 are this rank's rows of the residual stream (stream_rows()).
-  std::vector<ActSpec> layer_activations(int64_t B, int64_t T, bool keeps_probs) const override {
+  std::vector<ActSpec> layer_activations(int64_t B, int64_t T) const override {
     const int64_t BT = B * T, R = stream_rows(B, T);
     return {{BT * C_},
             {R, true},
             {.elems = qkv_rows(B, T) * QKVl_, .kv_cache = true},
-            attention_keeps(B, NHl_, T, keeps_probs),
+            attention_keeps(B, NHl_, T),
             {BT * Cl_},
             {R * C_},
             {BT * C_},
@@ -122,7 +122,7 @@ class Llama final : public ModelDefinition {
     k.matmul_forward(qkv_rows, a[attn_norm], P(c, w.wqkv), DPtr{}, BT, C_, QKVl_);
     c.tick();  // collectives in flight (ZeRO-3's next unit) progress between kernels
     rope(c, qkv_rows, false);
-    attention(c, a[atty], a[att], a[qkv], Cl_, NHl_, NKVl_, s + ring);
+    attention(c, a[atty], a[lse], a[qkv], Cl_, NHl_, NKVl_, s + ring);
     c.tick();
     const DPtr wo = leave_target(c, a[res2], s[d_full]);
     k.matmul_forward(wo, a[atty], P(c, w.wo), DPtr{}, BT, Cl_, C_);
@@ -141,7 +141,6 @@ class Llama final : public ModelDefinition {
 
   void layer_recompute(const LayerCall& c, int) const override {
     const DPtr* a = c.acts;
-    recompute_attention(c, a[atty], a[att], a[qkv], Cl_, NHl_, NKVl_);
     c.k.swiglu_forward(a[swi], a[gate_up], int64_t(c.B) * c.T, Fl_);
   }
 
@@ -167,7 +166,7 @@ class Llama final : public ModelDefinition {
     const DPtr d_res2 = leave_backward(c, d_res, s[d_full], C_);
     k.matmul_backward(s[d_atty], G(c, w.wo), DPtr{}, d_res2, a[atty], P(c, w.wo), BT, Cl_, C_);
     c.tick();
-    attention_backward(c, s[d_qkv], s[d_atty], a[qkv], a[atty], a[att], Cl_, NHl_, NKVl_, s + ring);
+    attention_backward(c, s[d_qkv], s[d_atty], a[qkv], a[atty], a[lse], Cl_, NHl_, NKVl_, s + ring);
     c.tick();
     // The gradient of the rotated q and k, rotated back (qkv holds them rotated).
     rope(c, s[d_qkv], true);

@@ -22,11 +22,11 @@ namespace {
 constexpr int kKeysValues = 0, kKeyValueGrads = 1;
 }  // namespace
 
-void ModelDefinition::attention(const LayerCall& c, DPtr out, DPtr att, DPtr qkv, int C, int NH,
+void ModelDefinition::attention(const LayerCall& c, DPtr out, DPtr lse, DPtr qkv, int C, int NH,
                                 int NKV, const DPtr* ring) {
   if (c.inference) return c.k.attention_inference(out, qkv, c.pos0 + c.T, c.pos0, C, NH, NKV);
-  if (!c.split()) return c.k.attention_forward(out, att, qkv, c.B, c.T, C, NH, NKV);
-  // Ring attention: att holds the log-sum-exps. At step s this rank holds the keys and values of
+  if (!c.split()) return c.k.attention_forward(out, lse, qkv, c.B, c.T, C, NH, NKV);
+  // Ring attention. At step s this rank holds the keys and values of
   // rank holder(s), and passes them on to the next while it attends to them. The parts are
   // combined in ring[4] (fp32 with 16-bit activations: one rounding at the end).
   const ContextParallel& cp = *c.cp;
@@ -40,7 +40,7 @@ void ModelDefinition::attention(const LayerCall& c, DPtr out, DPtr att, DPtr qkv
     if (s + 1 < cp.size()) wait = cp.exchange(held, next, n, kKeysValues);
     part.keys = cp.chunks_of(cp.holder(s), c.T);
     part.first = s == 0;
-    c.k.attention_part_forward(combined, att, qkv, held, part);
+    c.k.attention_part_forward(combined, lse, qkv, held, part);
     c.tick();
     if (wait) wait();
     held = next;
@@ -49,9 +49,9 @@ void ModelDefinition::attention(const LayerCall& c, DPtr out, DPtr att, DPtr qkv
 }
 
 void ModelDefinition::attention_backward(const LayerCall& c, DPtr dqkv, DPtr dout, DPtr qkv,
-                                         DPtr out, DPtr att, int C, int NH, int NKV,
+                                         DPtr out, DPtr lse, int C, int NH, int NKV,
                                          const DPtr* ring) {
-  if (!c.split()) return c.k.attention_backward(dqkv, dout, qkv, out, att, c.B, c.T, C, NH, NKV);
+  if (!c.split()) return c.k.attention_backward(dqkv, dout, qkv, out, lse, c.B, c.T, C, NH, NKV);
   // The keys and values go round again, each with its gradient so far (ring[2] and ring[3] in
   // turn); after the last step every rank has received its own keys' and values' gradient. The
   // query gradients are summed in ring[5] (fp32 with 16-bit activations, as the travelling ones).
@@ -68,7 +68,7 @@ void ModelDefinition::attention_backward(const LayerCall& c, DPtr dqkv, DPtr dou
     if (s + 1 < cp.size()) wait = cp.exchange(held, next, n, kKeysValues);
     part.keys = cp.chunks_of(cp.holder(s), c.T);
     const DPtr grad = ring[2 + s % 2], arrived = ring[2 + (s + 1) % 2];
-    c.k.attention_part_backward(dq, grad, dout, qkv, held, out, att, part);
+    c.k.attention_part_backward(dq, grad, dout, qkv, held, out, lse, part);
     c.tick();
     cp.exchange(grad, arrived, n, kKeyValueGrads)();
     if (wait) wait();
@@ -78,9 +78,8 @@ void ModelDefinition::attention_backward(const LayerCall& c, DPtr dqkv, DPtr dou
   if (dq.p != dqkv.p) c.k.convert(dqkv, dq, n, 0);
 }
 
-ActSpec ModelDefinition::attention_keeps(int64_t B, int NH, int64_t T, bool keeps_probs) const {
-  return probs_kept(keeps_probs) ? ActSpec{.elems = B * NH * T * T, .selective = true}
-                                 : ActSpec{.elems = B * NH * T, .stats = true};
+ActSpec ModelDefinition::attention_keeps(int64_t B, int NH, int64_t T) {
+  return {.elems = B * NH * T, .stats = true};
 }
 
 std::vector<ActSpec> ModelDefinition::ring_scratch(int64_t B, int64_t T, int64_t width,
@@ -92,12 +91,6 @@ std::vector<ActSpec> ModelDefinition::ring_scratch(int64_t B, int64_t T, int64_t
           {.elems = rows * width, .stats = true},
           {.elems = rows * C, .stats = true},
           {.elems = rows * width, .stats = true}};
-}
-
-void ModelDefinition::recompute_attention(const LayerCall& c, DPtr out, DPtr att, DPtr qkv, int C,
-                                          int NH, int NKV) {
-  if (c.k.attention_keeps_probabilities() && !c.split())
-    attention(c, out, att, qkv, C, NH, NKV, nullptr);
 }
 
 // With context parallelism the tokens embed in one call and each sequence's two chunks then add

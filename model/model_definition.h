@@ -119,9 +119,9 @@ class ModelDefinition {
     return shard_.sequence_parallel ? B * T / shard_.tp_size : B * T;
   }
 
-  // --- the plan, from shapes alone (keeps_probs: Kernels::attention_keeps_probabilities()) ----
+  // --- the plan, from shapes alone ------------------------------------------------------------
   // What one block keeps from its forward for its backward (its output aside: the executor's).
-  virtual std::vector<ActSpec> layer_activations(int64_t B, int64_t T, bool keeps_probs) const = 0;
+  virtual std::vector<ActSpec> layer_activations(int64_t B, int64_t T) const = 0;
   // The same for the head (the final norm's output and statistics; the logits are the
   // executor's).
   virtual std::vector<ActSpec> head_activations(int64_t B, int64_t T) const = 0;
@@ -161,17 +161,14 @@ class ModelDefinition {
   // expected at rows [pos0, pos0 + T) then.
   // With context parallelism, ring attention over the group (model/context_parallel.h), `ring`
   // being the six buffers of ring_scratch() in the definition's backward scratch.
-  static void attention(const LayerCall& c, DPtr out, DPtr att, DPtr qkv, int C, int NH, int NKV,
+  static void attention(const LayerCall& c, DPtr out, DPtr lse, DPtr qkv, int C, int NH, int NKV,
                         const DPtr* ring);
   // dqkv = the gradient of qkv, from out's gradient dout.
   static void attention_backward(const LayerCall& c, DPtr dqkv, DPtr dout, DPtr qkv, DPtr out,
-                                 DPtr att, int C, int NH, int NKV, const DPtr* ring);
-  // Whether attention keeps its probabilities for backward: where the backend does
-  // (keeps_probs), and the sequence is not split (ring attention keeps log-sum-exps).
-  bool probs_kept(bool keeps_probs) const { return keeps_probs && shard_.cp_size == 1; }
-  // What attention keeps for its backward (`att` above): the probabilities (B, NH, T, T), which
-  // selective recomputation remakes, or the log-sum-exps (B, NH, T) a backend keeps instead.
-  ActSpec attention_keeps(int64_t B, int NH, int64_t T, bool keeps_probs) const;
+                                 DPtr lse, int C, int NH, int NKV, const DPtr* ring);
+  // What attention keeps for its backward besides its output (`lse` above): each row's
+  // log-sum-exp (B, NH, T), in the statistics' dtype.
+  static ActSpec attention_keeps(int64_t B, int NH, int64_t T);
   // The rows of the qkv activation, which is also inference's key/value cache: B T, and with
   // context parallelism at least a whole sequence (inference does not split it).
   int64_t qkv_rows(int64_t B, int64_t T) const {
@@ -182,10 +179,6 @@ class ModelDefinition {
   // that the parts are summed unrounded) their gradients, two likewise, the output being
   // combined (B T, C) and the query gradients being summed (B T, width).
   std::vector<ActSpec> ring_scratch(int64_t B, int64_t T, int64_t width, int64_t C) const;
-  // Remakes the probabilities for layer_recompute() where the backend keeps them (attention()
-  // rewrites `out` with the bits it holds: the same kernel on the same inputs).
-  static void recompute_attention(const LayerCall& c, DPtr out, DPtr att, DPtr qkv, int C, int NH,
-                                  int NKV);
   // Token embeddings (and GPT-2's position embedding wpe, else null) of the B x T tokens into
   // out, and their backward: at each token's position (LayerCall::position()).
   static void embed_tokens(const LayerCall& c, DPtr out, const int32_t* tokens, DPtr wte, DPtr wpe,

@@ -91,11 +91,11 @@ struct StageExecutor::Plan {
 };
 
 StageExecutor::Plan StageExecutor::plan(const ModelDefinition& def, int max_B, int max_T,
-                                        const StageOptions& o, bool keeps_probs) {
+                                        const StageOptions& o) {
   const ModelShard& shard = def.shard();
   const int64_t BT = int64_t(max_B) * max_T, C = def.config().d_model;
   const int64_t stream = def.stream_rows(max_B, max_T) * C;  // the residual stream's rows here
-  const std::vector<ActSpec> layer = def.layer_activations(max_B, max_T, keeps_probs);
+  const std::vector<ActSpec> layer = def.layer_activations(max_B, max_T);
   const int recomputed = recomputed_layers(o, shard.end_layer - shard.first_layer);
   Plan p;
   // What recomputed blocks do not keep: one set of buffers that they all share.
@@ -105,7 +105,7 @@ StageExecutor::Plan StageExecutor::plan(const ModelDefinition& def, int max_B, i
       shared[i] = p.take(layer[i].elems, layer[i].stats);
   if (recomputed > 0 && o.recompute == Recompute::full) {
     p.recompute_out = p.take(stream);
-    const std::vector<ActSpec> one = def.layer_activations(1, max_T, keeps_probs);
+    const std::vector<ActSpec> one = def.layer_activations(1, max_T);
     for (int l = 0; l < recomputed; l++) {
       std::vector<std::optional<Loc>> caches(one.size());
       for (size_t i = 0; i < one.size(); i++)
@@ -141,12 +141,11 @@ StageExecutor::Plan StageExecutor::plan(const ModelDefinition& def, int max_B, i
 }
 
 StageExecutor::Memory StageExecutor::memory_needed(const ModelConfig& cfg, DType dtype, int max_B,
-                                                   int max_T, const StageOptions& o,
-                                                   bool keeps_probs) {
+                                                   int max_T, const StageOptions& o) {
   check_splits(max_T, o.cp);
   const auto def = make_model_definition(cfg, shard_of(cfg, o), o.total_multiple);
   const int64_t total = def->table().total;
-  const Plan p = plan(*def, max_B, max_T / o.cp.size(), o, keeps_probs);
+  const Plan p = plan(*def, max_B, max_T / o.cp.size(), o);
   const int64_t stats_bytes = dtype_size(is_half(dtype) ? DType::f32 : dtype);
   const int64_t held = held_end(trainer::grad_units(def->table()));
   const int64_t grads = o.windowed_grads ? held : total;
@@ -162,7 +161,6 @@ StageExecutor::StageExecutor(const ModelConfig& cfg, Kernels& kernels, DType dty
       dtype_(dtype),
       grad_dtype_(o.grad_dtype ? *o.grad_dtype : dtype),
       stats_dtype_(is_half(dtype) ? DType::f32 : dtype),
-      keeps_probs_(kernels.attention_keeps_probabilities()),
       recompute_(o.recompute),
       slots_(o.slots),
       layers_(def_->shard().end_layer - def_->shard().first_layer),
@@ -192,7 +190,7 @@ StageExecutor::StageExecutor(const ModelConfig& cfg, Kernels& kernels, DType dty
     forward_progress_ = [this] {
       if (param_windows_) param_windows_->progress();
     };
-  const Plan p = plan(*def_, max_B, local_T(max_T), o, keeps_probs_);
+  const Plan p = plan(*def_, max_B, local_T(max_T), o);
   acts_ = k_.alloc(p.acts, dtype);
   stats_ = k_.alloc(p.stats, stats_dtype_);
   auto at = [&](Loc l) { return (l.stats ? stats_ : acts_) + l.offset; };

@@ -33,8 +33,9 @@ namespace trainer {
 
 // Activation recomputation (Chen et al. 2016; Korthikanti et al. 2022, Megatron's "selective"):
 // memory traded for compute, per block. none: every activation is kept from forward to
-// backward. selective: attention's probabilities and the MLP's activation (ActSpec::selective)
-// are not kept but remade from the block's kept activations just before its backward. full: only
+// backward. selective: the MLP's activation (ActSpec::selective: GELU's or SwiGLU's output) is not
+// kept but remade from the block's kept activations just before its backward (attention keeps no
+// T x T probabilities on any backend: only each row's log-sum-exp, see Kernels). full: only
 // the block's input is kept (the previous block's output), and the whole block is run forward
 // again just before its backward. Blocks under recomputation share one set of buffers for what
 // they do not keep, so a stage of L such blocks holds one block's worth instead of L. Full
@@ -76,14 +77,13 @@ struct StageOptions {
 class StageExecutor {
  public:
   // What a shard allocates, in bytes, known before anything is: parameters, gradients,
-  // activations with the backward scratch, and per-row statistics. keeps_probs: the backend's
-  // Kernels::attention_keeps_probabilities().
+  // activations with the backward scratch, and per-row statistics.
   struct Memory {
     int64_t params = 0, grads = 0, activations = 0, stats = 0;
     int64_t total() const { return params + grads + activations + stats; }
   };
   static Memory memory_needed(const ModelConfig& cfg, DType dtype, int max_B, int max_T,
-                              const StageOptions& options, bool keeps_probs);
+                              const StageOptions& options);
 
   // max_B x max_T is the largest batch forward() will be given; max_T <= cfg.seq_len. With
   // context parallelism every T here is a whole sequence's (a multiple of 2 cp): forward() takes
@@ -225,8 +225,7 @@ class StageExecutor {
   // and the statistics (fp32 with 16-bit activations). Planned from shapes alone, by the
   // constructor and by memory_needed().
   struct Plan;
-  static Plan plan(const ModelDefinition& def, int max_B, int max_T, const StageOptions& o,
-                   bool keeps_probs);
+  static Plan plan(const ModelDefinition& def, int max_B, int max_T, const StageOptions& o);
   LayerCall call(int slot, int B, int T, const DPtr* acts) const;
   // Unit u's parameters from a window (windowed parameters, unit not held), the next unit in
   // the direction of travel (+1 forward, -1 backward) prefetched: `c` with them;
@@ -253,7 +252,6 @@ class StageExecutor {
   // Per-row statistics (norm statistics, losses, the softmax's max and sum) stay in fp32 when
   // the activations are 16-bit, as on GPUs.
   DType stats_dtype_;
-  bool keeps_probs_;  // the backend's attention keeps probabilities (else log-sum-exps)
   Recompute recompute_;
   int recompute_layers_;  // local blocks [0, recompute_layers_) are recomputed
   TensorParallel tp_;

@@ -460,7 +460,7 @@ TEST(MemoryPlan, CountsTheGradientsSummedInsideTheNode) {
   c.parallel.dp = 4, c.parallel.zero = 1, c.parallel.allreduce = "hierarchical";
   auto plan = [&](int node_ranks) {
     const ParallelDims dims = ParallelDims::make(4, 4, 1, 1, c.parallel.order, c.model);
-    return memory_budget(c, dims, dims.coords(0), true, node_ranks);
+    return memory_budget(c, dims, dims.coords(0), node_ranks);
   };
   const MemoryBudget flat = plan(0), hierarchical = plan(2);
   EXPECT_EQ(flat.node_grads, 0);

@@ -186,8 +186,8 @@ class NaiveAttentionSteps final : public AttentionSteps {
 };
 
 // Blocks of 4 over T = 10 (the last one short) and one block over all of T: the CPU backend's
-// attention (which keeps T x T probabilities) to 1e-12, forward and backward; multi-head (NKV =
-// NH), grouped (NKV = NH / 2, NH / 3) and multi-query (NKV = 1) over NH = 6.
+// attention (its own blocks and tiles) to 1e-12, forward (output and log-sum-exps) and backward;
+// multi-head (NKV = NH), grouped (NKV = NH / 2, NH / 3) and multi-query (NKV = 1) over NH = 6.
 TEST(GemmPlan, BlockedAttentionIsTheCpusAttention) {
   test::Device d;
   // hs = 4: the GEMMs' fp32 alpha, 1/sqrt(hs), is exact, as 1e-12 needs.
@@ -198,11 +198,12 @@ TEST(GemmPlan, BlockedAttentionIsTheCpusAttention) {
     auto qkv = random(BT * width, 1), dout = random(BT * C, 2);
     DPtr qkv_d = d.upload(qkv), dout_d = d.upload(dout);
     DPtr out_ref = d.upload(std::vector<double>(BT * C)),
-         att = d.upload(std::vector<double>(BT * NH * T));
+         lse_ref = d.upload(std::vector<double>(BT * NH));
     DPtr dqkv_ref = d.upload(std::vector<double>(BT * width));
-    d.k->attention_forward(out_ref, att, qkv_d, B, T, C, NH, NKV);
-    d.k->attention_backward(dqkv_ref, dout_d, qkv_d, out_ref, att, B, T, C, NH, NKV);
+    d.k->attention_forward(out_ref, lse_ref, qkv_d, B, T, C, NH, NKV);
+    d.k->attention_backward(dqkv_ref, dout_d, qkv_d, out_ref, lse_ref, B, T, C, NH, NKV);
     const auto expected_out = d.download<double>(out_ref, BT * C);
+    const auto expected_lse = d.download<double>(lse_ref, BT * NH);
     const auto expected_dqkv = d.download<double>(dqkv_ref, BT * width);
 
     for (int block : {4, T, 128}) {
@@ -220,6 +221,7 @@ TEST(GemmPlan, BlockedAttentionIsTheCpusAttention) {
       EXPECT_EQ(steps.gemms, 2 * int(query_blocks(shape).size()));
       blocked_attention_backward(steps, w, dqkv, dout_d, qkv_d, out, lse, shape);
       EXPECT_TRUE(test::all_close(expected_out, d.download<double>(out, BT * C), kTol, kTol));
+      EXPECT_TRUE(test::all_close(expected_lse, d.download<double>(lse, n.rows), kTol, kTol));
       // Every element of dqkv written (the buffers started at 77).
       EXPECT_TRUE(test::all_close(expected_dqkv, d.download<double>(dqkv, BT * width), kTol, kTol));
       // The log-sum-exp of row (b, h, t) over the scores it sees, from scratch: query head h

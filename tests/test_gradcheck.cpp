@@ -98,16 +98,16 @@ TEST_F(GradCheck, CausalAttention) {
   Vec qkv = random_vector<double>(B * T * 3 * C, 9), r = random_vector<double>(B * T * C, 10);
   auto f = [&] {
     Device d;
-    DPtr out = d.upload(Vec(B * T * C)), att = d.upload(Vec(B * NH * T * T));
-    d.k->attention_forward(out, att, d.upload(qkv), B, T, C, NH);
+    DPtr out = d.upload(Vec(B * T * C)), lse = d.upload(Vec(B * NH * T));
+    d.k->attention_forward(out, lse, d.upload(qkv), B, T, C, NH);
     return project(d.download<double>(out, B * T * C), r);
   };
   Device d;
-  DPtr out = d.upload(Vec(B * T * C)), att = d.upload(Vec(B * NH * T * T));
+  DPtr out = d.upload(Vec(B * T * C)), lse = d.upload(Vec(B * NH * T));
   DPtr qkvd = d.upload(qkv);
-  d.k->attention_forward(out, att, qkvd, B, T, C, NH);
+  d.k->attention_forward(out, lse, qkvd, B, T, C, NH);
   DPtr dqkv = d.upload(Vec(B * T * 3 * C));
-  d.k->attention_backward(dqkv, d.upload(r), qkvd, out, att, B, T, C, NH);
+  d.k->attention_backward(dqkv, d.upload(r), qkvd, out, lse, B, T, C, NH);
   expect_gradient(f, qkv, d.download<double>(dqkv, B * T * 3 * C), "dqkv");
 }
 
@@ -141,16 +141,16 @@ TEST_F(GradCheck, GroupedQueryAttention) {
     Vec qkv = random_vector<double>(B * T * W, 34), r = random_vector<double>(B * T * C, 35);
     auto f = [&] {
       Device d;
-      DPtr out = d.upload(Vec(B * T * C)), att = d.upload(Vec(B * NH * T * T));
-      d.k->attention_forward(out, att, d.upload(qkv), B, T, C, NH, NKV);
+      DPtr out = d.upload(Vec(B * T * C)), lse = d.upload(Vec(B * NH * T));
+      d.k->attention_forward(out, lse, d.upload(qkv), B, T, C, NH, NKV);
       return project(d.download<double>(out, B * T * C), r);
     };
     Device d;
-    DPtr out = d.upload(Vec(B * T * C)), att = d.upload(Vec(B * NH * T * T));
+    DPtr out = d.upload(Vec(B * T * C)), lse = d.upload(Vec(B * NH * T));
     DPtr qkvd = d.upload(qkv);
-    d.k->attention_forward(out, att, qkvd, B, T, C, NH, NKV);
+    d.k->attention_forward(out, lse, qkvd, B, T, C, NH, NKV);
     DPtr dqkv = d.upload(Vec(B * T * W));
-    d.k->attention_backward(dqkv, d.upload(r), qkvd, out, att, B, T, C, NH, NKV);
+    d.k->attention_backward(dqkv, d.upload(r), qkvd, out, lse, B, T, C, NH, NKV);
     expect_gradient(f, qkv, d.download<double>(dqkv, B * T * W),
                     "dqkv, NKV " + std::to_string(NKV));
   }

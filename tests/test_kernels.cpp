@@ -135,16 +135,17 @@ TEST(Kernels, MatmulForwardBackward) {
 
 // Naive causal grouped-query attention in double, straight from the definition (llm.c's CPU
 // loops): qkv rows hold NH query heads, NKV key heads and NKV value heads; query head h uses key
-// and value head h / (NH / NKV).
+// and value head h / (NH / NKV). lse: each row's log-sum-exp of its scaled scores (B, NH, T).
 struct NaiveAttention {
-  std::vector<double> out, att, dqkv;
+  std::vector<double> out, lse, dqkv;
   template <class Q, class D>
   NaiveAttention(const std::vector<Q>& qkv, const std::vector<D>& dout, int B, int T, int C, int NH,
                  int NKV) {
     const int hs = C / NH, group = NH / NKV, W = C + 2 * NKV * hs;
     const double scale = 1 / std::sqrt(double(hs));
     out.assign(B * T * C, 0);
-    att.assign(B * NH * T * T, 0);
+    lse.assign(B * NH * T, 0);
+    std::vector<double> a(T);
     dqkv.assign(B * T * W, 0);
     auto q = [&](int b, int t, int h, int i) { return (b * T + t) * W + h * hs + i; };
     auto k = [&](int b, int t, int h, int i) { return (b * T + t) * W + C + h / group * hs + i; };
@@ -152,7 +153,6 @@ struct NaiveAttention {
     for (int b = 0; b < B; b++)
       for (int h = 0; h < NH; h++)
         for (int t = 0; t < T; t++) {
-          double* a = &att[((b * NH + h) * T + t) * T];
           double mx = -1e300;
           for (int u = 0; u <= t; u++) {
             double s = 0;
@@ -164,6 +164,7 @@ struct NaiveAttention {
           double sum = 0;
           for (int u = 0; u <= t; u++) sum += (a[u] = std::exp(a[u] - mx));
           for (int u = 0; u <= t; u++) a[u] /= sum;
+          lse[(b * NH + h) * T + t] = mx + std::log(sum);
           for (int i = 0; i < hs; i++) {
             double o = 0;
             for (int u = 0; u <= t; u++) o += a[u] * double(qkv[v(b, u, h, i)]);
@@ -201,13 +202,13 @@ TEST(Kernels, AttentionForwardBackward) {
     auto qkv = random_vector(B * T * 3 * C, 12), dout = random_vector(B * T * C, 13);
     NaiveAttention ref(qkv, dout, B, T, C, NH, NH);
     DPtr out = d.upload(std::vector<float>(B * T * C));
-    DPtr att = d.upload(std::vector<float>(B * NH * T * T, 3.0f));
+    DPtr lse = d.upload(std::vector<float>(B * NH * T, 3.0f));
     DPtr qkvd = d.upload(qkv);
-    d.k->attention_forward(out, att, qkvd, B, T, C, NH);
+    d.k->attention_forward(out, lse, qkvd, B, T, C, NH);
     EXPECT_TRUE(all_close(d.download<float>(out, B * T * C), ref.out, kRtol, kAtol)) << "T=" << T;
-    EXPECT_TRUE(all_close(d.download<float>(att, B * NH * T * T), ref.att, kRtol, kAtol));
+    EXPECT_TRUE(all_close(d.download<float>(lse, B * NH * T), ref.lse, kRtol, kAtol));
     DPtr dqkv = d.upload(std::vector<float>(B * T * 3 * C, 9.0f));
-    d.k->attention_backward(dqkv, d.upload(dout), qkvd, out, att, B, T, C, NH);
+    d.k->attention_backward(dqkv, d.upload(dout), qkvd, out, lse, B, T, C, NH);
     EXPECT_TRUE(all_close(d.download<float>(dqkv, B * T * 3 * C), ref.dqkv, kRtol, kAtol))
         << "T=" << T;
   }
@@ -215,9 +216,10 @@ TEST(Kernels, AttentionForwardBackward) {
 
 // Ring attention by its parts, without the ring: rank r's queries (its two chunks of each
 // sequence, model/context_parallel.h) against every rank's keys and values in ring order, folded
-// by the online softmax, give the whole causal attention's rows; and backward's parts, each
+// by the online softmax, give the naive causal attention's rows; and backward's parts, each
 // rank's key/value gradients summed over the ranks that saw them, its gradient. In double the
-// sums' order is the only difference (1e-12); in float, rounding (1e-5). Multi-head, grouped and
+// sums' order is the only difference (1e-12); in float, rounding (1e-5 against the double
+// reference). Multi-head, grouped and
 // multi-query, T = 8 per rank with cp = 4 (chunks of 4), T = 80 with cp = 2 (chunks of 40 over
 // the kernel's 64-row blocks) and T = 78 (chunks of 39, ragged for every vector width); head
 // sizes 2 and 21 (one panel, and several with a ragged last one, on the CPU).
@@ -233,17 +235,11 @@ void check_ring_parts(double tol) {
       const ContextParallel ring(0, cp, {});
       auto qkv = random_vector<S>(size_t(B) * T * W, 31),
            dout = random_vector<S>(size_t(B) * T * C, 32);
-      DPtr out = d.upload(std::vector<S>(size_t(B) * T * C));
-      DPtr att = d.upload(std::vector<S>(size_t(B) * NH * T * T));
-      DPtr dqkv = d.upload(std::vector<S>(size_t(B) * T * W));
-      d.k->attention_forward(out, att, d.upload(qkv), B, T, C, NH, NKV);
-      d.k->attention_backward(dqkv, d.upload(dout), d.upload(qkv), out, att, B, T, C, NH, NKV);
-      const auto want_out = d.download<S>(out, size_t(B) * T * C);
-      const auto want_dqkv = d.download<S>(dqkv, size_t(B) * T * W);
+      const NaiveAttention want(qkv, dout, B, T, C, NH, NKV);
       // Rank r's rows of a (B, T, width) tensor.
-      auto rows_of = [&](const std::vector<S>& whole, int r, int width) {
+      auto rows_of = [&]<class V>(const std::vector<V>& whole, int r, int width) {
         const TokenChunks ch = ContextParallel(r, cp, {}).chunks(Tl);
-        std::vector<S> mine(size_t(B) * Tl * width);
+        std::vector<V> mine(size_t(B) * Tl * width);
         for (int b = 0; b < B; b++)
           for (int t = 0; t < Tl; t++)
             std::copy_n(&whole[(size_t(b) * T + ch.position(t)) * width], width,
@@ -267,7 +263,7 @@ void check_ring_parts(double tol) {
           d.k->attention_part_forward(o[r], lse[r], q[r], q[me.holder(s)], part);
         }
         EXPECT_TRUE(
-            all_close(d.download<S>(o[r], size_t(B) * Tl * C), rows_of(want_out, r, C), tol, tol))
+            all_close(d.download<S>(o[r], size_t(B) * Tl * C), rows_of(want.out, r, C), tol, tol))
             << "rank " << r;
       }
       for (int r = 0; r < cp; r++) {
@@ -284,7 +280,7 @@ void check_ring_parts(double tol) {
         std::vector<S> got = d.download<S>(dq[r], size_t(B) * Tl * W);
         const std::vector<S> kv = d.download<S>(dkv[r], size_t(B) * Tl * W);
         for (size_t i = 0; i < got.size(); i++) got[i] += kv[i];  // disjoint columns
-        EXPECT_TRUE(all_close(got, rows_of(want_dqkv, r, W), tol, tol)) << "rank " << r;
+        EXPECT_TRUE(all_close(got, rows_of(want.dqkv, r, W), tol, tol)) << "rank " << r;
       }
     }
 }
@@ -530,10 +526,10 @@ TEST(Kernels, CpuPeakIsTheBestRateSeen) {
   // Attention counts the causal half: the rate it reports is at least the caller's rate for it.
   const int B = 2, T = 128, C = 64, NH = 4;
   DPtr qkv = d.upload(random_vector(B * T * 3 * C, 3)), y = d.upload(std::vector<float>(B * T * C)),
-       att = d.upload(std::vector<float>(B * NH * T * T));
+       lse = d.upload(std::vector<float>(B * NH * T));
   Device fresh;
   const auto t1 = std::chrono::steady_clock::now();
-  fresh.k->attention_forward(y, att, qkv, B, T, C, NH);
+  fresh.k->attention_forward(y, lse, qkv, B, T, C, NH);
   const double attention_rate =
       2.0 * 2.0 * B * C * (T * (T + 1) / 2.0) /
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
@@ -646,16 +642,16 @@ TYPED_TEST(LlamaKernels, GroupedQueryAttentionForwardBackward) {
                dout = stored<S>(random_vector(B * T * C, 13));
     NaiveAttention ref(widened(qkv), widened(dout), B, T, C, NH, NKV);
     DPtr out = d.upload(std::vector<S>(B * T * C));
-    DPtr att = d.upload(stored<S>(std::vector<float>(B * NH * T * T, 3.0f)));
+    // The log-sum-exps are statistics: fp32 whatever the activations' format.
+    DPtr lse = d.upload(std::vector<float>(B * NH * T, 3.0f));
     DPtr qkvd = d.upload(qkv);
-    d.k->attention_forward(out, att, qkvd, B, T, C, NH, NKV);
+    d.k->attention_forward(out, lse, qkvd, B, T, C, NH, NKV);
     const Tolerance tol = storage_tolerance<S>(), chained = storage_tolerance<S>(3);
     EXPECT_TRUE(all_close(download_widened<S>(d, out, B * T * C), ref.out, tol.rtol, tol.atol));
-    EXPECT_TRUE(
-        all_close(download_widened<S>(d, att, B * NH * T * T), ref.att, tol.rtol, tol.atol));
+    EXPECT_TRUE(all_close(d.download<float>(lse, B * NH * T), ref.lse, kRtol, kAtol));
     // dqkv is overwritten (starts at 9), key and value gradients summed over each group.
     DPtr dqkv = d.upload(stored<S>(std::vector<float>(B * T * W, 9.0f)));
-    d.k->attention_backward(dqkv, d.upload(dout), qkvd, out, att, B, T, C, NH, NKV);
+    d.k->attention_backward(dqkv, d.upload(dout), qkvd, out, lse, B, T, C, NH, NKV);
     EXPECT_TRUE(
         all_close(download_widened<S>(d, dqkv, B * T * W), ref.dqkv, chained.rtol, chained.atol));
   }

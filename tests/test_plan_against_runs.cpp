@@ -309,9 +309,10 @@ TEST_F(MpiCli, SequenceParallelHoldsATpthOfTheStream) {
 }
 
 // Context parallelism holds 1/cp of each sequence's activations: against data parallelism on
-// as many ranks (the same sequences a rank, the same gradient reduction), cp 2 plans half the
-// activations and no attention probabilities (ring attention keeps log-sum-exps), and the
-// measured peak RSS falls by what the plan says within 10%. Inference runs whole on every rank
+// as many ranks (the same sequences a rank, the same gradient reduction), cp 2 plans under 65% of
+// the activations (half of every token's, plus ring attention's buffers for the keys and values
+// in flight and their gradients), and the measured peak RSS falls by what the plan says within
+// 10%. Inference runs whole on every rank
 // of the group (a prompt in chunks of T / cp tokens through the key/value cache): the step-0
 // sample and validation loss at cp 2 and cp 4 are the one process's.
 TEST_F(MpiCli, ContextParallelHoldsACpthOfEachSequence) {
@@ -319,8 +320,8 @@ TEST_F(MpiCli, ContextParallelHoldsACpthOfEachSequence) {
   for (const std::string axis : {"dp", "cp"}) {
     const auto r =
         mpirun(2, "--set parallel." + axis + "=2 " +
-                      "--set model.seq_len=512 --set model.d_model=64 --set model.n_head=4 "
-                      "--set model.n_layer=4 --set train.micro_batch=4 --set train.steps=2 "
+                      "--set model.seq_len=512 --set model.d_model=128 --set model.n_head=4 "
+                      "--set model.n_layer=4 --set train.micro_batch=8 --set train.steps=2 "
                       "--set checkpoint.every_steps=0 --set run.out_dir=" +
                       quoted(path(axis)));
     ASSERT_EQ(r.code, 0) << r.output;
@@ -328,7 +329,7 @@ TEST_F(MpiCli, ContextParallelHoldsACpthOfEachSequence) {
     activations.push_back(megabytes_after(r.output, "activations "));
     measured.push_back(megabytes_after(r.output, "peak memory: "));
   }
-  EXPECT_LT(activations[1], 0.5 * activations[0]) << activations[0] << " -> " << activations[1];
+  EXPECT_LT(activations[1], 0.65 * activations[0]) << activations[0] << " -> " << activations[1];
   const double want = planned[0] - planned[1], got = measured[0] - measured[1];
   EXPECT_GT(want, 50);
   EXPECT_NEAR(got, want, 0.1 * want);
@@ -358,11 +359,10 @@ TEST_F(MpiCli, ContextParallelHoldsACpthOfEachSequence) {
       activations[0], activations[1], planned[0], planned[1], measured[0], measured[1], want, got);
 }
 
-// The bar: T = 8192 trains on this machine with cp = 4 (a two-layer Llama, one sequence a
-// step): each rank plans well under 100 MB of activations where one process plans over 2 GB
-// (its attention keeps 8192 x 8192 probabilities a head), and the
-// per-step losses and gradient norms are those of cp = 2 to 1e-5 (the layout table checks
-// context parallelism against one process, which takes over 2 GB and 4 times as long here).
+// The bar: T = 8192 trains on this machine with cp = 2 and 4 (a two-layer Llama, one
+// sequence a step), with the per-step losses and gradient norms of one process to 1e-5, and each
+// rank's activations shrinking with cp (attention keeps only log-sum-exps, so one process plans
+// under 100 MB: the rest is the tokens' rows, which cp splits).
 TEST_F(MpiCli, ContextParallelTrainsEightThousandTokenSequences) {
   const std::string model =
       "--set model.arch=\\\"llama\\\" --set model.seq_len=8192 --set model.n_layer=2 "
@@ -372,21 +372,7 @@ TEST_F(MpiCli, ContextParallelTrainsEightThousandTokenSequences) {
       quoted(path("data/train.bin"));  // the excerpt's validation part is shorter than 8193
   std::vector<std::vector<std::pair<double, double>>> steps;
   std::vector<double> activations;
-  {  // one process's plan, from the executor's accounting (allocating it takes 16 s here)
-    ModelConfig cfg;
-    cfg.arch = Arch::llama;
-    cfg.seq_len = 8192;
-    cfg.n_layer = 2;
-    cfg.n_head = 4;
-    cfg.n_kv_head = 2;
-    cfg.d_model = 64;
-    cfg.ffn_hidden = 128;
-    cfg.tie_embeddings = false;
-    const StageExecutor::Memory m =
-        StageExecutor::memory_needed(cfg, DType::f32, 1, 8192, StageOptions{}, true);
-    activations.push_back(double(m.activations + m.stats) / (1 << 20));
-  }
-  for (int cp : {2, 4}) {
+  for (int cp : {1, 2, 4}) {
     const std::string out = path("long" + std::to_string(cp));
     const auto r = mpirun(cp, model + " --set parallel.cp=" + std::to_string(cp) +
                                   " --set run.out_dir=" + quoted(out));
@@ -399,18 +385,22 @@ TEST_F(MpiCli, ContextParallelTrainsEightThousandTokenSequences) {
       if (j.contains("loss")) steps.back().push_back({j["loss"], j["grad_norm"]});
     }
   }
-  EXPECT_GT(activations[0], 2000);
-  EXPECT_LT(activations[2], 100);
-  ASSERT_EQ(steps[0].size(), 2u);
-  ASSERT_EQ(steps[1].size(), 2u);
-  for (int s = 0; s < 2; s++) {
-    EXPECT_NEAR(steps[1][s].first, steps[0][s].first, 1e-5 * steps[0][s].first) << "step " << s;
-    EXPECT_NEAR(steps[1][s].second, steps[0][s].second, 1e-5 * steps[0][s].second) << "step " << s;
+  EXPECT_LT(activations[0], 100);
+  EXPECT_LT(activations[1], 0.75 * activations[0]);
+  EXPECT_LT(activations[2], 0.6 * activations[1]);
+  for (int i : {1, 2}) {
+    ASSERT_EQ(steps[i].size(), 2u);
+    for (int s = 0; s < 2; s++) {
+      EXPECT_NEAR(steps[i][s].first, steps[0][s].first, 1e-5 * steps[0][s].first) << "step " << s;
+      EXPECT_NEAR(steps[i][s].second, steps[0][s].second, 1e-5 * steps[0][s].second)
+          << "step " << s;
+    }
   }
   std::printf(
       "[ T 8192, cp 1 -> 2 -> 4 ] activations %.1f -> %.1f -> %.1f MB a rank; step-1 loss %.6f / "
-      "%.6f\n",
-      activations[0], activations[1], activations[2], steps[0][1].first, steps[1][1].first);
+      "%.6f / %.6f\n",
+      activations[0], activations[1], activations[2], steps[0][1].first, steps[1][1].first,
+      steps[2][1].first);
 }
 
 }  // namespace

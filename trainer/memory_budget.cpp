@@ -31,7 +31,6 @@ std::vector<PlannedAndMeasured> planned_and_measured(Run& run, ResidentMemory be
                                                      SnapshotCopy copy) {
   const Config& cfg = run.cfg;
   const MemoryBudget b = memory_budget(cfg, run.dims, run.dims.coords(run.world.rank()),
-                                       run.kernels->attention_keeps_probabilities(),
                                        run.groups.intra ? run.groups.intra->size() : 0);
   const double MB = 1 << 20;
   double mine[3] = {0, 0, b.collectives / MB};
@@ -99,12 +98,12 @@ void report_memory(Run& run, ResidentMemory before_model, SnapshotCopy copy, Met
 
 // node_ranks: see memory_budget.h.
 MemoryBudget memory_budget(const Config& cfg, const ParallelDims& dims, const RankCoords& me,
-                           bool keeps_probs, int node_ranks) {
+                           int node_ranks) {
   const DType dtype = compute_dtype(cfg.precision);
   const StageOptions o = Run::model_options(cfg, me, dims, nullptr, nullptr);
   MemoryBudget b;
-  b.model = StageExecutor::memory_needed(cfg.model, dtype, cfg.train.micro_batch, cfg.model.seq_len,
-                                         o, keeps_probs);
+  b.model =
+      StageExecutor::memory_needed(cfg.model, dtype, cfg.train.micro_batch, cfg.model.seq_len, o);
   const ParamTable table = param_table(cfg.model, *o.shard, o.total_multiple);
   const double elems = double(table.total);
   // With outer steps a node's ranks share the ZeRO shards and the reductions; else the replicas.
@@ -246,7 +245,7 @@ void check_memory(const Config& cfg, World& world, Kernels& kernels, const std::
   // share the shards; the hierarchical all-reduce holds 1/node_ranks of the gradients summed
   // inside the node.
   const MemoryBudget b =
-      memory_budget(cfg, dims, dims.coords(world.rank()), kernels.attention_keeps_probabilities(),
+      memory_budget(cfg, dims, dims.coords(world.rank()),
                     node_ranks(cfg, dims, world.rank(), node_of(world, cfg.parallel)));
   const StageExecutor::Memory& model = b.model;
   // A GPU holds its own part (offloaded state is the host's); on the CPU it is all one memory.

@@ -72,7 +72,7 @@ struct MemoryBudget {
 // the outer steps (0 otherwise), for the gradients summed inside the node (ZeRO-2: its windows'
 // node parts), compression's part of the buffer and, with outer steps, ZeRO's shards.
 MemoryBudget memory_budget(const Config& cfg, const ParallelDims& dims, const RankCoords& me,
-                           bool keeps_probs, int node_ranks);
+                           int node_ranks);
 // That node_ranks for world rank `rank`, each rank's node given by `node` (as make_groups finds
 // them: the members of its data-parallel group on its node).
 int node_ranks(const Config& cfg, const ParallelDims& dims, int rank,

@@ -338,7 +338,7 @@ Candidate estimate_layout(const Config& cfg, const ParallelDims& dims, const Pla
   for (int s = 0; s < dims.pp(); s++) {  // the largest stage's first rank
     const RankCoords first{0, 0, s, 0};
     const MemoryBudget b = memory_budget(
-        cfg, dims, first, !gpu,
+        cfg, dims, first,
         node_ranks(cfg, dims, dims.rank_of(first), [&](int r) { return r / per_node; }));
     const double bytes = gpu ? b.device() : b.total();
     if (bytes > cand.bytes) cand.bytes = bytes, cand.memory = b, cand.stage = s;

@@ -126,8 +126,7 @@ double print_start(const Run& run) {
     fmt::print("pipeline stages (blocks; embedding on the first, head on the last):{}\n", stages);
   }
   const MemoryBudget b =
-      memory_budget(cfg, dims, dims.coords(0), run.kernels->attention_keeps_probabilities(),
-                    run.groups.intra ? run.groups.intra->size() : 0);
+      memory_budget(cfg, dims, dims.coords(0), run.groups.intra ? run.groups.intra->size() : 0);
   const double MB = 1 << 20;
   // One line from the plan the buffers are allocated by (and that check_memory refuses by).
   fmt::print(
@@ -197,7 +196,6 @@ double print_start(const Run& run) {
 void print_dry_run(const Run& run) {
   const Config& cfg = run.cfg;
   const ParallelDims& dims = run.dims;
-  const bool keeps_probs = run.kernels->attention_keeps_probabilities();
   const int node_ranks = run.groups.intra ? run.groups.intra->size() : 0;
   const double MB = 1 << 20;
   std::string stages;
@@ -206,7 +204,7 @@ void print_dry_run(const Run& run) {
   for (int r = 0; r < dims.world(); r++) {
     const RankCoords c = dims.coords(r);
     if (c.dp != 0 || c.cp != 0) continue;  // replicas and ZeRO pieces hold what rank 0 does
-    const double total = memory_budget(cfg, dims, c, keeps_probs, node_ranks).total();
+    const double total = memory_budget(cfg, dims, c, node_ranks).total();
     if (total > largest) largest = total, largest_rank = r;
     if (c.tp == 0)
       stages += fmt::format("{}stage {} {:.1f} MB", stages.empty() ? "" : ", ", c.pp, total / MB);

@@ -295,32 +295,33 @@ class CpuKernels final : public Kernels {
   }
   using Kernels::attention_backward;  // the multi-head overloads
   using Kernels::attention_forward;
-  void attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH,
+  // Model FLOPs, as the CUDA backend counts them: the backward's recomputed QK^T is not counted.
+  void attention_forward(DPtr out, DPtr lse, DPtr qkv, int B, int T, int C, int NH,
                          int NKV) override {
-    if (Staging::any_half({out, att, qkv})) {
+    if (Staging::any_half({out, qkv})) {
       Staging s(pool_);
-      return attention_forward(s.out(out, int64_t(B) * T * C), s.out(att, int64_t(B) * NH * T * T),
+      return attention_forward(s.out(out, int64_t(B) * T * C), lse,
                                s.in(qkv, int64_t(B) * T * qkv_width(C, NH, NKV)), B, T, C, NH, NKV);
     }
     meter_.timed("attention_forward", causal_attention_flops(B, T, C), [&] {
       dispatch(out.dtype, [&]<class S>(S) {
-        cpu::attention_forward(out.as<S>(), att.as<S>(), qkv.as<S>(), B, T, C, NH, NKV);
+        cpu::attention_forward(out.as<S>(), lse.as<S>(), qkv.as<S>(), B, T, C, NH, NKV);
       });
     });
   }
-  void attention_backward(DPtr dqkv, DPtr dout, DPtr qkv, DPtr /*out*/, DPtr att, int B, int T,
-                          int C, int NH, int NKV) override {
-    if (Staging::any_half({dqkv, dout, qkv, att})) {
+  void attention_backward(DPtr dqkv, DPtr dout, DPtr qkv, DPtr out, DPtr lse, int B, int T, int C,
+                          int NH, int NKV) override {
+    if (Staging::any_half({dqkv, dout, qkv, out})) {
       Staging s(pool_);
       const int64_t qkv_elems = int64_t(B) * T * qkv_width(C, NH, NKV);
       return attention_backward(s.out(dqkv, qkv_elems), s.in(dout, int64_t(B) * T * C),
-                                s.in(qkv, qkv_elems), DPtr{}, s.in(att, int64_t(B) * NH * T * T), B,
-                                T, C, NH, NKV);
+                                s.in(qkv, qkv_elems), s.in(out, int64_t(B) * T * C), lse, B, T, C,
+                                NH, NKV);
     }
     meter_.timed("attention_backward", 2 * causal_attention_flops(B, T, C), [&] {
       dispatch(dout.dtype, [&]<class S>(S) {
-        cpu::attention_backward(dqkv.as<S>(), dout.as<S>(), qkv.as<S>(), att.as<S>(), B, T, C, NH,
-                                NKV);
+        cpu::attention_backward(dqkv.as<S>(), dout.as<S>(), qkv.as<S>(), out.as<S>(), lse.as<S>(),
+                                B, T, C, NH, NKV);
       });
     });
   }

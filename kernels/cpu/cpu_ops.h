@@ -42,12 +42,13 @@ template <class T>
 void matmul_backward(T* dinp, T* dw, T* dbias, const T* dout, const T* inp, const T* w, int64_t N,
                      int IC, int OC);
 
-// Grouped-query attention (NKV = NH: multi-head).
+// Causal grouped-query attention (NKV = NH: multi-head): out and each row's log-sum-exp lse
+// (B, NH, T) forward; dqkv (overwritten) from them backward.
 template <class T>
-void attention_forward(T* out, T* att, const T* qkv, int B, int T_, int C, int NH, int NKV);
+void attention_forward(T* out, T* lse, const T* qkv, int B, int T_, int C, int NH, int NKV);
 template <class T>
-void attention_backward(T* dqkv, const T* dout, const T* qkv, const T* att, int B, int T_, int C,
-                        int NH, int NKV);
+void attention_backward(T* dqkv, const T* dout, const T* qkv, const T* out, const T* lse, int B,
+                        int T_, int C, int NH, int NKV);
 // Ring attention's parts (kernels/kernels.h, AttentionPart).
 template <class T>
 void attention_part_forward(T* out, T* lse, const T* q, const T* kv, const AttentionPart& p);

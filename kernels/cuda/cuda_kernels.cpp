@@ -248,7 +248,6 @@ class CudaKernels final : public Kernels {
     matmul_backward(DPtr{}, dweight, dbias, dout, inp, weight, N, IC, OC);
   }
   // Attention by query blocks (kernels/blocked_attention.h): att holds each row's log-sum-exp.
-  bool attention_keeps_probabilities() const override { return false; }
   using Kernels::attention_backward;  // the multi-head overloads
   using Kernels::attention_forward;
   void attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH,
