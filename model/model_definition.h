@@ -30,9 +30,9 @@ namespace trainer {
 struct ActSpec {
   int64_t elems = 0;
   bool stats = false;
-  // Cheap to remake from the block's other activations (attention's probabilities, the MLP's
-  // activation): under selective recomputation it is not kept, and layer_recompute() remakes it
-  // before the block's backward (Megatron's selective recomputation).
+  // Cheap to remake from the block's other activations (the MLP's activation: GELU's or
+  // SwiGLU's output): under selective recomputation it is not kept, and layer_recompute() remakes
+  // it before the block's backward (Megatron's selective recomputation).
   bool selective = false;
   // Holds the keys and values of every position in inference (the key/value cache): kept per
   // block for infer() whatever the recomputation.

@@ -385,6 +385,7 @@ TEST_F(MpiCli, ContextParallelTrainsEightThousandTokenSequences) {
       if (j.contains("loss")) steps.back().push_back({j["loss"], j["grad_norm"]});
     }
   }
+  ASSERT_EQ(steps[0].size(), 2u);
   EXPECT_LT(activations[0], 100);
   EXPECT_LT(activations[1], 0.75 * activations[0]);
   EXPECT_LT(activations[2], 0.6 * activations[1]);

@@ -40,12 +40,9 @@ void estimate(Candidate& c, const Config& cfg, const PlanOptions& o) {
   const double T = m.seq_len, C = m.d_model;
   const double act = dtype_size(compute_dtype(cfg.precision));
   const double grad = cfg.precision.grads == "fp32" ? 4 : act;
-  // Recomputation runs the blocks' forward again (a third of their FLOPs), or attention's scores
-  // and probabilities (its forward, 2 C T a token of each block); not the embedding or the head.
-  const double block = 6.0 * double(m.block_matmul_params()) + 6.0 * C * T;  // flops_per_token's
-  const double block_scale = c.recompute == "full"        ? 4.0 / 3
-                             : c.recompute == "selective" ? 1 + 2.0 * C * T / block
-                                                          : 1;
+  // Full recomputation runs the blocks' forward again (a third of their FLOPs; not the embedding
+  // or the head). Selective remakes the MLP's activation only, elementwise: no FLOPs counted.
+  const double block_scale = c.recompute == "full" ? 4.0 / 3 : 1;
   // A micro-batch through stage s takes t_s on one rank at its peak (its tokens shared by the
   // tp x cp ranks of the stage). With 1F1B the slowest stage works through all M micro-batches,
   // and the others' time before its first and after its last is the fill and drain:

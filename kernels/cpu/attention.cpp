@@ -25,7 +25,8 @@
 namespace trainer::cpu {
 namespace {
 
-// Query rows per block, and keys per block in the backward (64 keys: four zmm panels). Blocks of
+// Query rows per block, and keys per block in the backward (a multiple of every lane count, so a
+// key block starts on a panel: four zmm panels of float, eight of double). Blocks of
 // 48-132 rows and 48-128 keys measured the same or slower on W-L's shape.
 constexpr int kBlock = 64;
 
@@ -308,9 +309,10 @@ void part_backward(T* dq, T* dkv, const T* dout, const T* q, const T* kv, const 
                 widest = std::max(widest, seen[i - r0]);
               }
               if (widest == 0) continue;
-              const int* seen_at = seen.data() - r0;
+              // How many keys row i sees, and the most any of rows [i, i + m) sees.
+              auto seen_by = [&](int i) { return seen[i - r0]; };
               auto group_width = [&](int i, int m) {
-                return *std::max_element(seen_at + i, seen_at + i + m);
+                return *std::max_element(seen.begin() + (i - r0), seen.begin() + (i - r0 + m));
               };
               const T* kt = keys_t.data() + pp.transposed[k] + int64_t(c0 - runs[k].begin) * hs;
               const T* vt = values_t.data() + pp.transposed[k] + int64_t(c0 - runs[k].begin) * hs;
@@ -331,7 +333,7 @@ void part_backward(T* dq, T* dkv, const T* dout, const T* q, const T* kv, const 
               for (int i = r0; i < r1; i++) {
                 T *pr = P.data() + int64_t(i - r0) * kBlock,
                   *d = dP.data() + int64_t(i - r0) * kBlock;
-                const int s = seen_at[i];
+                const int s = seen_by(i);
                 exp_shifted(pr, s, Lse[i]);
                 softmax_backward_row(d, pr, s, D[i - r0]);
                 std::fill(pr + s, pr + widest, T(0));

@@ -300,7 +300,7 @@ class CpuKernels final : public Kernels {
                          int NKV) override {
     if (Staging::any_half({out, qkv})) {
       Staging s(pool_);
-      return attention_forward(s.out(out, int64_t(B) * T * C), lse,
+      return attention_forward(s.out(out, int64_t(B) * T * C), s.out(lse, int64_t(B) * NH * T),
                                s.in(qkv, int64_t(B) * T * qkv_width(C, NH, NKV)), B, T, C, NH, NKV);
     }
     meter_.timed("attention_forward", causal_attention_flops(B, T, C), [&] {
@@ -315,8 +315,8 @@ class CpuKernels final : public Kernels {
       Staging s(pool_);
       const int64_t qkv_elems = int64_t(B) * T * qkv_width(C, NH, NKV);
       return attention_backward(s.out(dqkv, qkv_elems), s.in(dout, int64_t(B) * T * C),
-                                s.in(qkv, qkv_elems), s.in(out, int64_t(B) * T * C), lse, B, T, C,
-                                NH, NKV);
+                                s.in(qkv, qkv_elems), s.in(out, int64_t(B) * T * C),
+                                s.in(lse, int64_t(B) * NH * T), B, T, C, NH, NKV);
     }
     meter_.timed("attention_backward", 2 * causal_attention_flops(B, T, C), [&] {
       dispatch(dout.dtype, [&]<class S>(S) {

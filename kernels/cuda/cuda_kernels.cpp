@@ -247,12 +247,12 @@ class CudaKernels final : public Kernels {
       return Kernels::matmul_backward_gelu(dinp, dweight, dbias, dout, inp, weight, pre, N, IC, OC);
     matmul_backward(DPtr{}, dweight, dbias, dout, inp, weight, N, IC, OC);
   }
-  // Attention by query blocks (kernels/blocked_attention.h): att holds each row's log-sum-exp.
+  // Attention by query blocks (kernels/blocked_attention.h): lse holds each row's log-sum-exp.
   using Kernels::attention_backward;  // the multi-head overloads
   using Kernels::attention_forward;
-  void attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH,
+  void attention_forward(DPtr out, DPtr lse, DPtr qkv, int B, int T, int C, int NH,
                          int NKV) override;
-  void attention_backward(DPtr dqkv, DPtr dout, DPtr qkv, DPtr out, DPtr att, int B, int T, int C,
+  void attention_backward(DPtr dqkv, DPtr dout, DPtr qkv, DPtr out, DPtr lse, int B, int T, int C,
                           int NH, int NKV) override;
   void attention_inference(DPtr out, DPtr qkv, int T, int q0, int C, int NH, int NKV) override {
     cuda::attention_inference(compute_, out, qkv, T, q0, C, NH, NKV);
@@ -514,24 +514,24 @@ AttentionScratch CudaKernels::attention_scratch(const AttentionShape& s, DType a
           field(5), field(6), field(7), field(8), field(9)};
 }
 
-void CudaKernels::attention_forward(DPtr out, DPtr att, DPtr qkv, int B, int T, int C, int NH,
+void CudaKernels::attention_forward(DPtr out, DPtr lse, DPtr qkv, int B, int T, int C, int NH,
                                     int NKV) {
   if (int64_t(B) * T == 0) return;
   const AttentionShape shape{B, T, C, NH, NKV};
   CudaAttentionSteps steps(compute_, *gemm_);
   timer_->timed("attention_forward", causal_attention_flops(B, T, C), [&] {
-    blocked_attention_forward(steps, attention_scratch(shape, out.dtype), out, att, qkv, shape);
+    blocked_attention_forward(steps, attention_scratch(shape, out.dtype), out, lse, qkv, shape);
   });
 }
 
-void CudaKernels::attention_backward(DPtr dqkv, DPtr dout, DPtr qkv, DPtr out, DPtr att, int B,
+void CudaKernels::attention_backward(DPtr dqkv, DPtr dout, DPtr qkv, DPtr out, DPtr lse, int B,
                                      int T, int C, int NH, int NKV) {
   if (int64_t(B) * T == 0) return;
   const AttentionShape shape{B, T, C, NH, NKV};
   CudaAttentionSteps steps(compute_, *gemm_);
   timer_->timed("attention_backward", 2 * causal_attention_flops(B, T, C), [&] {
     blocked_attention_backward(steps, attention_scratch(shape, dout.dtype), dqkv, dout, qkv, out,
-                               att, shape);
+                               lse, shape);
   });
 }
 
