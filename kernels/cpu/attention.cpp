@@ -173,7 +173,7 @@ void attention_part_forward(T* out, T* lse, const T* q, const T* kv, const Atten
 #pragma omp parallel
   {
     std::vector<T> keys(pp.transposed_size()), values(pp.columns_size()), S(size_t(kBlock) * SW),
-        O(size_t(kBlock) * pp.padded_hs), part_lse(kBlock);
+        O(size_t(kBlock) * pp.padded_hs), part_lse(kBlock), inv_sum(kBlock);
 #pragma omp for schedule(static)
     for (int bh = 0; bh < p.B * p.NH; bh++) {
       const int b = bh / p.NH, h = bh % p.NH;
@@ -195,8 +195,8 @@ void attention_part_forward(T* out, T* lse, const T* q, const T* kv, const Atten
                               int64_t(hs) * L, ceil_div(w[k], L),
                               S.data() + (i - r0) * SW + pp.column[k], SW, scale, false);
         }
-        // Each row's softmax over its visible keys: probabilities (normalised within the part)
-        // in place of the scores, 0 elsewhere in the products' columns.
+        // Each row's softmax over its visible keys: exp(s - max) in place of the scores, 0
+        // elsewhere in the products' columns; the normaliser is applied to the row's output.
         std::fill(part_lse.begin(), part_lse.end(), T(-INFINITY));
         for (int i = r0; i < r1; i++) {
           T* s = S.data() + int64_t(i - r0) * SW;
@@ -211,7 +211,7 @@ void attention_part_forward(T* out, T* lse, const T* q, const T* kv, const Atten
             std::fill(s + pp.column[k] + seen, s + pp.column[k] + width[k], T(0));
           }
           if (sum == 0) continue;  // no key of the part is visible
-          for (int k = 0; k < 2; k++) scale_row(s + pp.column[k], runs[k].visible(pos), T(1) / sum);
+          inv_sum[i - r0] = T(1) / sum;
           part_lse[i - r0] = mx + std::log(sum);
         }
         // This part's output of each row; rows that see none of its keys are not read below.
@@ -233,13 +233,14 @@ void attention_part_forward(T* out, T* lse, const T* q, const T* kv, const Atten
           const T* op = O.data() + int64_t(i - r0) * pp.padded_hs;
           if (p.first) {
             Lse[i] = lp;
-            for (int e = 0; e < hs; e++) o[e] = std::isinf(lp) ? T(0) : op[e];
+            const T inv = std::isinf(lp) ? T(0) : inv_sum[i - r0];
+            for (int e = 0; e < hs; e++) o[e] = inv * op[e];
             continue;
           }
           if (std::isinf(lp)) continue;
           const T lo = Lse[i], hi = std::max(lo, lp);
           const T combined = hi + std::log(std::exp(lo - hi) + std::exp(lp - hi));
-          const T keep = std::exp(lo - combined), add = std::exp(lp - combined);
+          const T keep = std::exp(lo - combined), add = std::exp(lp - combined) * inv_sum[i - r0];
           for (int e = 0; e < hs; e++) o[e] = keep * o[e] + add * op[e];
           Lse[i] = combined;
         }
@@ -334,8 +335,7 @@ void part_backward(T* dq, T* dkv, const T* dout, const T* q, const T* kv, const 
                 T *pr = P.data() + int64_t(i - r0) * kBlock,
                   *d = dP.data() + int64_t(i - r0) * kBlock;
                 const int s = seen_by(i);
-                exp_shifted(pr, s, Lse[i]);
-                softmax_backward_row(d, pr, s, D[i - r0]);
+                softmax_backward_from_scores(pr, d, s, Lse[i], D[i - r0]);
                 std::fill(pr + s, pr + widest, T(0));
                 std::fill(d + s, d + widest, T(0));
               }
