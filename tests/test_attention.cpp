@@ -2,10 +2,12 @@
 // double-precision reference: the training forward (output and each row's log-sum-exp) and
 // backward, ring attention's parts, 16-bit storage, and generation over a key/value cache.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <array>
 #include <cmath>
 
+#include "kernels/cpu/cpu_ops.h"
 #include "kernels/half.h"
 #include "model/context_parallel.h"
 #include "stored_values.h"
@@ -92,6 +94,56 @@ TEST(Kernels, AttentionForwardBackward) {
     d.k->attention_backward(dqkv, d.upload(dout), qkvd, out, lse, B, T, C, NH);
     EXPECT_TRUE(all_close(d.download<float>(dqkv, B * T * 3 * C), ref.dqkv, kRtol, kAtol))
         << "T=" << T;
+  }
+}
+
+// The backward takes a slice of a key/value head's query heads per task when the key/value heads
+// alone would leave threads idle (kernels/cpu/cpu_ops.h), each slice summing its own dK and dV.
+// The choice, then the numbers on two threads with it taken: B = 1 with 3 key/value heads of 2
+// query heads, and multi-query (one of 6), in the causal backward (which writes dqkv) and in a
+// ring part's (which adds to dq and dkv).
+TEST(Kernels, AttentionBackwardSlicesGroupsForIdleThreads) {
+  EXPECT_EQ(cpu::attention_backward_split(4, 3, 2), 1);     // W-L's 4 key/value heads: balanced
+  EXPECT_EQ(cpu::attention_backward_split(3, 3, 2), 3);     // 3 tasks on 2 threads: 9
+  EXPECT_EQ(cpu::attention_backward_split(1, 6, 2), 2);     // multi-query, B = 1
+  EXPECT_EQ(cpu::attention_backward_split(1, 12, 16), 12);  // 12 of 16 threads beat 6 or 4
+  EXPECT_EQ(cpu::attention_backward_split(32, 4, 16), 1);
+  EXPECT_EQ(cpu::attention_backward_split(3, 1, 2), 1);  // multi-head: nothing to slice
+  struct TwoThreads {                                    // restored however the test ends
+    int before = omp_get_max_threads();
+    TwoThreads() { omp_set_num_threads(2); }
+    ~TwoThreads() { omp_set_num_threads(before); }
+  } two_threads;
+  Device d;
+  const int B = 1, T = 150, C = 36, NH = 6, hs = C / NH;
+  for (int NKV : {3, 1}) {
+    SCOPED_TRACE(testing::Message() << "NKV " << NKV);
+    ASSERT_GT(cpu::attention_backward_split(B * NKV, NH / NKV, 2), 1);
+    const int W = C + 2 * NKV * hs;
+    auto qkv = random_vector(B * T * W, 21), dout = random_vector(B * T * C, 22);
+    NaiveAttention ref(qkv, dout, B, T, C, NH, NKV);
+    DPtr out = d.upload(std::vector<float>(B * T * C)),
+         lse = d.upload(std::vector<float>(B * NH * T));
+    DPtr qkvd = d.upload(qkv), doutd = d.upload(dout);
+    d.k->attention_forward(out, lse, qkvd, B, T, C, NH, NKV);
+    DPtr dqkv = d.upload(std::vector<float>(B * T * W, 9.0f));
+    d.k->attention_backward(dqkv, doutd, qkvd, out, lse, B, T, C, NH, NKV);
+    EXPECT_TRUE(all_close(d.download<float>(dqkv, B * T * W), ref.dqkv, kRtol, kAtol));
+    // The same as one ring part, added to gradients that start at 1.
+    const TokenChunks whole{T, 0, 0};
+    const AttentionPart part{B, T, C, NH, NKV, whole, whole, false};
+    DPtr dq = d.upload(std::vector<float>(B * T * W, 1.0f)),
+         dkv = d.upload(std::vector<float>(B * T * W, 1.0f));
+    d.k->attention_part_backward(dq, dkv, doutd, qkvd, qkvd, out, lse, part);
+    std::vector<float> got = d.download<float>(dq, B * T * W);
+    const std::vector<float> kv = d.download<float>(dkv, B * T * W);
+    std::vector<double> want(ref.dqkv);
+    // dq's query columns and dkv's key/value columns got the gradient, the others still hold 1.
+    for (size_t i = 0; i < got.size(); i++) {
+      got[i] += kv[i] - 1;
+      want[i] += 1;
+    }
+    EXPECT_TRUE(all_close(got, want, kRtol, kAtol));
   }
 }
 

@@ -13,6 +13,8 @@
 // process, against the kernels that kept the probabilities): forward 7.0 ms against 7.9 (no
 // T x T store), backward 14.0 against 11.5 (a fifth product, QK^T again, and its exponentials);
 // activations of W-L at micro-batch 1 plan 698 MB instead of 1273.
+#include <omp.h>
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -162,6 +164,16 @@ int64_t attention_part_pairs(const AttentionPart& p) {
   return pairs * p.B * p.NH;
 }
 
+int attention_backward_split(int kv_tasks, int group, int threads) {
+  auto busy = [&](int tasks) {  // the share of the threads' time the static split keeps busy
+    return double(tasks) / (double(threads) * ceil_div(tasks, threads));
+  };
+  int best = 1;
+  for (int s = 2; s <= group; s++)
+    if (group % s == 0 && busy(kv_tasks * s) > busy(kv_tasks * best) + 1e-9) best = s;
+  return best;
+}
+
 template <class T>
 void attention_part_forward(T* out, T* lse, const T* q, const T* kv, const AttentionPart& p) {
   const QkvLayout l(p.C, p.NH, p.NKV);
@@ -267,6 +279,11 @@ void part_backward(T* dq, T* dkv, const T* dout, const T* q, const T* kv, const 
   const int64_t W = l.width;
   const T scale = T(1) / std::sqrt(T(hs));
   const auto& runs = pp.runs;
+  // Each task takes a slice of a key/value head's query heads; with more than one slice a head,
+  // each slice's dK and dV go to `slices` and are summed (in slice order) after the loop.
+  const int split = attention_backward_split(p.B * p.NKV, l.group, omp_get_max_threads());
+  const int64_t slice_elems = 2 * int64_t(T_) * hs;  // a slice's dK and dV rows
+  std::vector<T> slices(split > 1 ? size_t(p.B) * p.NKV * split * slice_elems : 0);
 #pragma omp parallel
   {
     std::vector<T> keys_t(pp.transposed_size()), keys(pp.columns_size()),
@@ -275,7 +292,8 @@ void part_backward(T* dq, T* dkv, const T* dout, const T* q, const T* kv, const 
         dK(pp.columns_size()), dV(pp.columns_size()), D(kBlock);
     std::vector<int> seen(kBlock);
 #pragma omp for schedule(static)
-    for (int bkv = 0; bkv < p.B * p.NKV; bkv++) {
+    for (int task = 0; task < p.B * p.NKV * split; task++) {
+      const int bkv = task / split, slice = task % split;
       const int b = bkv / p.NKV, kvh = bkv % p.NKV;
       const int64_t row0 = int64_t(b) * T_ * W;
       const T *K = kv + row0 + l.keys + int64_t(kvh) * hs,
@@ -285,7 +303,7 @@ void part_backward(T* dq, T* dkv, const T* dout, const T* q, const T* kv, const 
       pp.pack_transposed(values_t.data(), V, W);
       std::fill(dK.begin(), dK.end(), T(0));
       std::fill(dV.begin(), dV.end(), T(0));
-      for (int g = 0; g < l.group; g++) {
+      for (int g = slice * l.group / split; g < (slice + 1) * l.group / split; g++) {
         const int h = kvh * l.group + g;
         const T* Q = q + row0 + l.query_column(h);
         T* dQ = dq + row0 + l.query_column(h);
@@ -372,6 +390,14 @@ void part_backward(T* dq, T* dkv, const T* dout, const T* q, const T* kv, const 
           }
         }
       }
+      if (split > 1) {  // this slice's share, summed below
+        T* mine = slices.data() + task * slice_elems;
+        for (int j = 0; j < T_; j++) {
+          std::copy_n(dK.data() + int64_t(j) * hsp, hs, mine + int64_t(j) * hs);
+          std::copy_n(dV.data() + int64_t(j) * hsp, hs, mine + int64_t(T_ + j) * hs);
+        }
+        continue;
+      }
       T *dKout = dkv + row0 + l.keys + int64_t(kvh) * hs,
         *dVout = dkv + row0 + l.values + int64_t(kvh) * hs;
       for (int j = 0; j < T_; j++) {
@@ -384,6 +410,22 @@ void part_backward(T* dq, T* dkv, const T* dout, const T* q, const T* kv, const 
             dKout[j * W + e] += k[e];
             dVout[j * W + e] += v[e];
           }
+        }
+      }
+    }
+    if (split > 1) {
+      // Row j of key/value head bkv's dK (or dV: rows T_ + j) is the sum of its slices' rows.
+#pragma omp for schedule(static)
+      for (int64_t row = 0; row < int64_t(p.B) * p.NKV * 2 * T_; row++) {
+        const int bkv = int(row / (2 * T_)), r = int(row % (2 * T_));
+        const int b = bkv / p.NKV, kvh = bkv % p.NKV, j = r % T_;
+        T* dst = dkv + int64_t(b) * T_ * W + int64_t(j) * W + (r < T_ ? l.keys : l.values) +
+                 int64_t(kvh) * hs;
+        const T* src = slices.data() + int64_t(bkv) * split * slice_elems + int64_t(r) * hs;
+        for (int e = 0; e < hs; e++) {
+          T sum = overwrite ? T(0) : dst[e];
+          for (int sl = 0; sl < split; sl++) sum += src[sl * slice_elems + e];
+          dst[e] = sum;
         }
       }
     }

@@ -55,6 +55,10 @@ void attention_part_forward(T* out, T* lse, const T* q, const T* kv, const Atten
 template <class T>
 void attention_part_backward(T* dq, T* dkv, const T* dout, const T* q, const T* kv, const T* out,
                              const T* lse, const AttentionPart& p);
+// How many slices of each key/value head's group of query heads the backward splits its work
+// into (a divisor of group): 1, unless the kv_tasks = B x NKV key/value heads leave some of the
+// threads idle and slicing keeps more of them busy (each slice then sums its own dK and dV).
+int attention_backward_split(int kv_tasks, int group, int threads);
 // The query-key pairs of a part that are visible (each costs 2 hs multiply-adds a head forward).
 int64_t attention_part_pairs(const AttentionPart& p);
 template <class T>
