@@ -280,16 +280,17 @@ void part_backward(T* dq, T* dkv, const T* dout, const T* q, const T* kv, const 
   const T scale = T(1) / std::sqrt(T(hs));
   const auto& runs = pp.runs;
   // Each task takes a slice of a key/value head's query heads; with more than one slice a head,
-  // each slice's dK and dV go to `slices` and are summed (in slice order) after the loop.
+  // each slice accumulates its dK and dV in `slices` (rows as the tiles write them), summed in
+  // slice order after the loop; with one, in the thread's own dK and dV.
   const int split = attention_backward_split(p.B * p.NKV, l.group, omp_get_max_threads());
-  const int64_t slice_elems = 2 * int64_t(T_) * hs;  // a slice's dK and dV rows
+  const int64_t slice_elems = 2 * int64_t(T_) * hsp;  // a slice's dK rows, then its dV rows
   std::vector<T> slices(split > 1 ? size_t(p.B) * p.NKV * split * slice_elems : 0);
 #pragma omp parallel
   {
     std::vector<T> keys_t(pp.transposed_size()), keys(pp.columns_size()),
         values_t(pp.transposed_size()), P(size_t(kBlock) * kBlock), dP(P.size()),
         dq_rows(size_t(kBlock) * hsp), queries(dq_rows.size()), douts(dq_rows.size()),
-        dK(pp.columns_size()), dV(pp.columns_size()), D(kBlock);
+        dK(split > 1 ? 0 : pp.columns_size()), dV(dK.size()), D(kBlock);
     std::vector<int> seen(kBlock);
 #pragma omp for schedule(static)
     for (int task = 0; task < p.B * p.NKV * split; task++) {
@@ -301,8 +302,10 @@ void part_backward(T* dq, T* dkv, const T* dout, const T* q, const T* kv, const 
       pp.pack_transposed(keys_t.data(), K, W);
       pp.pack_columns(keys.data(), K, W);
       pp.pack_transposed(values_t.data(), V, W);
-      std::fill(dK.begin(), dK.end(), T(0));
-      std::fill(dV.begin(), dV.end(), T(0));
+      T* dK_acc = split > 1 ? slices.data() + task * slice_elems : dK.data();
+      T* dV_acc = split > 1 ? dK_acc + int64_t(T_) * hsp : dV.data();
+      std::fill_n(dK_acc, int64_t(T_) * hsp, T(0));
+      std::fill_n(dV_acc, int64_t(T_) * hsp, T(0));
       for (int g = slice * l.group / split; g < (slice + 1) * l.group / split; g++) {
         const int h = kvh * l.group + g;
         const T* Q = q + row0 + l.query_column(h);
@@ -374,10 +377,10 @@ void part_backward(T* dq, T* dkv, const T* dout, const T* q, const T* kv, const 
                 const int64_t key = c0 + j;
                 product_rows<T>(m, dP.data() + int64_t(first) * kBlock + j, 1, kBlock, n - first,
                                 queries.data() + int64_t(first) * L, int64_t(n) * L, pp.head_panels,
-                                dK.data() + key * hsp, hsp, scale, true);
+                                dK_acc + key * hsp, hsp, scale, true);
                 product_rows<T>(m, P.data() + int64_t(first) * kBlock + j, 1, kBlock, n - first,
                                 douts.data() + int64_t(first) * L, int64_t(n) * L, pp.head_panels,
-                                dV.data() + key * hsp, hsp, T(1), true);
+                                dV_acc + key * hsp, hsp, T(1), true);
               }
             }
           for (int i = r0; i < r1; i++) {
@@ -390,14 +393,7 @@ void part_backward(T* dq, T* dkv, const T* dout, const T* q, const T* kv, const 
           }
         }
       }
-      if (split > 1) {  // this slice's share, summed below
-        T* mine = slices.data() + task * slice_elems;
-        for (int j = 0; j < T_; j++) {
-          std::copy_n(dK.data() + int64_t(j) * hsp, hs, mine + int64_t(j) * hs);
-          std::copy_n(dV.data() + int64_t(j) * hsp, hs, mine + int64_t(T_ + j) * hs);
-        }
-        continue;
-      }
+      if (split > 1) continue;  // summed below
       T *dKout = dkv + row0 + l.keys + int64_t(kvh) * hs,
         *dVout = dkv + row0 + l.values + int64_t(kvh) * hs;
       for (int j = 0; j < T_; j++) {
@@ -421,7 +417,7 @@ void part_backward(T* dq, T* dkv, const T* dout, const T* q, const T* kv, const 
         const int b = bkv / p.NKV, kvh = bkv % p.NKV, j = r % T_;
         T* dst = dkv + int64_t(b) * T_ * W + int64_t(j) * W + (r < T_ ? l.keys : l.values) +
                  int64_t(kvh) * hs;
-        const T* src = slices.data() + int64_t(bkv) * split * slice_elems + int64_t(r) * hs;
+        const T* src = slices.data() + int64_t(bkv) * split * slice_elems + int64_t(r) * hsp;
         for (int e = 0; e < hs; e++) {
           T sum = overwrite ? T(0) : dst[e];
           for (int sl = 0; sl < split; sl++) sum += src[sl * slice_elems + e];
