@@ -3,7 +3,10 @@
 // bench/torch_bench.py on the same workloads.
 //
 //   trainer_bench --workload W-S|W-M|W-L [--warmup N] [--steps N] [--threads N] [--seed N]
-//                 [--device cpu|cuda] [--dtype fp32|bf16|fp16] [--batch B]
+//                 [--device cpu|cuda] [--dtype fp32|bf16|fp16] [--batch B] [--ops]
+//
+// --ops adds "ops": each backend operator's milliseconds and calls per timed step, and for
+// matmul and attention calls their GFLOP/s (where the step's time goes, beyond the phases).
 //
 // On the GPU the phases are timed after synchronising the device, MFU is against the GPU's
 // data-sheet peak for the dtype (dense tensor-core FLOP/s for 16-bit), and peak_gpu_mb is the
@@ -19,6 +22,7 @@
 #include <cstdlib>
 #include <exception>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <stdexcept>
@@ -79,6 +83,7 @@ struct Options {
   std::string dtype = "fp32";
   int batch = 0;  // 0: the workload's
   std::string recompute = "none";
+  bool ops = false;
 };
 
 Options parse_args(int argc, char** argv) {
@@ -89,8 +94,12 @@ Options parse_args(int argc, char** argv) {
       std::puts(
           "usage: trainer_bench --workload W-S|W-M|W-L [--warmup N] [--steps N] [--threads N]"
           " [--seed N] [--device cpu|cuda] [--dtype fp32|bf16|fp16] [--batch B]"
-          " [--recompute none|selective|full]");
+          " [--recompute none|selective|full] [--ops]");
       std::exit(0);
+    }
+    if (arg == "--ops") {
+      o.ops = true;
+      continue;
     }
     if (i + 1 >= argc) throw std::invalid_argument("missing value after " + arg);
     const std::string value = argv[++i];
@@ -190,13 +199,29 @@ int run(const Options& opt) {
   if (!gpu) kernels->measure_peak_flops();
   const double flops_per_token = trainer::flops_per_token(w.model);
 
+  // --ops: each operator's calls, seconds and FLOPs over the timed steps.
+  struct OpTotals {
+    int64_t calls = 0;
+    double seconds = 0, flops = 0;
+  };
+  std::map<std::string, OpTotals> ops;
+  bool timing_ops = false;
+  if (opt.ops)
+    kernels->set_op_observer([&](const char* op, double flops, auto t0, auto t1) {
+      if (!timing_ops) return;
+      OpTotals& o = ops[op];
+      o.calls++;
+      o.seconds += std::chrono::duration<double>(t1 - t0).count();
+      o.flops += flops;
+    });
+
   // The same work as train_step with one micro-batch, each phase timed.
   std::vector<double> total_s, forward_s, backward_s, optimizer_s;
   double loss = 0, first_loss = 0;
   CpuSample cpu0;
   trainer::Kernels::MatmulTotals mm0;
   for (int step = 0; step < warmup + steps; step++) {
-    if (step == warmup) cpu0 = cpu_sample(), mm0 = kernels->matmul_totals();
+    if (step == warmup) cpu0 = cpu_sample(), mm0 = kernels->matmul_totals(), timing_ops = true;
     const auto t_step = Clock::now();
     model.zero_grad();
     auto t0 = Clock::now();
@@ -280,6 +305,14 @@ int run(const Options& opt) {
       {"self_cpu_cores", self_cores},    // about `threads` when OpenMP had the cores to itself
       {"other_cpu_cores", other_cores},  // other processes and steal: > 0.1 means a noisy run
   };
+  if (opt.ops) {
+    nlohmann::ordered_json table = nlohmann::ordered_json::object();
+    for (const auto& [name, o] : ops) {
+      table[name] = {{"ms_per_step", o.seconds / steps * 1e3}, {"calls_per_step", o.calls / steps}};
+      if (o.flops > 0) table[name]["gflops"] = o.flops / o.seconds / 1e9;
+    }
+    out["ops"] = std::move(table);
+  }
   std::puts(out.dump().c_str());
   return 0;
 }

@@ -260,24 +260,27 @@ class Kernels {
   // --- residual: out = a + b ------------------------------------------------------------------
   virtual void residual_forward(DPtr out, DPtr a, DPtr b, int64_t n) = 0;
 
-  // --- softmax + cross-entropy over a slice of the vocabulary, in three phases ---------------
-  // logits(N, width) hold this rank's columns. Between the phases the caller combines the
-  // per-row statistics across the ranks that share the vocabulary (max, then sum), so the full
-  // logits are never gathered; on one rank there is nothing to combine.
-  // 1. rowmax(N) = max over the slice's real columns (lowest float when it has none).
-  virtual void crossentropy_max(DPtr rowmax, DPtr logits, int64_t N, VocabSlice vocab) = 0;
-  // 2. With the global rowmax: logits become exp(logit - rowmax) (padding columns 0);
-  //    sumexp(N) = their row sums; target_logit(N) = the target's logit if this slice holds it,
-  //    else 0.
-  virtual void crossentropy_sumexp(DPtr sumexp, DPtr target_logit, DPtr logits, DPtr rowmax,
-                                   const int32_t* targets, int64_t N, VocabSlice vocab) = 0;
-  // 3. With the global sums: logits become probabilities, losses(N) = log(sumexp) + rowmax -
-  //    target_logit. Returns the mean loss over the N rows, accumulated in double.
-  virtual double crossentropy_finish(DPtr losses, DPtr probs, DPtr rowmax, DPtr sumexp,
-                                     DPtr target_logit, int64_t N, VocabSlice vocab) = 0;
-  // probs(N, width) are replaced by dlogits = (probs - onehot(target)) * dloss
-  virtual void crossentropy_backward(DPtr probs, const int32_t* targets, float dloss, int64_t N,
-                                     VocabSlice vocab) = 0;
+  // --- softmax + cross-entropy over a slice of the vocabulary --------------------------------
+  // logits(N, width) hold this rank's columns and stay logits until the backward: the forward
+  // reads them once and keeps three numbers a row, the backward turns them into their gradients
+  // in one pass (no probabilities are stored: four passes over the N x vocab matrix became two).
+  // Ranks that share the vocabulary combine only the per-row statistics, never the logits.
+  // 1. rowmax(N) = the max over the slice's real columns (lowest float when it has none);
+  //    sumexp(N) = the sum of exp(logit - rowmax) over them; target_logit(N) = the target's
+  //    logit if this slice holds it, else 0.
+  virtual void crossentropy_stats(DPtr rowmax, DPtr sumexp, DPtr target_logit, DPtr logits,
+                                  const int32_t* targets, int64_t N, VocabSlice vocab) = 0;
+  // 2. (ranks sharing the vocabulary, between a max and a sum over the group) With the group's
+  //    max: sumexp *= exp(rowmax - group_max), rowmax = group_max.
+  virtual void crossentropy_rebase(DPtr rowmax, DPtr sumexp, DPtr group_max, int64_t N) = 0;
+  // 3. losses(N) = log(sumexp) + rowmax - target_logit. Returns the mean loss over the N rows,
+  //    accumulated in double.
+  virtual double crossentropy_loss(DPtr losses, DPtr rowmax, DPtr sumexp, DPtr target_logit,
+                                   int64_t N) = 0;
+  // logits(N, width) are replaced by dlogits = (softmax - onehot(target)) * dloss, the softmax
+  // exp(logit - rowmax) / sumexp from the (combined) statistics; padding columns become 0.
+  virtual void crossentropy_backward(DPtr logits, DPtr rowmax, DPtr sumexp, const int32_t* targets,
+                                     float dloss, int64_t N, VocabSlice vocab) = 0;
 
   // --- precision -----------------------------------------------------------------------------
   // dst(n) = src(n) converted to dst's dtype (fp32 -> bf16/fp16 rounds to nearest even). A

@@ -129,7 +129,7 @@ StageExecutor::Plan StageExecutor::plan(const ModelDefinition& def, int max_B, i
       slot.head = p.take(def.head_activations(max_B, max_T));
       slot.logits = p.take(BT * def.vocab().width);
       slot.losses = p.take(BT, true);
-      slot.rowmax = p.take(BT, true);
+      slot.rowmax = p.take(2 * BT, true);  // this rank's, then the tensor-parallel group's
       slot.sumexp = p.take(2 * BT, true);
     }
     p.slots.push_back(std::move(slot));
@@ -228,7 +228,7 @@ StageExecutor::StageExecutor(const ModelConfig& cfg, Kernels& kernels, DType dty
   for (const ParamInfo& p : table().params)
     if (p.layer < 0 && p.offset > blocks_end) head_frontier_ = std::min(head_frontier_, p.offset);
   first_block_unit_ = layers_ > 0 && units_.front().begin < layer_frontier_.front() ? 1 : 0;
-  have_probs_.assign(slots_, 0);
+  have_loss_stats_.assign(slots_, 0);
   dropout_keys_.assign(slots_, 0);
   tokens_.assign(slots_, std::vector<int32_t>(size_t(max_B) * max_T));
   targets_.assign(slots_, std::vector<int32_t>(size_t(max_B) * max_T));
@@ -373,15 +373,20 @@ LayerCall StageExecutor::call(int slot, int B, int T, const DPtr* acts) const {
 // the tensor-parallel group, never the logits.
 double StageExecutor::cross_entropy(int slot, int64_t BT) {
   const SlotViews& s = views_[slot];
-  const int32_t* targets = targets_[slot].data();
   const VocabSlice vocab = def_->vocab();
   // The target logits right after the BT sums, so that one all-reduce carries both.
   const DPtr target_logit = s.sumexp + BT;
-  k_.crossentropy_max(s.rowmax, s.logits, BT, vocab);
-  tp_.row_max(s.rowmax, BT);
-  k_.crossentropy_sumexp(s.sumexp, target_logit, s.logits, s.rowmax, targets, BT, vocab);
-  tp_.row_sum(s.sumexp, 2 * BT);
-  return k_.crossentropy_finish(s.losses, s.logits, s.rowmax, s.sumexp, target_logit, BT, vocab);
+  k_.crossentropy_stats(s.rowmax, s.sumexp, target_logit, s.logits, targets_[slot].data(), BT,
+                        vocab);
+  if (tp_.size() > 1) {
+    // Each rank's sums are over its own slice's max: rebased on the group's before adding.
+    const DPtr group_max = s.rowmax + BT;
+    k_.convert(group_max, s.rowmax, BT, 0);
+    tp_.row_max(group_max, BT);
+    k_.crossentropy_rebase(s.rowmax, s.sumexp, group_max, BT);
+    tp_.row_sum(s.sumexp, 2 * BT);
+  }
+  return k_.crossentropy_loss(s.losses, s.rowmax, s.sumexp, target_logit, BT);
 }
 
 void StageExecutor::run_layers_forward(int slot, int B, int T, bool inference, int pos0) {
@@ -430,7 +435,7 @@ double StageExecutor::forward(int slot, const int32_t* tokens, const int32_t* ta
   B_ = B;
   T_ = T;
   const int64_t BT = int64_t(B) * T;
-  have_probs_[slot] = false;
+  have_loss_stats_[slot] = false;
   dropout_keys_[slot] = 0;
   if (training_ && targets && config().dropout > 0) {
     dropout_keys_[slot] = mix64(step_key_ ^ mix64(uint64_t(next_micro_))) | 1;  // never 0
@@ -438,7 +443,7 @@ double StageExecutor::forward(int slot, const int32_t* tokens, const int32_t* ta
   }
   run_layers_forward(slot, B, T, false, 0);
   if (!shard().last_stage() || !targets) return 0.0;
-  have_probs_[slot] = true;
+  have_loss_stats_[slot] = true;
   take_chunks(targets, targets_[slot].data(), B, T * cp_.size());
   return cross_entropy(slot, BT);
 }
@@ -448,7 +453,7 @@ void StageExecutor::infer(const int32_t* tokens, int T, int pos0) {
     throw std::invalid_argument("inference past the planned context");
   if (T > inference_rows()) throw std::invalid_argument("more tokens than infer() takes at once");
   if (shard().first_stage()) std::copy(tokens, tokens + T, tokens_[0].begin());
-  have_probs_[0] = false;
+  have_loss_stats_[0] = false;
   dropout_keys_[0] = 0;
   run_layers_forward(0, 1, T, true, pos0);
 }
@@ -510,11 +515,12 @@ void StageExecutor::backward(int slot, float loss_scale) {
 
   const DPtr x_last = output(slot);
   if (sh.last_stage()) {
-    if (!have_probs_[slot]) throw std::logic_error("backward() needs a forward() with targets");
-    have_probs_[slot] = false;  // the probabilities become gradients
+    if (!have_loss_stats_[slot])
+      throw std::logic_error("backward() needs a forward() with targets");
+    have_loss_stats_[slot] = false;  // the logits become gradients
     // The mean over B*T tokens: each token's loss has weight loss_scale / (B*T).
-    k_.crossentropy_backward(v.logits, targets_[slot].data(), loss_scale / float(BT), BT,
-                             def_->vocab());
+    k_.crossentropy_backward(v.logits, v.rowmax, v.sumexp, targets_[slot].data(),
+                             loss_scale / float(BT), BT, def_->vocab());
     const int tail = int(units_.size()) - 1;  // the final norm and head
     const LayerCall c = open_params(with_progress(call(slot, B, T, v.head.data())), tail, -1);
     def_->head_backward(open_unit(c, tail), x_last, v.logits, d_res_);

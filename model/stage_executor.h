@@ -263,8 +263,8 @@ class StageExecutor {
   int B_ = 0, T_ = 0;  // shape of the last forward (T_: this rank's tokens of each sequence)
   bool inference_ = false, last_inference_ = false;
   int pos0_ = 0;
-  std::vector<char> have_probs_;  // per slot: forward computed probabilities for backward
-  bool training_ = false;         // dropout on (train_mode)
+  std::vector<char> have_loss_stats_;  // per slot: forward kept the loss statistics backward needs
+  bool training_ = false;              // dropout on (train_mode)
   uint64_t step_key_ = 0;
   int64_t next_micro_ = 0;
   int micro_stride_ = 0;

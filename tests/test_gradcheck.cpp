@@ -233,12 +233,13 @@ TEST_F(GradCheck, SoftmaxCrossEntropy) {
   auto f = [&] {
     Device d;
     Vec copy = logits;
-    return softmax_crossentropy<double>(d, d.upload(Vec(N)), d.upload(copy), targets, V, Vp);
+    return softmax_crossentropy<double>(d, d.upload(Vec(N)), d.upload(copy), targets, V, Vp).mean;
   };
   Device d;
   DPtr ld = d.upload(logits);
-  softmax_crossentropy<double>(d, d.upload(Vec(N)), ld, targets, V, Vp);
-  d.k->crossentropy_backward(ld, targets.data(), 1.0f / N, N, {0, V, Vp});
+  const CrossEntropyForward ce =
+      softmax_crossentropy<double>(d, d.upload(Vec(N)), ld, targets, V, Vp);
+  d.k->crossentropy_backward(ld, ce.rowmax, ce.sumexp, targets.data(), 1.0f / N, N, {0, V, Vp});
   Vec grad = d.download<double>(ld, N * Vp);
   expect_gradient(f, logits, grad, "dlogits");
 }

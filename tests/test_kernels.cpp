@@ -180,45 +180,51 @@ TEST(Kernels, SoftmaxCrossEntropyOverPaddedVocab) {
     mean += losses[n] / N;
   }
   DPtr ld = d.upload(logits), lossd = d.upload(std::vector<float>(N));
-  const double got_mean = softmax_crossentropy<float>(d, lossd, ld, targets, V, Vp);
-  EXPECT_NEAR(got_mean, mean, 1e-5 * mean);
+  const std::vector<float> logits_before = d.download<float>(ld, N * Vp);
+  const CrossEntropyForward ce = softmax_crossentropy<float>(d, lossd, ld, targets, V, Vp);
+  EXPECT_NEAR(ce.mean, mean, 1e-5 * mean);
   EXPECT_TRUE(all_close(d.download<float>(lossd, N), losses, kRtol, kAtol));
-  EXPECT_TRUE(all_close(d.download<float>(ld, N * Vp), probs, kRtol, 1e-7));
-  d.k->crossentropy_backward(ld, targets.data(), dloss, N, {0, V, Vp});
+  // The forward only reads the logits: the backward recomputes the softmax from them.
+  EXPECT_EQ(d.download<float>(ld, N * Vp), logits_before);
+  d.k->crossentropy_backward(ld, ce.rowmax, ce.sumexp, targets.data(), dloss, N, {0, V, Vp});
   EXPECT_TRUE(all_close(d.download<float>(ld, N * Vp), grad, kRtol, 1e-7));
 
   // Vocab-parallel: two slices of 32 columns each (the second with 18 real ones), combining
-  // only the per-row statistics as the tensor-parallel ranks do, give the same loss and
-  // gradients as one rank holding every column.
+  // only the per-row statistics as the tensor-parallel ranks do (each rank's exp-sums rebased on
+  // the group's max, then summed), give the same loss and gradients as one rank holding every
+  // column.
   std::vector<VocabSlice> slices = {{0, 32, 32}, {32, V - 32, 32}};
-  std::vector<std::vector<float>> rowmax(2), sumexp(2), target(2);
-  std::vector<DPtr> parts, stats;
+  std::vector<DPtr> parts, rowmax, sumexp, target;
+  std::vector<std::vector<float>> local_max(2);
   for (int r = 0; r < 2; r++) {
     std::vector<float> part(N * 32);
     for (int n = 0; n < N; n++)
       for (int i = 0; i < 32; i++) part[n * 32 + i] = logits[n * Vp + 32 * r + i];
     parts.push_back(d.upload(part));
-    DPtr m = d.upload(std::vector<float>(N));
-    d.k->crossentropy_max(m, parts[r], N, slices[r]);
-    rowmax[r] = d.download<float>(m, N);
+    rowmax.push_back(d.upload(std::vector<float>(N)));
+    sumexp.push_back(d.upload(std::vector<float>(N)));
+    target.push_back(d.upload(std::vector<float>(N)));
+    d.k->crossentropy_stats(rowmax[r], sumexp[r], target[r], parts[r], targets.data(), N,
+                            slices[r]);
+    local_max[r] = d.download<float>(rowmax[r], N);
   }
   std::vector<float> gmax(N), gsum(N, 0), gtarget(N, 0);
-  for (int n = 0; n < N; n++) gmax[n] = std::max(rowmax[0][n], rowmax[1][n]);
+  for (int n = 0; n < N; n++) gmax[n] = std::max(local_max[0][n], local_max[1][n]);
   for (int r = 0; r < 2; r++) {
-    DPtr se = d.upload(std::vector<float>(N)), tl = d.upload(std::vector<float>(N));
-    d.k->crossentropy_sumexp(se, tl, parts[r], d.upload(gmax), targets.data(), N, slices[r]);
-    auto se_h = d.download<float>(se, N), tl_h = d.download<float>(tl, N);
+    d.k->crossentropy_rebase(rowmax[r], sumexp[r], d.upload(gmax), N);
+    EXPECT_EQ(d.download<float>(rowmax[r], N), gmax);
+    auto se = d.download<float>(sumexp[r], N), tl = d.download<float>(target[r], N);
     for (int n = 0; n < N; n++) {
-      gsum[n] += se_h[n];
-      gtarget[n] += tl_h[n];
+      gsum[n] += se[n];
+      gtarget[n] += tl[n];
     }
   }
   for (int r = 0; r < 2; r++) {
-    DPtr part_losses = d.upload(std::vector<float>(N));
-    const double part_mean = d.k->crossentropy_finish(
-        part_losses, parts[r], d.upload(gmax), d.upload(gsum), d.upload(gtarget), N, slices[r]);
+    DPtr part_losses = d.upload(std::vector<float>(N)), sums = d.upload(gsum);
+    const double part_mean =
+        d.k->crossentropy_loss(part_losses, rowmax[r], sums, d.upload(gtarget), N);
     EXPECT_NEAR(part_mean, mean, 1e-5 * mean);
-    d.k->crossentropy_backward(parts[r], targets.data(), dloss, N, slices[r]);
+    d.k->crossentropy_backward(parts[r], rowmax[r], sums, targets.data(), dloss, N, slices[r]);
     auto got = d.download<float>(parts[r], N * 32);
     std::vector<double> want_part(N * 32);
     for (int n = 0; n < N; n++)

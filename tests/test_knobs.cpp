@@ -233,8 +233,9 @@ TEST_F(MpiCli, ProfileTracesEveryPhaseOfTheChosenSteps) {
     // optimizer (each one span, 16-bit staging included).
     for (const char* op :
          {"encoder_forward", "encoder_backward", "layernorm_forward", "layernorm_backward",
-          "gelu_forward", "gelu_backward", "residual_forward", "crossentropy_finish",
-          "crossentropy_backward", "adamw_update", "attention_forward", "attention_backward"})
+          "gelu_forward", "gelu_backward", "residual_forward", "crossentropy_stats",
+          "crossentropy_loss", "crossentropy_backward", "adamw_update", "attention_forward",
+          "attention_backward"})
       EXPECT_TRUE(ops.count(op)) << op;
     if (rank == 0) {  // the first replica sums the squares of the gradient norm
       EXPECT_TRUE(ops.count("sum_squares"));

@@ -146,18 +146,21 @@ class Device {
   std::vector<DPtr> owned_;
 };
 
-// The three cross-entropy phases on one rank holding the whole vocabulary {0, V, Vp}; the
-// logits become probabilities. Returns the mean loss.
+// The cross-entropy's forward on one rank holding the whole vocabulary {0, V, Vp}: the mean loss,
+// and the per-row statistics crossentropy_backward takes.
+struct CrossEntropyForward {
+  double mean;
+  DPtr rowmax, sumexp;
+};
 template <class T>
-double softmax_crossentropy(Device& d, DPtr losses, DPtr logits,
-                            const std::vector<int32_t>& targets, int V, int Vp) {
+CrossEntropyForward softmax_crossentropy(Device& d, DPtr losses, DPtr logits,
+                                         const std::vector<int32_t>& targets, int V, int Vp) {
   const int64_t N = int64_t(targets.size());
   const VocabSlice all{0, V, Vp};
   DPtr rowmax = d.upload(std::vector<T>(N)), sumexp = d.upload(std::vector<T>(N)),
        target = d.upload(std::vector<T>(N));
-  d.k->crossentropy_max(rowmax, logits, N, all);
-  d.k->crossentropy_sumexp(sumexp, target, logits, rowmax, targets.data(), N, all);
-  return d.k->crossentropy_finish(losses, logits, rowmax, sumexp, target, N, all);
+  d.k->crossentropy_stats(rowmax, sumexp, target, logits, targets.data(), N, all);
+  return {d.k->crossentropy_loss(losses, rowmax, sumexp, target, N), rowmax, sumexp};
 }
 
 template <class T = float>

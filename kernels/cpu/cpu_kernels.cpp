@@ -180,8 +180,12 @@ class CpuKernels final : public Kernels {
   void copy_from_host(DPtr dst, const void* src, int64_t elems) override {
     std::memcpy(dst.p, src, elems * dtype_size(dst.dtype));
   }
-  void* alloc_host(int64_t bytes) override { return allocate_host_memory(size_t(bytes)); }
-  void free_host(void* p) noexcept override { free_host_memory(p); }
+  void* alloc_host(int64_t bytes) override {
+    return allocate_host_memory(size_t(bytes));
+  }
+  void free_host(void* p) noexcept override {
+    free_host_memory(p);
+  }
 
   void encoder_forward(DPtr out, const int32_t* tokens, DPtr wte, DPtr wpe, int B, int T, int C,
                        VocabSlice v) override {
@@ -431,50 +435,54 @@ class CpuKernels final : public Kernels {
     dispatch(out.dtype,
              [&]<class S>(S) { cpu::residual_forward(out.as<S>(), a.as<S>(), b.as<S>(), n); });
   }
-  void crossentropy_max(DPtr rowmax, DPtr logits, int64_t N, VocabSlice v) override {
-    const OpSpan span(meter_, "crossentropy_max");
-    if (Staging::any_half({rowmax, logits})) {
+  void crossentropy_stats(DPtr rowmax, DPtr sumexp, DPtr target_logit, DPtr logits,
+                          const int32_t* targets, int64_t N, VocabSlice v) override {
+    const OpSpan span(meter_, "crossentropy_stats");
+    if (Staging::any_half({rowmax, sumexp, target_logit, logits})) {
       Staging s(pool_);
-      return crossentropy_max(s.out(rowmax, N), s.in(logits, N * v.width), N, v);
-    }
-    dispatch(logits.dtype,
-             [&]<class S>(S) { cpu::crossentropy_max(rowmax.as<S>(), logits.as<S>(), N, v); });
-  }
-  void crossentropy_sumexp(DPtr sumexp, DPtr target_logit, DPtr logits, DPtr rowmax,
-                           const int32_t* targets, int64_t N, VocabSlice v) override {
-    const OpSpan span(meter_, "crossentropy_sumexp");
-    if (Staging::any_half({sumexp, target_logit, logits, rowmax})) {
-      Staging s(pool_);
-      return crossentropy_sumexp(s.out(sumexp, N), s.out(target_logit, N),
-                                 s.inout(logits, N * v.width), s.in(rowmax, N), targets, N, v);
+      return crossentropy_stats(s.out(rowmax, N), s.out(sumexp, N), s.out(target_logit, N),
+                                s.in(logits, N * v.width), targets, N, v);
     }
     dispatch(logits.dtype, [&]<class S>(S) {
-      cpu::crossentropy_sumexp(sumexp.as<S>(), target_logit.as<S>(), logits.as<S>(), rowmax.as<S>(),
-                               targets, N, v);
+      cpu::crossentropy_stats(rowmax.as<S>(), sumexp.as<S>(), target_logit.as<S>(), logits.as<S>(),
+                              targets, N, v);
     });
   }
-  double crossentropy_finish(DPtr losses, DPtr probs, DPtr rowmax, DPtr sumexp, DPtr target_logit,
-                             int64_t N, VocabSlice v) override {
-    const OpSpan span(meter_, "crossentropy_finish");
-    if (Staging::any_half({losses, probs, rowmax, sumexp, target_logit})) {
+  void crossentropy_rebase(DPtr rowmax, DPtr sumexp, DPtr group_max, int64_t N) override {
+    const OpSpan span(meter_, "crossentropy_rebase");
+    if (Staging::any_half({rowmax, sumexp, group_max})) {
       Staging s(pool_);
-      return crossentropy_finish(s.out(losses, N), s.inout(probs, N * v.width), s.in(rowmax, N),
-                                 s.in(sumexp, N), s.in(target_logit, N), N, v);
+      return crossentropy_rebase(s.inout(rowmax, N), s.inout(sumexp, N), s.in(group_max, N), N);
     }
-    return dispatch(probs.dtype, [&]<class S>(S) {
-      return cpu::crossentropy_finish(losses.as<S>(), probs.as<S>(), rowmax.as<S>(), sumexp.as<S>(),
-                                      target_logit.as<S>(), N, v);
+    dispatch(rowmax.dtype, [&]<class S>(S) {
+      cpu::crossentropy_rebase(rowmax.as<S>(), sumexp.as<S>(), group_max.as<S>(), N);
     });
   }
-  void crossentropy_backward(DPtr probs, const int32_t* targets, float dloss, int64_t N,
-                             VocabSlice v) override {
+  double crossentropy_loss(DPtr losses, DPtr rowmax, DPtr sumexp, DPtr target_logit,
+                           int64_t N) override {
+    const OpSpan span(meter_, "crossentropy_loss");
+    if (Staging::any_half({losses, rowmax, sumexp, target_logit})) {
+      Staging s(pool_);
+      return crossentropy_loss(s.out(losses, N), s.in(rowmax, N), s.in(sumexp, N),
+                               s.in(target_logit, N), N);
+    }
+    return dispatch(losses.dtype, [&]<class S>(S) {
+      return cpu::crossentropy_loss(losses.as<S>(), rowmax.as<S>(), sumexp.as<S>(),
+                                    target_logit.as<S>(), N);
+    });
+  }
+  void crossentropy_backward(DPtr logits, DPtr rowmax, DPtr sumexp, const int32_t* targets,
+                             float dloss, int64_t N, VocabSlice v) override {
     const OpSpan span(meter_, "crossentropy_backward");
-    if (Staging::any_half({probs})) {
+    if (Staging::any_half({logits, rowmax, sumexp})) {
       Staging s(pool_);
-      return crossentropy_backward(s.inout(probs, N * v.width), targets, dloss, N, v);
+      return crossentropy_backward(s.inout(logits, N * v.width), s.in(rowmax, N), s.in(sumexp, N),
+                                   targets, dloss, N, v);
     }
-    dispatch(probs.dtype,
-             [&]<class S>(S) { cpu::crossentropy_backward(probs.as<S>(), targets, dloss, N, v); });
+    dispatch(logits.dtype, [&]<class S>(S) {
+      cpu::crossentropy_backward(logits.as<S>(), rowmax.as<S>(), sumexp.as<S>(), targets, dloss, N,
+                                 v);
+    });
   }
   void convert(DPtr dst, DPtr src, int64_t n, uint64_t stochastic_seed) override {
     const OpSpan span(meter_, "convert");

@@ -83,15 +83,16 @@ template <class T>
 void residual_forward(T* out, const T* a, const T* b, int64_t n);
 
 template <class T>
-void crossentropy_max(T* rowmax, const T* logits, int64_t N, VocabSlice v);
+void crossentropy_stats(T* rowmax, T* sumexp, T* target_logit, const T* logits,
+                        const int32_t* targets, int64_t N, VocabSlice v);
 template <class T>
-void crossentropy_sumexp(T* sumexp, T* target_logit, T* logits, const T* rowmax,
-                         const int32_t* targets, int64_t N, VocabSlice v);
+void crossentropy_rebase(T* rowmax, T* sumexp, const T* group_max, int64_t N);
 template <class T>
-double crossentropy_finish(T* losses, T* probs, const T* rowmax, const T* sumexp,
-                           const T* target_logit, int64_t N, VocabSlice v);
+double crossentropy_loss(T* losses, const T* rowmax, const T* sumexp, const T* target_logit,
+                         int64_t N);
 template <class T>
-void crossentropy_backward(T* probs, const int32_t* targets, float dloss, int64_t N, VocabSlice v);
+void crossentropy_backward(T* logits, const T* rowmax, const T* sumexp, const int32_t* targets,
+                           float dloss, int64_t N, VocabSlice v);
 
 template <class T>
 double sum_squares(const T* x, int64_t n);

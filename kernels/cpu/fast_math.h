@@ -63,6 +63,14 @@ T exp_shifted(T* x, int64_t n, T shift) {
   for (int64_t j = 0; j < n; j++) sum += x[j];
   return sum;
 }
+// The sum of exp(x - shift) over a row, x unchanged.
+template <class T>
+T sum_exp_shifted(const T* x, int64_t n, T shift) {
+  T sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; j++) sum += fast_exp(x[j] - shift);
+  return sum;
+}
 template <class T>
 void scale_row(T* x, int64_t n, T factor) {
 #pragma omp simd

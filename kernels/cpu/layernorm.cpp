@@ -6,6 +6,9 @@
 
 namespace trainer::cpu {
 
+// The rows' sums are `omp simd` reductions (vector lanes summed at the end): without them GCC
+// keeps each sum in source order, one lane at a time (W-L's RMSNorm forward: 6.5 -> 3.4 ms a
+// step).
 constexpr double kLayerNormEps = 1e-5;
 
 template <class T>
@@ -15,13 +18,16 @@ void layernorm_forward(T* out, T* mean, T* rstd, const T* inp, const T* w, const
   for (int64_t n = 0; n < N; n++) {
     const T* x = inp + n * C;
     T m = 0;
+#pragma omp simd reduction(+ : m)
     for (int c = 0; c < C; c++) m += x[c];
     m /= C;
     T var = 0;
+#pragma omp simd reduction(+ : var)
     for (int c = 0; c < C; c++) var += (x[c] - m) * (x[c] - m);
     var /= C;
     T s = T(1) / std::sqrt(var + T(kLayerNormEps));
     T* o = out + n * C;
+#pragma omp simd
     for (int c = 0; c < C; c++) o[c] = (x[c] - m) * s * w[c] + (b ? b[c] : T(0));
     mean[n] = m;
     rstd[n] = s;
@@ -46,17 +52,22 @@ void layernorm_backward(T* dinp, T* dw, T* db, const T* dout, const T* inp, cons
       const T* d = dout + n * C;
       T m = mean[n], s = rstd[n];
       T dnorm_mean = 0, dnorm_norm_mean = 0;
+#pragma omp simd reduction(+ : dnorm_mean, dnorm_norm_mean)
       for (int c = 0; c < C; c++) {
         T norm = (x[c] - m) * s;
         T dnorm = w[c] * d[c];
         dnorm_mean += dnorm;
         dnorm_norm_mean += dnorm * norm;
+      }
+#pragma omp simd
+      for (int c = 0; c < C; c++) {
         pdb[c] += d[c];
-        pdw[c] += norm * d[c];
+        pdw[c] += (x[c] - m) * s * d[c];
       }
       dnorm_mean /= C;
       dnorm_norm_mean /= C;
       T* di = dinp + n * C;
+#pragma omp simd
       for (int c = 0; c < C; c++) {
         T norm = (x[c] - m) * s;
         T dnorm = w[c] * d[c];
@@ -79,9 +90,11 @@ void rmsnorm_forward(T* out, T* rstd, const T* inp, const T* w, int64_t N, int C
   for (int64_t n = 0; n < N; n++) {
     const T* x = inp + n * C;
     T sq = 0;
+#pragma omp simd reduction(+ : sq)
     for (int c = 0; c < C; c++) sq += x[c] * x[c];
     const T s = T(1) / std::sqrt(sq / C + T(eps));
     T* o = out + n * C;
+#pragma omp simd
     for (int c = 0; c < C; c++) o[c] = x[c] * s * w[c];
     rstd[n] = s;
   }
@@ -105,13 +118,13 @@ void rmsnorm_backward(T* dinp, T* dw, const T* dout, const T* inp, const T* w, c
       const T* d = dout + n * C;
       const T s = rstd[n];
       T g_xhat_mean = 0;
-      for (int c = 0; c < C; c++) {
-        const T xhat = x[c] * s;
-        g_xhat_mean += d[c] * w[c] * xhat;
-        pdw[c] += xhat * d[c];
-      }
+#pragma omp simd reduction(+ : g_xhat_mean)
+      for (int c = 0; c < C; c++) g_xhat_mean += d[c] * w[c] * (x[c] * s);
+#pragma omp simd
+      for (int c = 0; c < C; c++) pdw[c] += x[c] * s * d[c];
       g_xhat_mean /= C;
       T* di = dinp + n * C;
+#pragma omp simd
       for (int c = 0; c < C; c++) di[c] += s * (d[c] * w[c] - x[c] * s * g_xhat_mean);
     }
   }

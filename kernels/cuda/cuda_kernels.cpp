@@ -286,29 +286,29 @@ class CudaKernels final : public Kernels {
   void residual_forward(DPtr out, DPtr a, DPtr b, int64_t n) override {
     timer_->timed("residual_forward", 0, [&] { cuda::residual_forward(compute_, out, a, b, n); });
   }
-  void crossentropy_max(DPtr rowmax, DPtr logits, int64_t N, VocabSlice v) override {
-    timer_->timed("crossentropy_max", 0,
-                  [&] { cuda::crossentropy_max(compute_, rowmax, logits, N, v); });
-  }
-  void crossentropy_sumexp(DPtr sumexp, DPtr target_logit, DPtr logits, DPtr rowmax,
-                           const int32_t* targets, int64_t N, VocabSlice v) override {
+  void crossentropy_stats(DPtr rowmax, DPtr sumexp, DPtr target_logit, DPtr logits,
+                          const int32_t* targets, int64_t N, VocabSlice v) override {
     Upload t(*this, targets, N);
-    timer_->timed("crossentropy_sumexp", 0, [&] {
-      cuda::crossentropy_sumexp(compute_, sumexp, target_logit, logits, rowmax, t.device, N, v);
+    timer_->timed("crossentropy_stats", 0, [&] {
+      cuda::crossentropy_stats(compute_, rowmax, sumexp, target_logit, logits, t.device, N, v);
     });
   }
-  double crossentropy_finish(DPtr losses, DPtr probs, DPtr rowmax, DPtr sumexp, DPtr target_logit,
-                             int64_t N, VocabSlice v) override {
+  void crossentropy_rebase(DPtr rowmax, DPtr sumexp, DPtr group_max, int64_t N) override {
+    cuda::crossentropy_rebase(compute_, rowmax, sumexp, group_max, N);
+  }
+  double crossentropy_loss(DPtr losses, DPtr rowmax, DPtr sumexp, DPtr target_logit,
+                           int64_t N) override {
     if (N == 0) return 0;
-    cuda::crossentropy_finish(compute_, losses, probs, rowmax, sumexp, target_logit, N, v,
-                              sum_partials_, sum_result_);
+    cuda::crossentropy_loss(compute_, losses, rowmax, sumexp, target_logit, N, sum_partials_,
+                            sum_result_);
     return fetch_result();
   }
-  void crossentropy_backward(DPtr probs, const int32_t* targets, float dloss, int64_t N,
-                             VocabSlice v) override {
+  void crossentropy_backward(DPtr logits, DPtr rowmax, DPtr sumexp, const int32_t* targets,
+                             float dloss, int64_t N, VocabSlice v) override {
     Upload t(*this, targets, N);
-    timer_->timed("crossentropy_backward", 0,
-                  [&] { cuda::crossentropy_backward(compute_, probs, t.device, dloss, N, v); });
+    timer_->timed("crossentropy_backward", 0, [&] {
+      cuda::crossentropy_backward(compute_, logits, rowmax, sumexp, t.device, dloss, N, v);
+    });
   }
   void convert(DPtr dst, DPtr src, int64_t n, uint64_t stochastic_seed) override {
     cuda::convert(compute_, dst, src, n, stochastic_seed);

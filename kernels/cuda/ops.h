@@ -69,15 +69,14 @@ void attention_row_dots(cudaStream_t s, DPtr D, DPtr dout, DPtr out, const Atten
 // head sizes up to 256.
 void attention_inference(cudaStream_t s, DPtr out, DPtr qkv, int T, int q0, int C, int NH, int NKV);
 
-void crossentropy_max(cudaStream_t s, DPtr rowmax, DPtr logits, int64_t N, VocabSlice v);
-void crossentropy_sumexp(cudaStream_t s, DPtr sumexp, DPtr target_logit, DPtr logits, DPtr rowmax,
-                         const int32_t* targets, int64_t N, VocabSlice v);
+void crossentropy_stats(cudaStream_t s, DPtr rowmax, DPtr sumexp, DPtr target_logit, DPtr logits,
+                        const int32_t* targets, int64_t N, VocabSlice v);
+void crossentropy_rebase(cudaStream_t s, DPtr rowmax, DPtr sumexp, DPtr group_max, int64_t N);
 // Also the mean loss into *mean (device), through kSumBlocks partials in `partials`.
-void crossentropy_finish(cudaStream_t s, DPtr losses, DPtr probs, DPtr rowmax, DPtr sumexp,
-                         DPtr target_logit, int64_t N, VocabSlice v, double* partials,
-                         double* mean);
-void crossentropy_backward(cudaStream_t s, DPtr probs, const int32_t* targets, float dloss,
-                           int64_t N, VocabSlice v);
+void crossentropy_loss(cudaStream_t s, DPtr losses, DPtr rowmax, DPtr sumexp, DPtr target_logit,
+                       int64_t N, double* partials, double* mean);
+void crossentropy_backward(cudaStream_t s, DPtr logits, DPtr rowmax, DPtr sumexp,
+                           const int32_t* targets, float dloss, int64_t N, VocabSlice v);
 
 // *result (device) = scale * the sum of x (or of x^2) in double, through kSumBlocks partials.
 void sum_values(cudaStream_t s, DPtr x, int64_t n, double* partials, double* result, double scale,

@@ -1,5 +1,6 @@
-// Softmax + cross-entropy over a slice of the vocabulary, one block per row. Every reduction has a
-// fixed shape and order.
+// Softmax + cross-entropy over a slice of the vocabulary (kernels/kernels.h), one block per row:
+// the forward reads the logits once, the backward rewrites them as gradients. Every reduction
+// has a fixed shape and order.
 #include <cfloat>
 
 #include "kernels/cuda/cuda_check.h"
@@ -31,55 +32,57 @@ __device__ float block_reduce(float x) {
   return result;
 }
 
+// One pass over the row: each thread keeps the max of its elements and their exponentials' sum
+// relative to it, rebased as the max grows; the block then combines the threads' pairs.
 template <class T>
-__global__ void crossentropy_max_kernel(float* rowmax, const T* logits, VocabSlice v) {
-  const T* row = logits + int64_t(blockIdx.x) * v.width;
-  float mx = -FLT_MAX;
-  for (int i = threadIdx.x; i < v.valid; i += blockDim.x) mx = fmaxf(mx, load(row[i]));
-  mx = block_reduce<true>(mx);
-  if (threadIdx.x == 0) rowmax[blockIdx.x] = mx;
+__global__ void crossentropy_stats_kernel(float* rowmax, float* sumexp, float* target_logit,
+                                          const T* logits, const int32_t* targets, VocabSlice v) {
+  const int64_t n = blockIdx.x;
+  const T* row = logits + n * v.width;
+  float mx = -FLT_MAX, sum = 0;
+  for (int i = threadIdx.x; i < v.valid; i += blockDim.x) {
+    const float x = load(row[i]);
+    if (x > mx) {
+      sum = sum * expf(mx - x) + 1.0f;
+      mx = x;
+    } else {
+      sum += expf(x - mx);
+    }
+  }
+  const float row_mx = block_reduce<true>(mx);
+  sum = block_reduce<false>(sum * expf(mx - row_mx));
+  if (threadIdx.x == 0) {
+    rowmax[n] = row_mx;
+    sumexp[n] = sum;
+    const int32_t target = targets[n];
+    target_logit[n] = v.holds(target) ? load(row[target - v.start]) : 0.0f;
+  }
+}
+
+__global__ void crossentropy_rebase_kernel(float* rowmax, float* sumexp, const float* group_max,
+                                           int64_t N) {
+  const int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (n >= N) return;
+  sumexp[n] *= expf(rowmax[n] - group_max[n]);
+  rowmax[n] = group_max[n];
+}
+
+__global__ void crossentropy_loss_kernel(float* losses, const float* rowmax, const float* sumexp,
+                                         const float* target_logit, int64_t N) {
+  const int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (n < N) losses[n] = logf(sumexp[n]) + rowmax[n] - target_logit[n];
 }
 
 template <class T>
-__global__ void crossentropy_sumexp_kernel(float* sumexp, float* target_logit, T* logits,
-                                           const float* rowmax, const int32_t* targets,
-                                           VocabSlice v) {
+__global__ void crossentropy_backward_kernel(T* logits, const float* rowmax, const float* sumexp,
+                                             const int32_t* targets, float dloss, VocabSlice v) {
   const int64_t n = blockIdx.x;
   T* row = logits + n * v.width;
-  const float mx = rowmax[n];
-  const int32_t target = targets[n];
-  if (threadIdx.x == 0) target_logit[n] = v.holds(target) ? load(row[target - v.start]) : 0.0f;
-  __syncthreads();  // the target's logit is read before the row is overwritten
-  float sum = 0;
-  for (int i = threadIdx.x; i < v.width; i += blockDim.x) {
-    const float e = i < v.valid ? expf(load(row[i]) - mx) : 0.0f;
-    sum += e;
-    row[i] = store<T>(e);
-  }
-  sum = block_reduce<false>(sum);
-  if (threadIdx.x == 0) sumexp[n] = sum;
-}
-
-template <class T>
-__global__ void crossentropy_finish_kernel(float* losses, T* probs, const float* rowmax,
-                                           const float* sumexp, const float* target_logit,
-                                           VocabSlice v) {
-  const int64_t n = blockIdx.x;
-  T* row = probs + n * v.width;
-  const float inv = 1.0f / sumexp[n];
-  for (int i = threadIdx.x; i < v.valid; i += blockDim.x) row[i] = store<T>(load(row[i]) * inv);
-  if (threadIdx.x == 0) losses[n] = logf(sumexp[n]) + rowmax[n] - target_logit[n];
-}
-
-template <class T>
-__global__ void crossentropy_backward_kernel(T* probs, const int32_t* targets, float dloss,
-                                             VocabSlice v) {
-  const int64_t n = blockIdx.x;
-  T* row = probs + n * v.width;
+  const float mx = rowmax[n], inv = 1.0f / sumexp[n];
   const int32_t target = targets[n];
   const int t = v.holds(target) ? target - v.start : -1;
-  for (int i = threadIdx.x; i < v.valid; i += blockDim.x) {
-    float x = load(row[i]) * dloss;
+  for (int i = threadIdx.x; i < v.width; i += blockDim.x) {
+    float x = i < v.valid ? expf(load(row[i]) - mx) * inv * dloss : 0.0f;
     if (i == t) x -= dloss;
     row[i] = store<T>(x);
   }
@@ -87,47 +90,40 @@ __global__ void crossentropy_backward_kernel(T* probs, const int32_t* targets, f
 
 }  // namespace
 
-void crossentropy_max(cudaStream_t s, DPtr rowmax, DPtr logits, int64_t N, VocabSlice v) {
+void crossentropy_stats(cudaStream_t s, DPtr rowmax, DPtr sumexp, DPtr target_logit, DPtr logits,
+                        const int32_t* targets, int64_t N, VocabSlice v) {
   if (N == 0) return;
   dispatch(logits.dtype, [&](auto tag) {
     using X = decltype(tag);
-    crossentropy_max_kernel<X>
-        <<<unsigned(N), kRowThreads, 0, s>>>(f32(rowmax), typed<X>(logits), v);
+    crossentropy_stats_kernel<X><<<unsigned(N), kRowThreads, 0, s>>>(
+        f32(rowmax), f32(sumexp), f32(target_logit), typed<X>(logits), targets, v);
   });
-  CUDA_CHECK_LAUNCH("crossentropy_max");
+  CUDA_CHECK_LAUNCH("crossentropy_stats");
 }
 
-void crossentropy_sumexp(cudaStream_t s, DPtr sumexp, DPtr target_logit, DPtr logits, DPtr rowmax,
-                         const int32_t* targets, int64_t N, VocabSlice v) {
+void crossentropy_rebase(cudaStream_t s, DPtr rowmax, DPtr sumexp, DPtr group_max, int64_t N) {
   if (N == 0) return;
-  dispatch(logits.dtype, [&](auto tag) {
-    using X = decltype(tag);
-    crossentropy_sumexp_kernel<X><<<unsigned(N), kRowThreads, 0, s>>>(
-        f32(sumexp), f32(target_logit), typed<X>(logits), f32(rowmax), targets, v);
-  });
-  CUDA_CHECK_LAUNCH("crossentropy_sumexp");
+  crossentropy_rebase_kernel<<<unsigned((N + 255) / 256), 256, 0, s>>>(f32(rowmax), f32(sumexp),
+                                                                       f32(group_max), N);
+  CUDA_CHECK_LAUNCH("crossentropy_rebase");
 }
 
-void crossentropy_finish(cudaStream_t s, DPtr losses, DPtr probs, DPtr rowmax, DPtr sumexp,
-                         DPtr target_logit, int64_t N, VocabSlice v, double* partials,
-                         double* mean) {
+void crossentropy_loss(cudaStream_t s, DPtr losses, DPtr rowmax, DPtr sumexp, DPtr target_logit,
+                       int64_t N, double* partials, double* mean) {
   if (N == 0) return;
-  dispatch(probs.dtype, [&](auto tag) {
-    using X = decltype(tag);
-    crossentropy_finish_kernel<X><<<unsigned(N), kRowThreads, 0, s>>>(
-        f32(losses), typed<X>(probs), f32(rowmax), f32(sumexp), f32(target_logit), v);
-  });
-  CUDA_CHECK_LAUNCH("crossentropy_finish");
+  crossentropy_loss_kernel<<<unsigned((N + 255) / 256), 256, 0, s>>>(
+      f32(losses), f32(rowmax), f32(sumexp), f32(target_logit), N);
+  CUDA_CHECK_LAUNCH("crossentropy_loss");
   sum_values(s, losses, N, partials, mean, 1.0 / double(N));
 }
 
-void crossentropy_backward(cudaStream_t s, DPtr probs, const int32_t* targets, float dloss,
-                           int64_t N, VocabSlice v) {
+void crossentropy_backward(cudaStream_t s, DPtr logits, DPtr rowmax, DPtr sumexp,
+                           const int32_t* targets, float dloss, int64_t N, VocabSlice v) {
   if (N == 0) return;
-  dispatch(probs.dtype, [&](auto tag) {
+  dispatch(logits.dtype, [&](auto tag) {
     using X = decltype(tag);
-    crossentropy_backward_kernel<X>
-        <<<unsigned(N), kRowThreads, 0, s>>>(typed<X>(probs), targets, dloss, v);
+    crossentropy_backward_kernel<X><<<unsigned(N), kRowThreads, 0, s>>>(
+        typed<X>(logits), f32(rowmax), f32(sumexp), targets, dloss, v);
   });
   CUDA_CHECK_LAUNCH("crossentropy_backward");
 }
