@@ -128,7 +128,18 @@ TEST(Kernels, AttentionBackwardSlicesGroupsForIdleThreads) {
     d.k->attention_forward(out, lse, qkvd, B, T, C, NH, NKV);
     DPtr dqkv = d.upload(std::vector<float>(B * T * W, 9.0f));
     d.k->attention_backward(dqkv, doutd, qkvd, out, lse, B, T, C, NH, NKV);
-    EXPECT_TRUE(all_close(d.download<float>(dqkv, B * T * W), ref.dqkv, kRtol, kAtol));
+    const std::vector<float> sliced = d.download<float>(dqkv, B * T * W);
+    EXPECT_TRUE(all_close(sliced, ref.dqkv, kRtol, kAtol));
+    // One thread has no idle threads to fill and does not slice: its key/value gradients, summed
+    // in another order, agree with the reference but not bit for bit with the sliced run's (they
+    // would, were the slicing disconnected).
+    omp_set_num_threads(1);
+    DPtr dqkv1 = d.upload(std::vector<float>(B * T * W, 9.0f));
+    d.k->attention_backward(dqkv1, doutd, qkvd, out, lse, B, T, C, NH, NKV);
+    omp_set_num_threads(2);
+    const std::vector<float> unsliced = d.download<float>(dqkv1, B * T * W);
+    EXPECT_TRUE(all_close(unsliced, ref.dqkv, kRtol, kAtol));
+    EXPECT_NE(unsliced, sliced);
     // The same as one ring part, added to gradients that start at 1.
     const TokenChunks whole{T, 0, 0};
     const AttentionPart part{B, T, C, NH, NKV, whole, whole, false};
