@@ -308,7 +308,8 @@ int run(const Options& opt) {
   if (opt.ops) {
     nlohmann::ordered_json table = nlohmann::ordered_json::object();
     for (const auto& [name, o] : ops) {
-      table[name] = {{"ms_per_step", o.seconds / steps * 1e3}, {"calls_per_step", o.calls / steps}};
+      table[name] = {{"ms_per_step", o.seconds / steps * 1e3},
+                     {"calls_per_step", double(o.calls) / steps}};
       if (o.flops > 0) table[name]["gflops"] = o.flops / o.seconds / 1e9;
     }
     out["ops"] = std::move(table);

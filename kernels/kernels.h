@@ -262,8 +262,9 @@ class Kernels {
 
   // --- softmax + cross-entropy over a slice of the vocabulary --------------------------------
   // logits(N, width) hold this rank's columns and stay logits until the backward: the forward
-  // reads them once and keeps three numbers a row, the backward turns them into their gradients
-  // in one pass (no probabilities are stored: four passes over the N x vocab matrix became two).
+  // reads them from memory once and keeps three numbers a row, the backward turns them into
+  // their gradients in one pass (no probabilities are stored: four passes over the N x vocab
+  // matrix in memory became two; the CPU's forward reads each row twice, the second from L2).
   // Ranks that share the vocabulary combine only the per-row statistics, never the logits.
   // 1. rowmax(N) = the max over the slice's real columns (lowest float when it has none);
   //    sumexp(N) = the sum of exp(logit - rowmax) over them; target_logit(N) = the target's

@@ -150,8 +150,9 @@ class StageExecutor {
   static constexpr int64_t kInitChunk = 1 << 20;
 
   // The whole model (one stage, slot 0): tokens, targets are (B, T) host arrays. With targets,
-  // returns the mean loss and keeps the probabilities for backward(); without, returns 0 and
-  // leaves the logits in logits().
+  // returns the mean loss and keeps the logits and the loss's per-row statistics, which
+  // backward() turns into the logits' gradients; without, returns 0 and leaves the logits in
+  // logits().
   double forward(const int32_t* tokens, const int32_t* targets, int B, int T) {
     return forward(0, tokens, targets, B, T);
   }
@@ -287,8 +288,9 @@ class StageExecutor {
   DPtr acts_;   // one slab for all activations and backward scratch
   DPtr stats_;  // one slab for the per-row statistics
   // Views into the slabs, by slot: the stage's input, each layer's output and activations, the
-  // head's activations, the logits and the loss's statistics (losses, rowmax, then the exp-sums
-  // followed by the target logits: 2 BT, so that one all-reduce carries both).
+  // head's activations, the logits and the loss's statistics (losses; rowmax: this rank's, then
+  // the tensor-parallel group's, 2 BT; the exp-sums followed by the target logits: 2 BT, so that
+  // one all-reduce carries both).
   struct SlotViews {
     DPtr input, logits, losses, rowmax, sumexp;
     std::vector<DPtr> outputs;              // by local layer

@@ -7,6 +7,7 @@
 #include <array>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <type_traits>
 
 #include "kernels/half.h"
@@ -231,6 +232,19 @@ TEST(Kernels, SoftmaxCrossEntropyOverPaddedVocab) {
       for (int i = 0; i < 32; i++) want_part[n * 32 + i] = grad[n * Vp + 32 * r + i];
     EXPECT_TRUE(all_close(got, want_part, kRtol, 1e-7)) << "slice " << r;
   }
+  // A rank whose slice holds no real column (a small vocabulary split over tp) adds nothing: its
+  // max is the lowest float, its sum 0 before and after the rebase, and its gradients are 0.
+  const VocabSlice empty{V, 0, 32};
+  DPtr part = d.upload(std::vector<float>(N * 32, 1e4f)), m = d.upload(std::vector<float>(N)),
+       se = d.upload(std::vector<float>(N)), tl = d.upload(std::vector<float>(N));
+  d.k->crossentropy_stats(m, se, tl, part, targets.data(), N, empty);
+  EXPECT_EQ(d.download<float>(m, N), std::vector<float>(N, std::numeric_limits<float>::lowest()));
+  EXPECT_EQ(d.download<float>(se, N), std::vector<float>(N, 0.0f));
+  EXPECT_EQ(d.download<float>(tl, N), std::vector<float>(N, 0.0f));
+  d.k->crossentropy_rebase(m, se, d.upload(gmax), N);
+  EXPECT_EQ(d.download<float>(se, N), std::vector<float>(N, 0.0f));
+  d.k->crossentropy_backward(part, m, d.upload(gsum), targets.data(), dloss, N, empty);
+  EXPECT_EQ(d.download<float>(part, N * 32), std::vector<float>(N * 32, 0.0f));
 }
 
 TEST(Kernels, VocabParallelEncoderSumsToTheWholeEmbedding) {

@@ -1,5 +1,6 @@
 // Softmax + cross-entropy over one slice of the (padded) vocabulary (kernels/kernels.h). The
-// forward reads each row of logits once, keeping its max, exp-sum and target logit; the backward
+// forward reads each row of logits from memory once, keeping its max, exp-sum and target logit
+// (16-bit logits are staged through fp32 as every CPU kernel's are); the backward
 // recomputes the exponentials from those and writes the gradients over the logits. Each row
 // (32000-50257 floats) is one task: its second pass (the exponentials after the max) reads it
 // from L2, not memory.

@@ -294,7 +294,8 @@ class CudaKernels final : public Kernels {
     });
   }
   void crossentropy_rebase(DPtr rowmax, DPtr sumexp, DPtr group_max, int64_t N) override {
-    cuda::crossentropy_rebase(compute_, rowmax, sumexp, group_max, N);
+    timer_->timed("crossentropy_rebase", 0,
+                  [&] { cuda::crossentropy_rebase(compute_, rowmax, sumexp, group_max, N); });
   }
   double crossentropy_loss(DPtr losses, DPtr rowmax, DPtr sumexp, DPtr target_logit,
                            int64_t N) override {
