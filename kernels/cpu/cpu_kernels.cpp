@@ -180,12 +180,8 @@ class CpuKernels final : public Kernels {
   void copy_from_host(DPtr dst, const void* src, int64_t elems) override {
     std::memcpy(dst.p, src, elems * dtype_size(dst.dtype));
   }
-  void* alloc_host(int64_t bytes) override {
-    return allocate_host_memory(size_t(bytes));
-  }
-  void free_host(void* p) noexcept override {
-    free_host_memory(p);
-  }
+  void* alloc_host(int64_t bytes) override { return allocate_host_memory(size_t(bytes)); }
+  void free_host(void* p) noexcept override { free_host_memory(p); }
 
   void encoder_forward(DPtr out, const int32_t* tokens, DPtr wte, DPtr wpe, int B, int T, int C,
                        VocabSlice v) override {
