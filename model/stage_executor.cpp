@@ -129,7 +129,8 @@ StageExecutor::Plan StageExecutor::plan(const ModelDefinition& def, int max_B, i
       slot.head = p.take(def.head_activations(max_B, max_T));
       slot.logits = p.take(BT * def.vocab().width);
       slot.losses = p.take(BT, true);
-      slot.rowmax = p.take(2 * BT, true);  // this rank's, then the tensor-parallel group's
+      // This rank's max, then (tensor-parallel) the group's.
+      slot.rowmax = p.take(shard.tp_size > 1 ? 2 * BT : BT, true);
       slot.sumexp = p.take(2 * BT, true);
     }
     p.slots.push_back(std::move(slot));

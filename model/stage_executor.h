@@ -289,7 +289,7 @@ class StageExecutor {
   DPtr stats_;  // one slab for the per-row statistics
   // Views into the slabs, by slot: the stage's input, each layer's output and activations, the
   // head's activations, the logits and the loss's statistics (losses; rowmax: this rank's, then
-  // the tensor-parallel group's, 2 BT; the exp-sums followed by the target logits: 2 BT, so that
+  // with tp > 1 the group's; the exp-sums followed by the target logits: 2 BT, so that
   // one all-reduce carries both).
   struct SlotViews {
     DPtr input, logits, losses, rowmax, sumexp;
