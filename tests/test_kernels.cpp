@@ -3,7 +3,9 @@
 // of O(1) values, so relative errors stay below 1e-5; we allow rtol 1e-4 and a small atol for
 // values that cancel to near zero.
 #include <gtest/gtest.h>
+#include <omp.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cmath>
@@ -276,7 +278,31 @@ TEST(Kernels, SumSquaresIsDeterministicAndExact) {
     const double got = d.k->sum_squares(xd, n);
     EXPECT_NEAR(got, want, 1e-12 * want) << n;
     EXPECT_EQ(got, d.k->sum_squares(xd, n));
+    // The same sum, bit for bit, on one thread and on three.
+    const int threads = omp_get_max_threads();
+    for (int t : {1, 3}) {
+      omp_set_num_threads(t);
+      EXPECT_EQ(got, d.k->sum_squares(xd, n)) << n << " on " << t << " threads";
+    }
+    omp_set_num_threads(threads);
   }
+}
+
+// A large buffer is zeroed in 4 MB slices across the threads: every element of the range goes,
+// the last partial slice's included, and none outside it (4- and 8-byte elements).
+TEST(Kernels, ZeroClearsExactlyItsRange) {
+  Device d;
+  auto check = [&]<class T>(T) {
+    const int64_t n = (int64_t(9) << 20) / int64_t(sizeof(T)) + 3;
+    DPtr p = d.upload(std::vector<T>(size_t(n) + 2, T(1)));
+    d.k->zero(p + 1, n);
+    const auto v = d.download<T>(p, size_t(n) + 2);
+    EXPECT_EQ(v.front(), T(1));
+    EXPECT_EQ(v.back(), T(1));
+    EXPECT_EQ(std::count(v.begin() + 1, v.end() - 1, T(0)), n) << sizeof(T);
+  };
+  check(0.0f);
+  check(0.0);
 }
 
 // Over ranges: exactly the per-range sums added in order (the gradient norm before and after

@@ -172,7 +172,7 @@ class CpuKernels final : public Kernels {
   void free(DPtr p) override { free_host_memory(p.p); }
   void zero(DPtr p, int64_t elems) override {
     const OpSpan span(meter_, "zero");
-    std::memset(p.p, 0, elems * dtype_size(p.dtype));
+    cpu::zero_bytes(p.p, size_t(elems) * dtype_size(p.dtype));
   }
   void copy_to_host(void* dst, DPtr src, int64_t elems) override {
     std::memcpy(dst, src.p, elems * dtype_size(src.dtype));

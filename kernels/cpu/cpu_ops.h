@@ -1,12 +1,16 @@
 #pragma once
 // The CPU implementations of the kernel interface, templated on the element type (float for
 // training, double for finite-difference reference checks). Semantics as in kernels/kernels.h.
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
 #include "kernels/kernels.h"
 
 namespace trainer::cpu {
+
+// Writes `bytes` zero bytes at p: a large buffer in slices across the threads.
+void zero_bytes(void* p, size_t bytes);
 
 // Row-major GEMM through OpenBLAS: C(M,N) = alpha * op(A)(M,K) @ op(B)(K,N) + beta * C.
 template <class T>

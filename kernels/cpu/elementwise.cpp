@@ -1,12 +1,26 @@
 // Encoder, GELU, residual, RoPE, SwiGLU and dropout: memory-bound loops parallelised with OpenMP.
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
+#include <cstring>
 
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/fast_math.h"
 #include "kernels/shared_math.h"
 
 namespace trainer::cpu {
+
+void zero_bytes(void* p, size_t bytes) {
+  // One thread's memset writes at about half what the cores together do: the gradients (500 MB
+  // on W-L) in 4 MB slices across the threads, 14 -> 7 ms.
+  constexpr size_t kSlice = size_t(4) << 20;
+  auto* at = static_cast<std::byte*>(p);
+  if (bytes < 2 * kSlice) return (void)std::memset(at, 0, bytes);
+  const int64_t slices = int64_t((bytes + kSlice - 1) / kSlice);
+#pragma omp parallel for schedule(static)
+  for (int64_t s = 0; s < slices; s++)
+    std::memset(at + s * kSlice, 0, std::min(kSlice, bytes - size_t(s) * kSlice));
+}
 
 template <class T>
 void encoder_forward(T* out, const int32_t* tokens, const T* wte, const T* wpe, int B, int T_,
