@@ -196,12 +196,8 @@ int run(const Options& opt) {
 
   // CPU: the best of the start-up sgemm bursts, raised by any faster call of the run itself
   // (read after the run). GPU: the data sheet.
-  const double sgemm_peak = gpu ? 0.0 : kernels->measure_peak_flops();
+  if (!gpu) kernels->measure_peak_flops();
   const double flops_per_token = trainer::flops_per_token(w.model);
-  // PaLM's count (Megatron's and nanoGPT's too) takes attention over the full T x T square: 6 L C
-  // T per token more than the causal kernels execute.
-  const double palm_flops_per_token =
-      flops_per_token + 6.0 * w.model.n_layer * w.model.d_model * double(w.model.seq_len);
 
   // --ops: each operator's calls, seconds and FLOPs over the timed steps.
   struct OpTotals {
@@ -278,12 +274,6 @@ int run(const Options& opt) {
       {"dtype", opt.dtype},
       {"mfu", peak > 0 ? flops_per_token * tokens_per_s / peak : 0.0},
       {"peak_gflops", peak / 1e9},
-      // Issue 19's yardstick, as others report MFU: PaLM's FLOP count over the start-up sgemm
-      // bursts' rate alone. It can pass 100% (attention counted twice over, and attention's tiles
-      // may outrun the sgemm kernels); "mfu" is the bound one.
-      {"sgemm_peak_gflops", sgemm_peak / 1e9},
-      {"mfu_palm_vs_sgemm",
-       sgemm_peak > 0 ? palm_flops_per_token * tokens_per_s / sgemm_peak : 0.0},
       {"matmul_ms", matmul_s * 1e3},  // per step, in matmul and attention calls
       {"matmul_gflops", matmul_s > 0 ? matmul_flops / matmul_s / 1e9 : 0.0},
       {"matmul_share", matmul_s / step_s},  // of the step's time
