@@ -27,10 +27,15 @@
 namespace trainer::cpu {
 namespace {
 
-// Query rows per block, and keys per block in the backward (a multiple of every lane count, so a
-// key block starts on a panel: four zmm panels of float, eight of double). Blocks of
-// 48-132 rows and 48-128 keys measured the same or slower on W-L's shape.
-constexpr int kBlock = 64;
+// Query rows per block, and keys per block in the backward: a multiple of every lane count (a key
+// block starts on a panel: six zmm panels of float, twelve of double) and of kTileRows (no
+// block ends in a tile of fewer rows, which multiplies at about half the rate: with 64, each
+// block's last 4 rows took 13% of the forward's tile time). On W-L's shape against 64 (three
+// runs each, best of 30-40 calls): forward 7.60-7.69 ms against 7.90-8.11, backward 16.88-16.99
+// against 17.98-18.07; 48 and 144 measured between the two.
+constexpr int kBlock = 96;
+static_assert(kBlock % kTileRows == 0 && kBlock % Simd<float>::lanes == 0 &&
+              kBlock % Simd<double>::lanes == 0);
 
 // Where the heads sit in a row of qkv: NH query heads, then NKV key heads, then NKV value heads.
 struct QkvLayout {
