@@ -76,11 +76,11 @@ struct NaiveAttention {
 
 TEST(Kernels, AttentionForwardBackward) {
   Device d;
-  // T = 150 spans three of the kernel's 64-row blocks, with a ragged last block. Head sizes 4 and
+  // T = 250 spans three of the kernel's 96-row blocks, with a ragged last block. Head sizes 4 and
   // 8 are one vector panel on the CPU, 64 and 80 several whole ones, 35 several with a ragged
   // last one for every vector width.
   for (auto [B, T, C, NH] :
-       {std::array{2, 7, 12, 3}, std::array{1, 150, 16, 2}, std::array{1, 133, 128, 2},
+       {std::array{2, 7, 12, 3}, std::array{1, 250, 16, 2}, std::array{1, 133, 128, 2},
         std::array{2, 70, 160, 2}, std::array{1, 133, 70, 2}}) {
     auto qkv = random_vector(B * T * 3 * C, 12), dout = random_vector(B * T * C, 13);
     NaiveAttention ref(qkv, dout, B, T, C, NH, NH);
@@ -164,15 +164,15 @@ TEST(Kernels, AttentionBackwardSlicesGroupsForIdleThreads) {
 // rank's key/value gradients summed over the ranks that saw them, its gradient. In double the
 // sums' order is the only difference (1e-12); in float, rounding (1e-5 against the double
 // reference). Multi-head, grouped and
-// multi-query, T = 8 per rank with cp = 4 (chunks of 4), T = 80 with cp = 2 (chunks of 40 over
-// the kernel's 64-row blocks), T = 78 (chunks of 39, ragged for every vector width) and T = 200
+// multi-query, T = 8 per rank with cp = 4 (chunks of 4), T = 120 with cp = 2 (chunks of 60 over
+// the kernel's 96-row blocks), T = 78 (chunks of 39, ragged for every vector width) and T = 200
 // (chunks of 100: two key blocks a run, the second ragged); head sizes 2 and 21 (one panel, and
 // several with a ragged last one, on the CPU).
 template <class S>
 void check_ring_parts(double tol) {
   Device d;
   const int B = 2, NH = 6;
-  for (auto [cp, T, C] : {std::array{2, 160, 12}, std::array{4, 32, 12}, std::array{2, 156, 126},
+  for (auto [cp, T, C] : {std::array{2, 240, 12}, std::array{4, 32, 12}, std::array{2, 156, 126},
                           std::array{2, 400, 12}})
     for (int NKV : {NH, NH / 3, 1}) {
       SCOPED_TRACE(testing::Message() << "cp " << cp << ", C " << C << ", NKV " << NKV);
@@ -241,11 +241,11 @@ class AttentionKernels : public ::testing::Test {};
 TYPED_TEST_SUITE(AttentionKernels, StorageTypes);
 
 // Grouped-query attention for multi-query (NKV = 1), grouped (NKV = NH / 2) and multi-head
-// (NKV = NH) over T = 70 (two of the CPU kernel's 64-row blocks, the second ragged).
+// (NKV = NH) over T = 110 (two of the CPU kernel's 96-row blocks, the second ragged).
 TYPED_TEST(AttentionKernels, GroupedQueryAttentionForwardBackward) {
   using S = TypeParam;
   Device d;
-  const int B = 2, T = 70, C = 24, NH = 6, hs = C / NH;
+  const int B = 2, T = 110, C = 24, NH = 6, hs = C / NH;
   for (int NKV : {1, NH / 2, NH}) {
     SCOPED_TRACE(testing::Message() << "NKV " << NKV);
     const int W = C + 2 * NKV * hs;

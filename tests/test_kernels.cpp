@@ -269,8 +269,13 @@ TEST(Kernels, VocabParallelEncoderSumsToTheWholeEmbedding) {
 }
 
 TEST(Kernels, SumSquaresIsDeterministicAndExact) {
+  struct Threads {  // restored however the test ends
+    int before = omp_get_max_threads();
+    ~Threads() { omp_set_num_threads(before); }
+  } threads;
   Device d;
-  for (int n : {1, 63, 64, 1000, 100003}) {
+  // Chunks (a 64th each) shorter than the 32 lanes, exactly 3 x 32, and with a ragged tail.
+  for (int n : {1, 63, 64, 1000, 64 * 32 * 3, 100003}) {
     auto x = random_vector(n, 19);
     double want = 0;
     for (float v : x) want += double(v) * v;
@@ -279,12 +284,11 @@ TEST(Kernels, SumSquaresIsDeterministicAndExact) {
     EXPECT_NEAR(got, want, 1e-12 * want) << n;
     EXPECT_EQ(got, d.k->sum_squares(xd, n));
     // The same sum, bit for bit, on one thread and on three.
-    const int threads = omp_get_max_threads();
     for (int t : {1, 3}) {
       omp_set_num_threads(t);
       EXPECT_EQ(got, d.k->sum_squares(xd, n)) << n << " on " << t << " threads";
     }
-    omp_set_num_threads(threads);
+    omp_set_num_threads(threads.before);
   }
 }
 

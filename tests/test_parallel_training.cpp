@@ -317,7 +317,7 @@ TEST_F(MpiCli, APlainProcessStartsNoDaemon) {
 
 // The collectives' temporaries come from the heap the process keeps (kernels/cpu/host_memory.h,
 // keep_freed_memory): once warm, a step of 2-rank data parallelism with 57 MB of gradients in one
-// bucket takes no page fault (0 in 12 runs of 6 steps). Without it, glibc maps the all-reduce's
+// bucket takes no page fault (0 in 22 runs of 6 steps). Without it, glibc maps the all-reduce's
 // 57 MB temporary (above its sliding threshold's 32 MB cap) and unmaps it when freed, so every
 // step faults it in again: 14,050 faults a step measured. (With three 19 MB buckets glibc's
 // sliding threshold keeps them too, and which steps grow the heap to its working size depends on
