@@ -2,7 +2,6 @@
 // double-precision reference: the training forward (output and each row's log-sum-exp) and
 // backward, ring attention's parts, 16-bit storage, and generation over a key/value cache.
 #include <gtest/gtest.h>
-#include <omp.h>
 
 #include <array>
 #include <cmath>
@@ -109,11 +108,7 @@ TEST(Kernels, AttentionBackwardSlicesGroupsForIdleThreads) {
   EXPECT_EQ(cpu::attention_backward_split(1, 12, 16), 12);  // 12 of 16 threads beat 6 or 4
   EXPECT_EQ(cpu::attention_backward_split(32, 4, 16), 1);
   EXPECT_EQ(cpu::attention_backward_split(3, 1, 2), 1);  // multi-head: nothing to slice
-  struct TwoThreads {                                    // restored however the test ends
-    int before = omp_get_max_threads();
-    TwoThreads() { omp_set_num_threads(2); }
-    ~TwoThreads() { omp_set_num_threads(before); }
-  } two_threads;
+  const OmpThreads two_threads(2);
   Device d;
   const int B = 1, T = 150, C = 36, NH = 6, hs = C / NH;
   for (int NKV : {3, 1}) {
@@ -133,10 +128,11 @@ TEST(Kernels, AttentionBackwardSlicesGroupsForIdleThreads) {
     // One thread has no idle threads to fill and does not slice: its key/value gradients, summed
     // in another order, agree with the reference but not bit for bit with the sliced run's (they
     // would, were the slicing disconnected).
-    omp_set_num_threads(1);
     DPtr dqkv1 = d.upload(std::vector<float>(B * T * W, 9.0f));
-    d.k->attention_backward(dqkv1, doutd, qkvd, out, lse, B, T, C, NH, NKV);
-    omp_set_num_threads(2);
+    {
+      const OmpThreads one_thread(1);
+      d.k->attention_backward(dqkv1, doutd, qkvd, out, lse, B, T, C, NH, NKV);
+    }
     const std::vector<float> unsliced = d.download<float>(dqkv1, B * T * W);
     EXPECT_TRUE(all_close(unsliced, ref.dqkv, kRtol, kAtol));
     EXPECT_NE(unsliced, sliced);  // fixed seeds: which bits differ is deterministic

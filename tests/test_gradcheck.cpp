@@ -3,7 +3,6 @@
 // With h = 1e-5 the truncation error is O(h^2) ~ 1e-10 and roundoff ~ 1e-16 / h ~ 1e-11,
 // relative to O(1) values, so agreement to 1e-6 relative means the backward pass is right.
 #include <gtest/gtest.h>
-#include <omp.h>
 
 #include <cmath>
 #include <functional>
@@ -23,12 +22,7 @@ using Vec = std::vector<double>;
 // Thousands of tiny forwards: one thread avoids paying OpenMP fork/join for each of them.
 class GradCheck : public ::testing::Test {
  protected:
-  void SetUp() override {
-    threads_ = omp_get_max_threads();
-    omp_set_num_threads(1);
-  }
-  void TearDown() override { omp_set_num_threads(threads_); }
-  int threads_ = 1;
+  const OmpThreads one_thread_{1};
 };
 
 // Checks the analytic gradient `grad` of scalar f with respect to `x` by central differences.

@@ -3,7 +3,6 @@
 // of O(1) values, so relative errors stay below 1e-5; we allow rtol 1e-4 and a small atol for
 // values that cancel to near zero.
 #include <gtest/gtest.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <array>
@@ -269,10 +268,6 @@ TEST(Kernels, VocabParallelEncoderSumsToTheWholeEmbedding) {
 }
 
 TEST(Kernels, SumSquaresIsDeterministicAndExact) {
-  struct Threads {  // restored however the test ends
-    int before = omp_get_max_threads();
-    ~Threads() { omp_set_num_threads(before); }
-  } threads;
   Device d;
   // Chunks (a 64th each) shorter than the 32 lanes, exactly 3 x 32, and with a ragged tail.
   for (int n : {1, 63, 64, 1000, 64 * 32 * 3, 100003}) {
@@ -285,10 +280,9 @@ TEST(Kernels, SumSquaresIsDeterministicAndExact) {
     EXPECT_EQ(got, d.k->sum_squares(xd, n));
     // The same sum, bit for bit, on one thread and on three.
     for (int t : {1, 3}) {
-      omp_set_num_threads(t);
+      const OmpThreads threads(t);
       EXPECT_EQ(got, d.k->sum_squares(xd, n)) << n << " on " << t << " threads";
     }
-    omp_set_num_threads(threads.before);
   }
 }
 

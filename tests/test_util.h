@@ -2,6 +2,7 @@
 // Helpers shared by the unit tests: backend buffers from host vectors, seeded random data,
 // and tolerance checks that report the worst element.
 #include <gtest/gtest.h>
+#include <omp.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -118,6 +119,18 @@ class TempDirTest : public ::testing::Test {
   void TearDown() override { std::filesystem::remove_all(dir_); }
   std::string path(const std::string& name) const { return (dir_ / name).string(); }
   std::filesystem::path dir_;
+};
+
+// OpenMP's thread count set for a scope, the previous one restored however the scope ends.
+class OmpThreads {
+ public:
+  explicit OmpThreads(int n) { omp_set_num_threads(n); }
+  ~OmpThreads() { omp_set_num_threads(before_); }
+  OmpThreads(const OmpThreads&) = delete;
+  OmpThreads& operator=(const OmpThreads&) = delete;
+
+ private:
+  int before_ = omp_get_max_threads();
 };
 
 // Owns backend buffers for one test.
