@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <memory>
 #include <vector>
 
 #include "kernels/cpu/cpu_ops.h"
@@ -187,80 +188,95 @@ void attention_part_forward(T* out, T* lse, const T* q, const T* kv, const Atten
   const int64_t W = l.width, SW = pp.row_width;
   const T scale = T(1) / std::sqrt(T(hs));
   const auto& runs = pp.runs;
+  const int blocks = ceil_div(T_, kBlock), heads = p.B * p.NH;
+  // Every key/value head's keys and values, packed once and read by all the threads (each
+  // panel is written whole, padding included, so the buffers start uninitialised).
+  const std::unique_ptr<T[]> keys(new T[size_t(p.B) * p.NKV * pp.transposed_size()]),
+      values(new T[size_t(p.B) * p.NKV * pp.columns_size()]);
 #pragma omp parallel
   {
-    std::vector<T> keys(pp.transposed_size()), values(pp.columns_size()), S(size_t(kBlock) * SW),
-        O(size_t(kBlock) * pp.padded_hs), part_lse(kBlock), inv_sum(kBlock);
 #pragma omp for schedule(static)
-    for (int bh = 0; bh < p.B * p.NH; bh++) {
-      const int b = bh / p.NH, h = bh % p.NH;
+    for (int bkv = 0; bkv < p.B * p.NKV; bkv++) {
+      const int64_t row0 = int64_t(bkv / p.NKV) * T_ * W, h = int64_t(bkv % p.NKV) * l.group;
+      pp.pack_transposed(keys.get() + bkv * pp.transposed_size(), kv + row0 + l.key_column(h), W);
+      pp.pack_columns(values.get() + bkv * pp.columns_size(), kv + row0 + l.value_column(h), W);
+    }
+    std::vector<T> S(size_t(kBlock) * SW), O(size_t(kBlock) * pp.padded_hs), part_lse(kBlock),
+        inv_sum(kBlock);
+    // Tasks are (query head, block of query rows), handed out one at a time so that the threads
+    // end together even when one runs slower: key/value head by key/value head (its panels stay
+    // in L2 from one task to the next), each head's costliest blocks first (a causal block's
+    // rows see more keys the later it sits), so the last tasks are small ones.
+#pragma omp for schedule(dynamic, 1)
+    for (int task = 0; task < heads * blocks; task++) {
+      const int bkv = task / (l.group * blocks), in_kv = task % (l.group * blocks);
+      const int r0 = (blocks - 1 - in_kv / l.group) * kBlock;
+      const int b = bkv / p.NKV, h = bkv % p.NKV * l.group + in_kv % l.group, bh = b * p.NH + h;
       const int64_t row0 = int64_t(b) * T_ * W;
       const T* Q = q + row0 + l.query_column(h);
-      pp.pack_transposed(keys.data(), kv + row0 + l.key_column(h), W);
-      pp.pack_columns(values.data(), kv + row0 + l.value_column(h), W);
+      const T* K = keys.get() + bkv * pp.transposed_size();
+      const T* V = values.get() + bkv * pp.columns_size();
       T* Out = out + int64_t(b) * T_ * C + int64_t(h) * hs;
       T* Lse = lse + int64_t(bh) * T_;
-      for (int r0 = 0; r0 < T_; r0 += kBlock) {
-        const int r1 = std::min(T_, r0 + kBlock);
-        const std::array<int, 2> width = run_widths(p, runs, r0, r1);
-        for (int i = r0; i < r1; i += kTileRows) {
-          const int n = std::min(kTileRows, r1 - i);
-          const std::array<int, 2> w = run_widths(p, runs, i, i + n);
-          for (int k = 0; k < 2; k++)
-            if (w[k] > 0)
-              product_rows<T>(n, Q + i * W, W, 1, hs, keys.data() + pp.transposed[k],
-                              int64_t(hs) * L, ceil_div(w[k], L),
-                              S.data() + (i - r0) * SW + pp.column[k], SW, scale, false);
+      const int r1 = std::min(T_, r0 + kBlock);
+      const std::array<int, 2> width = run_widths(p, runs, r0, r1);
+      for (int i = r0; i < r1; i += kTileRows) {
+        const int n = std::min(kTileRows, r1 - i);
+        const std::array<int, 2> w = run_widths(p, runs, i, i + n);
+        for (int k = 0; k < 2; k++)
+          if (w[k] > 0)
+            product_rows<T>(n, Q + i * W, W, 1, hs, K + pp.transposed[k], int64_t(hs) * L,
+                            ceil_div(w[k], L), S.data() + (i - r0) * SW + pp.column[k], SW, scale,
+                            false);
+      }
+      // Each row's softmax over its visible keys: exp(s - max) in place of the scores, 0
+      // elsewhere in the products' columns; the normaliser is applied to the row's output.
+      std::fill(part_lse.begin(), part_lse.end(), T(-INFINITY));
+      for (int i = r0; i < r1; i++) {
+        T* s = S.data() + int64_t(i - r0) * SW;
+        const int pos = p.queries.position(i);
+        T mx = -INFINITY;
+        for (int k = 0; k < 2; k++)
+          mx = std::max(mx, row_max(s + pp.column[k], runs[k].visible(pos)));
+        T sum = 0;
+        for (int k = 0; k < 2; k++) {
+          const int seen = runs[k].visible(pos);
+          sum += exp_shifted(s + pp.column[k], seen, mx);
+          std::fill(s + pp.column[k] + seen, s + pp.column[k] + width[k], T(0));
         }
-        // Each row's softmax over its visible keys: exp(s - max) in place of the scores, 0
-        // elsewhere in the products' columns; the normaliser is applied to the row's output.
-        std::fill(part_lse.begin(), part_lse.end(), T(-INFINITY));
-        for (int i = r0; i < r1; i++) {
-          T* s = S.data() + int64_t(i - r0) * SW;
-          const int pos = p.queries.position(i);
-          T mx = -INFINITY;
-          for (int k = 0; k < 2; k++)
-            mx = std::max(mx, row_max(s + pp.column[k], runs[k].visible(pos)));
-          T sum = 0;
-          for (int k = 0; k < 2; k++) {
-            const int seen = runs[k].visible(pos);
-            sum += exp_shifted(s + pp.column[k], seen, mx);
-            std::fill(s + pp.column[k] + seen, s + pp.column[k] + width[k], T(0));
-          }
-          if (sum == 0) continue;  // no key of the part is visible
-          inv_sum[i - r0] = T(1) / sum;
-          part_lse[i - r0] = mx + std::log(sum);
+        if (sum == 0) continue;  // no key of the part is visible
+        inv_sum[i - r0] = T(1) / sum;
+        part_lse[i - r0] = mx + std::log(sum);
+      }
+      // This part's output of each row; rows that see none of its keys are not read below.
+      for (int i = r0; i < r1; i += kTileRows) {
+        const int n = std::min(kTileRows, r1 - i);
+        const std::array<int, 2> w = run_widths(p, runs, i, i + n);
+        for (int k = 0; k < 2; k++)
+          if (w[k] > 0)
+            product_rows<T>(n, S.data() + (i - r0) * SW + pp.column[k], SW, 1, w[k],
+                            V + pp.columns[k], int64_t(pp.length(k)) * L, pp.head_panels,
+                            O.data() + int64_t(i - r0) * pp.padded_hs, pp.padded_hs, T(1),
+                            k == 1 && w[0] > 0);
+      }
+      // The online softmax: out and lse so far (over earlier parts) and this part's, weighted
+      // by their shares of the combined normaliser.
+      for (int i = r0; i < r1; i++) {
+        const T lp = part_lse[i - r0];
+        T* o = Out + int64_t(i) * C;
+        const T* op = O.data() + int64_t(i - r0) * pp.padded_hs;
+        if (p.first) {
+          Lse[i] = lp;
+          const T inv = std::isinf(lp) ? T(0) : inv_sum[i - r0];
+          for (int e = 0; e < hs; e++) o[e] = inv * op[e];
+          continue;
         }
-        // This part's output of each row; rows that see none of its keys are not read below.
-        for (int i = r0; i < r1; i += kTileRows) {
-          const int n = std::min(kTileRows, r1 - i);
-          const std::array<int, 2> w = run_widths(p, runs, i, i + n);
-          for (int k = 0; k < 2; k++)
-            if (w[k] > 0)
-              product_rows<T>(n, S.data() + (i - r0) * SW + pp.column[k], SW, 1, w[k],
-                              values.data() + pp.columns[k], int64_t(pp.length(k)) * L,
-                              pp.head_panels, O.data() + int64_t(i - r0) * pp.padded_hs,
-                              pp.padded_hs, T(1), k == 1 && w[0] > 0);
-        }
-        // The online softmax: out and lse so far (over earlier parts) and this part's, weighted
-        // by their shares of the combined normaliser.
-        for (int i = r0; i < r1; i++) {
-          const T lp = part_lse[i - r0];
-          T* o = Out + int64_t(i) * C;
-          const T* op = O.data() + int64_t(i - r0) * pp.padded_hs;
-          if (p.first) {
-            Lse[i] = lp;
-            const T inv = std::isinf(lp) ? T(0) : inv_sum[i - r0];
-            for (int e = 0; e < hs; e++) o[e] = inv * op[e];
-            continue;
-          }
-          if (std::isinf(lp)) continue;
-          const T lo = Lse[i], hi = std::max(lo, lp);
-          const T combined = hi + std::log(std::exp(lo - hi) + std::exp(lp - hi));
-          const T keep = std::exp(lo - combined), add = std::exp(lp - combined) * inv_sum[i - r0];
-          for (int e = 0; e < hs; e++) o[e] = keep * o[e] + add * op[e];
-          Lse[i] = combined;
-        }
+        if (std::isinf(lp)) continue;
+        const T lo = Lse[i], hi = std::max(lo, lp);
+        const T combined = hi + std::log(std::exp(lo - hi) + std::exp(lp - hi));
+        const T keep = std::exp(lo - combined), add = std::exp(lp - combined) * inv_sum[i - r0];
+        for (int e = 0; e < hs; e++) o[e] = keep * o[e] + add * op[e];
+        Lse[i] = combined;
       }
     }
   }
@@ -290,12 +306,20 @@ void part_backward(T* dq, T* dkv, const T* dout, const T* q, const T* kv, const 
   const int split = attention_backward_split(p.B * p.NKV, l.group, omp_get_max_threads());
   const int64_t slice_elems = 2 * int64_t(T_) * hsp;  // a slice's dK rows, then its dV rows
   std::vector<T> slices(split > 1 ? size_t(p.B) * p.NKV * split * slice_elems : 0);
+  // D = dO . O of each row and query head ([b][i][h]), in one pass over whole rows in order:
+  // read head by head inside the blocks below, these rows came from memory and the products
+  // waited for them (8% of the backward in a profile of W-L's shape).
+  const std::unique_ptr<T[]> dots(new T[size_t(p.B) * T_ * p.NH]);
 #pragma omp parallel
   {
+#pragma omp for schedule(static)
+    for (int64_t row = 0; row < int64_t(p.B) * T_; row++)
+      for (int h = 0; h < p.NH; h++)
+        dots[row * p.NH + h] = dot_row(dout + row * C + h * hs, out + row * C + h * hs, hs);
     std::vector<T> keys_t(pp.transposed_size()), keys(pp.columns_size()),
         values_t(pp.transposed_size()), P(size_t(kBlock) * kBlock), dP(P.size()),
         dq_rows(size_t(kBlock) * hsp), queries(dq_rows.size()), douts(dq_rows.size()),
-        dK(split > 1 ? 0 : pp.columns_size()), dV(dK.size()), D(kBlock);
+        dK(split > 1 ? 0 : pp.columns_size()), dV(dK.size());
     std::vector<int> seen(kBlock);
 #pragma omp for schedule(static)
     for (int task = 0; task < p.B * p.NKV * split; task++) {
@@ -315,15 +339,13 @@ void part_backward(T* dq, T* dkv, const T* dout, const T* q, const T* kv, const 
         const int h = kvh * l.group + g;
         const T* Q = q + row0 + l.query_column(h);
         T* dQ = dq + row0 + l.query_column(h);
-        const T *O = out + int64_t(b) * T_ * C + int64_t(h) * hs,
-                *dO = dout + int64_t(b) * T_ * C + int64_t(h) * hs;
+        const T* dO = dout + int64_t(b) * T_ * C + int64_t(h) * hs;
+        const T* D = dots.get() + int64_t(b) * T_ * p.NH + h;  // row i's at D[i * NH]
         const T* Lse = lse + (int64_t(b) * p.NH + h) * T_;
         for (int r0 = 0; r0 < T_; r0 += kBlock) {
           const int r1 = std::min(T_, r0 + kBlock), n = r1 - r0;
           pack_column_panels(queries.data(), Q + r0 * W, W, n, hs);
           pack_column_panels(douts.data(), dO + int64_t(r0) * C, C, n, hs);
-          for (int i = r0; i < r1; i++)
-            D[i - r0] = dot_row(dO + int64_t(i) * C, O + int64_t(i) * C, hs);
           std::fill(dq_rows.begin(), dq_rows.end(), T(0));
           for (int k = 0; k < 2; k++)
             for (int c0 = runs[k].begin; c0 < runs[k].end; c0 += kBlock) {
@@ -361,7 +383,7 @@ void part_backward(T* dq, T* dkv, const T* dout, const T* q, const T* kv, const 
                 T *pr = P.data() + int64_t(i - r0) * kBlock,
                   *d = dP.data() + int64_t(i - r0) * kBlock;
                 const int s = seen_by(i);
-                softmax_backward_from_scores(pr, d, s, Lse[i], D[i - r0]);
+                softmax_backward_from_scores(pr, d, s, Lse[i], D[int64_t(i) * p.NH]);
                 std::fill(pr + s, pr + widest, T(0));
                 std::fill(d + s, d + widest, T(0));
               }

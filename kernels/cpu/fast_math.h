@@ -7,6 +7,9 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
+
+#include "kernels/cpu/simd.h"
 
 namespace trainer::cpu {
 
@@ -41,6 +44,54 @@ inline double fast_tanh(double u) {
   return std::tanh(u);
 }
 
+// fast_exp of every lane of a vector of floats, written in vector code: the softmaxes' rows
+// (below), where `omp simd` over fast_exp left GCC blending each lane's clamps through masks
+// (1024-wide rows: 0.38 ns an element against 0.24 here). The same values as fast_exp for x in
+// [-87, 88]; below, exp(-87) (-inf included). With AVX-512 the power of two comes from
+// vscalefps, so x above 88 gives its true exp, or inf, instead of exp(88).
+[[gnu::always_inline]] inline Simd<float>::Vec exp_lanes(Simd<float>::Vec x) {
+  using V = Simd<float>::Vec;
+  x = x < -87.0f ? V{} - 87.0f : x;
+#if defined(__AVX512F__)
+  // The mask forms with every lane set: GCC 12's plain forms read an "undefined" vector that
+  // -Werror=uninitialized rejects.
+  const __m512 t = __m512(x * 1.44269504088896341f);
+  const V n =
+      V(_mm512_mask_roundscale_ps(t, 0xffff, t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+  x = x > 88.0f ? V{} + 88.0f : x;
+  const float shifter = 12582912.0f;
+  const V n = (x * 1.44269504088896341f + shifter) - shifter;
+#endif
+  const V r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const V er = p * r * r + r + 1.0f;
+#if defined(__AVX512F__)
+  return V(_mm512_mask_scalef_ps(__m512(er), 0xffff, __m512(er), __m512(n)));
+#else
+  typedef int32_t Bits __attribute__((vector_size(kVectorBytes)));
+  const Bits bits = (__builtin_convertvector(n, Bits) + 127) << 23;
+  V two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return er * two_n;
+#endif
+}
+
+// Calls f(j, m) for the vectors of floats that cover [0, n): m = lanes, then fewer at a partial
+// last one (f loads and stores through Simd's load_first/store_first).
+template <class F>
+[[gnu::always_inline]] inline void for_float_vectors(int64_t n, F&& f) {
+  constexpr int L = Simd<float>::lanes;
+  int64_t j = 0;
+  for (; j + L <= n; j += L) f(j, L);
+  if (j < n) f(j, int(n - j));
+}
+
 // The row operations of the softmaxes (attention, cross-entropy), written in the forms GCC turns
 // into vector code. Two forms it left scalar, measured on W-L's attention rows: `std::max` in an
 // `omp simd reduction(max)` loop (0.57 ns an element against 0.04 for the comparison below), and
@@ -56,6 +107,16 @@ T row_max(const T* x, int64_t n) {  // -inf for an empty row
 // x = exp(x - shift); returns the sum of the new x.
 template <class T>
 T exp_shifted(T* x, int64_t n, T shift) {
+  if constexpr (std::is_same_v<T, float>) {
+    using S = Simd<float>;
+    S::Vec sum{};
+    for_float_vectors(n, [&](int64_t j, int m) {
+      const S::Vec e = exp_lanes(S::load_first(x + j, m) - shift);
+      S::store_first(x + j, e, m);
+      sum += S::load_first(x + j, m);  // zeros past the row
+    });
+    return S::sum(sum);
+  }
 #pragma omp simd
   for (int64_t j = 0; j < n; j++) x[j] = fast_exp(x[j] - shift);
   T sum = 0;
@@ -66,6 +127,18 @@ T exp_shifted(T* x, int64_t n, T shift) {
 // The sum of exp(x - shift) over a row, x unchanged.
 template <class T>
 T sum_exp_shifted(const T* x, int64_t n, T shift) {
+  if constexpr (std::is_same_v<T, float>) {
+    using S = Simd<float>;
+    S::Vec sum{};
+    for_float_vectors(n, [&](int64_t j, int m) {
+      const S::Vec e = exp_lanes(S::load_first(x + j, m) - shift);
+      if (m == S::lanes)
+        sum += e;
+      else
+        sum += S::load_first(reinterpret_cast<const float*>(&e), m);  // zeros past the row
+    });
+    return S::sum(sum);
+  }
   T sum = 0;
 #pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < n; j++) sum += fast_exp(x[j] - shift);
@@ -88,6 +161,15 @@ T dot_row(const T* a, const T* b, int64_t n) {
 // of d (dot = p . d over the row).
 template <class T>
 void softmax_backward_from_scores(T* s, T* d, int64_t n, T lse, T dot) {
+  if constexpr (std::is_same_v<T, float>) {
+    using S = Simd<float>;
+    for_float_vectors(n, [&](int64_t j, int m) {
+      const S::Vec p = exp_lanes(S::load_first(s + j, m) - lse);
+      S::store_first(s + j, p, m);
+      S::store_first(d + j, p * (S::load_first(d + j, m) - dot), m);
+    });
+    return;
+  }
 #pragma omp simd
   for (int64_t j = 0; j < n; j++) {
     const T p = fast_exp(s[j] - lse);

@@ -12,18 +12,16 @@
 // by X^T (rs = 1, ks = ld).
 #include <cassert>
 #include <cstdint>
-#include <cstring>
+
+#include "kernels/cpu/simd.h"
 
 namespace trainer::cpu {
 
 #if defined(__AVX512F__)
-constexpr int kVectorBytes = 64;
 constexpr int kTilePanels = 4;  // 6 x 4 accumulators + 4 panel vectors + 1 in 32 registers
 #elif defined(__AVX__)
-constexpr int kVectorBytes = 32;
 constexpr int kTilePanels = 2;  // 6 x 2 accumulators + 2 + 1 in 16 registers
 #else
-constexpr int kVectorBytes = 16;
 constexpr int kTilePanels = 2;
 #endif
 constexpr int kTileRows = 6;
@@ -37,18 +35,6 @@ inline namespace tiles_32_bytes {
 #else
 inline namespace tiles_16_bytes {
 #endif
-
-template <class T>
-struct Simd {
-  typedef T Vec __attribute__((vector_size(kVectorBytes)));
-  static constexpr int lanes = kVectorBytes / int(sizeof(T));
-  static Vec load(const T* p) {
-    Vec v;
-    std::memcpy(&v, p, sizeof v);
-    return v;
-  }
-  static void store(T* p, Vec v) { std::memcpy(p, &v, sizeof v); }
-};
 
 // C(R rows, NC panels) = alpha * sum over k < kn of X(r, k) * panel row k [+ C when `add`].
 template <class T, int R, int NC>
