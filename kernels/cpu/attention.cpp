@@ -3,11 +3,11 @@
 // log-sum-exp, and the backward recomputes the probabilities block by block from it
 // (FlashAttention-2's scheme). Causal attention is the one part whose keys are the queries' own.
 //
-// Forward splits over (batch, query head) pairs across threads; each thread packs its head's keys
-// and values once, then takes the queries in blocks of kBlock rows: the block's scores (each
-// group of rows over the keys up to its diagonal), their softmax and the product with the values
-// stay in cache. Backward splits over (batch, key/value head) and meets each block of query rows
-// with the keys block by block (see part_backward).
+// Forward packs every key/value head's keys and values once, for all threads, then hands out
+// (query head, block of kBlock query rows) tasks: the block's scores (each group of rows over
+// the keys up to its diagonal), their softmax and the product with the values stay in cache.
+// Backward splits over (batch, key/value head) and meets each block of query rows with the keys
+// block by block (see part_backward).
 //
 // Measured on W-L's shape (T 1024, 12 heads over 4 key/value heads, hs 64, 2 threads, one
 // process, blocks of 64, against the kernels that kept the probabilities): forward 7.0 ms
