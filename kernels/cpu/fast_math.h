@@ -13,6 +13,20 @@
 
 namespace trainer::cpu {
 
+// exp(x) / 2^n for n = round(x / ln2): Cephes' expf polynomial in r = x - n ln2 (ln2 split in
+// two for precision), for a float or a vector of floats (F{} + c is c in every lane).
+template <class F>
+[[gnu::always_inline]] inline F exp_over_power_of_two(F x, F n) {
+  const F r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  F p = F{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  return p * r * r + r + 1.0f;
+}
+
 // Always inlined: a call left in a loop (GCC's size heuristics did so once a helper wrapped the
 // loop) keeps the loop scalar, and W-L's attention took twice as long.
 [[gnu::always_inline]] inline float fast_exp(float x) {
@@ -20,15 +34,7 @@ namespace trainer::cpu {
   // n = round(x / ln2) by the 1.5 * 2^23 trick (vectorisable, no libm call).
   const float shifter = 12582912.0f;
   const float n = (x * 1.44269504088896341f + shifter) - shifter;
-  // r = x - n ln2, with ln2 split in two for precision.
-  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float er = p * r * r + r + 1.0f;
+  const float er = exp_over_power_of_two(x, n);
   const float two_n = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
   return er * two_n;
 }
@@ -63,14 +69,7 @@ inline double fast_tanh(double u) {
   const float shifter = 12582912.0f;
   const V n = (x * 1.44269504088896341f + shifter) - shifter;
 #endif
-  const V r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  V p = V{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const V er = p * r * r + r + 1.0f;
+  const V er = exp_over_power_of_two(x, n);
 #if defined(__AVX512F__)
   return V(_mm512_mask_scalef_ps(__m512(er), 0xffff, __m512(er), __m512(n)));
 #else
