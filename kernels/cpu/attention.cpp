@@ -197,7 +197,8 @@ void attention_part_forward(T* out, T* lse, const T* q, const T* kv, const Atten
   {
 #pragma omp for schedule(static)
     for (int bkv = 0; bkv < p.B * p.NKV; bkv++) {
-      const int64_t row0 = int64_t(bkv / p.NKV) * T_ * W, h = int64_t(bkv % p.NKV) * l.group;
+      const int64_t row0 = int64_t(bkv / p.NKV) * T_ * W;
+      const int h = bkv % p.NKV * l.group;  // the key/value head's first query head
       pp.pack_transposed(keys.get() + bkv * pp.transposed_size(), kv + row0 + l.key_column(h), W);
       pp.pack_columns(values.get() + bkv * pp.columns_size(), kv + row0 + l.value_column(h), W);
     }

@@ -7,11 +7,13 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "kernels/cpu/simd.h"
 
 namespace trainer::cpu {
+inline namespace TRAINER_SIMD_NAMESPACE {  // see simd.h
 
 // exp(x) / 2^n for n = round(x / ln2): Cephes' expf polynomial in r = x - n ln2 (ln2 split in
 // two for precision), for a float or a vector of floats (F{} + c is c in every lane).
@@ -50,27 +52,19 @@ inline double fast_tanh(double u) {
   return std::tanh(u);
 }
 
-// fast_exp of every lane of a vector of floats, written in vector code: the softmaxes' rows
-// (below), where `omp simd` over fast_exp left GCC blending each lane's clamps through masks
-// (1024-wide rows: 0.38 ns an element against 0.24 here). The same values as fast_exp for x in
-// [-87, 88]; below, exp(-87) (-inf included). With AVX-512 the power of two comes from
-// vscalefps, so x above 88 gives its true exp, or inf, instead of exp(88).
+// fast_exp of every lane of a vector of floats, the same bits (tested), written in vector code
+// for the softmaxes' rows (below): `omp simd` over fast_exp had GCC blend each lane's clamps
+// through masks (1024-wide rows: 0.38 ns an element against 0.24 here).
 [[gnu::always_inline]] inline Simd<float>::Vec exp_lanes(Simd<float>::Vec x) {
   using V = Simd<float>::Vec;
   x = x < -87.0f ? V{} - 87.0f : x;
-#if defined(__AVX512F__)
-  // The mask forms with every lane set: GCC 12's plain forms read an "undefined" vector that
-  // -Werror=uninitialized rejects.
-  const __m512 t = __m512(x * 1.44269504088896341f);
-  const V n =
-      V(_mm512_mask_roundscale_ps(t, 0xffff, t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-#else
   x = x > 88.0f ? V{} + 88.0f : x;
   const float shifter = 12582912.0f;
   const V n = (x * 1.44269504088896341f + shifter) - shifter;
-#endif
   const V er = exp_over_power_of_two(x, n);
 #if defined(__AVX512F__)
+  // er * 2^n by vscalefps, one instruction for fast_exp's three. The mask form with every lane
+  // set: GCC 12's plain form reads an "undefined" vector that -Werror=uninitialized rejects.
   return V(_mm512_mask_scalef_ps(__m512(er), 0xffff, __m512(er), __m512(n)));
 #else
   typedef int32_t Bits __attribute__((vector_size(kVectorBytes)));
@@ -92,10 +86,11 @@ template <class F>
 }
 
 // The row operations of the softmaxes (attention, cross-entropy), written in the forms GCC turns
-// into vector code. Two forms it left scalar, measured on W-L's attention rows: `std::max` in an
-// `omp simd reduction(max)` loop (0.57 ns an element against 0.04 for the comparison below), and
-// an exponential stored and summed in one loop (the whole row in scalar code: the forward
-// attention's softmax took as long as its two GEMMs).
+// into vector code, or for float in vector code of our own. Two forms `omp simd` left scalar,
+// measured on W-L's attention rows: `std::max` in a `reduction(max)` loop (0.57 ns an element
+// against 0.04 for the comparison below), and an exponential stored and summed in one loop (the
+// whole row in scalar code: the forward attention's softmax took as long as its two GEMMs); the
+// float rows below do that store and sum in one pass, in explicit vectors.
 template <class T>
 T row_max(const T* x, int64_t n) {  // -inf for an empty row
   T mx = -INFINITY;
@@ -112,7 +107,7 @@ T exp_shifted(T* x, int64_t n, T shift) {
     for_float_vectors(n, [&](int64_t j, int m) {
       const S::Vec e = exp_lanes(S::load_first(x + j, m) - shift);
       S::store_first(x + j, e, m);
-      sum += S::load_first(x + j, m);  // zeros past the row
+      sum += S::keep_first(e, m);
     });
     return S::sum(sum);
   }
@@ -130,11 +125,7 @@ T sum_exp_shifted(const T* x, int64_t n, T shift) {
     using S = Simd<float>;
     S::Vec sum{};
     for_float_vectors(n, [&](int64_t j, int m) {
-      const S::Vec e = exp_lanes(S::load_first(x + j, m) - shift);
-      if (m == S::lanes)
-        sum += e;
-      else
-        sum += S::load_first(reinterpret_cast<const float*>(&e), m);  // zeros past the row
+      sum += S::keep_first(exp_lanes(S::load_first(x + j, m) - shift), m);
     });
     return S::sum(sum);
   }
@@ -177,4 +168,5 @@ void softmax_backward_from_scores(T* s, T* d, int64_t n, T lse, T dot) {
   }
 }
 
+}  // namespace TRAINER_SIMD_NAMESPACE
 }  // namespace trainer::cpu
