@@ -12,6 +12,7 @@
 // rounded 16-bit intermediates (attention, the model) get 3x.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <fstream>
@@ -225,13 +226,23 @@ TEST_P(CudaKernels, MatmulForwardBackwardWithAndWithoutBias) {
 // unfused path (OC = 52, and fp32). Fused, the activation is the GELU of the unrounded
 // pre-activation and the input gradient is rounded once from fp32 products: two roundings apart
 // from the CPU's separate kernels, so 2x. The backward starts from the CPU's pre and act, so that
-// the weight gradient, a sum over 96 rows, compares a product of equal inputs.
+// the weight gradient, a sum over 96 rows, compares a product of equal inputs. Which path ran is
+// checked from the operators the backend reports: a fused epilogue cuBLASLt declined would
+// otherwise pass as the fallback.
 TEST_P(CudaKernels, MatmulWithGeluFusedAndFallback) {
   const DType t = GetParam();
   Backends b;
   const int64_t N = 96;
   const int IC = 72;
+  std::vector<std::string> heard;
+  b.gpu->set_op_observer([&](const char* op, double, std::chrono::steady_clock::time_point,
+                             std::chrono::steady_clock::time_point) { heard.push_back(op); });
+  auto times_heard = [&](const std::string& op) {
+    b.gpu->synchronize();
+    return std::count(heard.begin(), heard.end(), op);
+  };
   for (int OC : {56, 52}) {
+    const bool fused = is_half(t) && OC % 8 == 0;
     Twin x = b.random(N * IC, t, 1), w = b.random(int64_t(OC) * IC, t, 2, 0.2),
          bias = b.random(OC, t, 3), w2 = b.random(int64_t(IC) * OC, t, 4, 0.2),
          dy = b.random(N * IC, t, 5);
@@ -241,6 +252,8 @@ TEST_P(CudaKernels, MatmulWithGeluFusedAndFallback) {
       k.matmul_gelu_forward(at(pre), at(act), at(x), at(w), at(bias), N, IC, OC);
     });
     SCOPED_TRACE(testing::Message() << "OC " << OC);
+    EXPECT_EQ(times_heard("matmul_gelu_forward"), fused ? 1 : 0)
+        << "the fused GELU forward (GELU_AUX_BIAS epilogue) " << (fused ? "did not run" : "ran");
     EXPECT_TRUE(b.close(pre, tolerance(t)));
     EXPECT_TRUE(b.close(act, tolerance(t, 2)));
     b.copy_cpu_to_gpu(pre);
@@ -250,6 +263,9 @@ TEST_P(CudaKernels, MatmulWithGeluFusedAndFallback) {
       k.matmul_backward_gelu(at(dact), at(dw2), at(db2), at(dy), at(act), at(w2), at(pre), N, OC,
                              IC);
     });
+    EXPECT_EQ(times_heard("matmul_backward_input_gelu"), fused ? 1 : 0)
+        << "the fused GELU backward (DGELU epilogue) " << (fused ? "did not run" : "ran");
+    heard.clear();
     EXPECT_TRUE(b.close(dact, tolerance(t, 2)));
     EXPECT_TRUE(b.close(dw2, tolerance(t)));
     EXPECT_TRUE(b.close(db2, tolerance(DType::f32)));
@@ -275,14 +291,18 @@ TEST_P(CudaKernels, CausalAttentionForwardBackward) {
   EXPECT_TRUE(b.close(dqkv, tolerance(t, 3)));
 }
 
+// Two vocabulary slices of a small vocabulary (at most one column a thread) and of a larger one,
+// where each of a row's threads folds several columns into its running max and sum.
 TEST_P(CudaKernels, CrossEntropyOverTwoVocabularySlices) {
   const DType t = GetParam();
   Backends b;
   const int64_t N = 45;
-  const int V = 50;
-  std::vector<int32_t> targets(N);
-  for (int64_t i = 0; i < N; i++) targets[i] = int32_t((i * 11) % V);
-  for (VocabSlice v : {VocabSlice{0, V, 64}, VocabSlice{32, V - 32, 32}}) {
+  // (vocabulary, slice: start, valid columns, padded width)
+  const std::vector<std::pair<int, VocabSlice>> cases = {
+      {50, {0, 50, 64}}, {50, {32, 18, 32}}, {5003, {0, 5003, 5008}}, {5003, {2500, 2503, 2560}}};
+  for (const auto& [V, v] : cases) {
+    std::vector<int32_t> targets(N);
+    for (int64_t i = 0; i < N; i++) targets[i] = int32_t((i * 11) % V);
     Twin logits = b.random(N * v.width, t, 1, 3.0);
     Twin rowmax = b.zeros(N, DType::f32), sumexp = b.zeros(N, DType::f32),
          target = b.zeros(N, DType::f32), losses = b.zeros(N, DType::f32);
@@ -291,7 +311,7 @@ TEST_P(CudaKernels, CrossEntropyOverTwoVocabularySlices) {
       k.crossentropy_stats(at(rowmax), at(sumexp), at(target), at(logits), targets.data(), N, v);
       mean.push_back(k.crossentropy_loss(at(losses), at(rowmax), at(sumexp), at(target), N));
     });
-    SCOPED_TRACE(testing::Message() << "slice start " << v.start);
+    SCOPED_TRACE(testing::Message() << "vocabulary " << V << ", slice start " << v.start);
     EXPECT_TRUE(b.close(rowmax, tolerance(t)));
     EXPECT_TRUE(b.close(target, tolerance(t)));
     EXPECT_TRUE(b.close(sumexp, tolerance(DType::f32)));
@@ -398,39 +418,49 @@ TEST_P(CudaKernels, LayerNormWithoutBias) {
 }
 
 // Grouped-query (NKV = NH / 2) and multi-query (NKV = 1) attention: the GPU's blocked attention
-// (T = 300: blocks of 128, 128 and 44) against the CPU's, as the multi-head test above.
+// (T = 300: blocks of 128, 128 and 44; T = 64: one) against the CPU's, as the multi-head test
+// above.
 TEST_P(CudaKernels, GroupedQueryAttentionForwardBackward) {
   const DType t = GetParam();
   Backends b;
-  const int B = 2, T = 300, C = 64, NH = 4, hs = C / NH;
-  const int64_t BT = int64_t(B) * T, rows = int64_t(B) * NH * T;
-  for (int NKV : {NH / 2, 1}) {
-    SCOPED_TRACE(testing::Message() << "NKV " << NKV);
-    const int64_t W = C + 2 * int64_t(NKV) * hs;
-    Twin qkv = b.random(BT * W, t, 1), dout = b.random(BT * C, t, 2);
-    Twin out = b.zeros(BT * C, t), dqkv = b.random(BT * W, t, 3),
-         lse = b.zeros(rows, is_half(t) ? DType::f32 : t);
-    b.cpu->attention_forward(out.cpu, lse.cpu, qkv.cpu, B, T, C, NH, NKV);
-    b.cpu->attention_backward(dqkv.cpu, dout.cpu, qkv.cpu, out.cpu, lse.cpu, B, T, C, NH, NKV);
-    b.gpu->attention_forward(out.gpu, lse.gpu, qkv.gpu, B, T, C, NH, NKV);
-    b.gpu->attention_backward(dqkv.gpu, dout.gpu, qkv.gpu, out.gpu, lse.gpu, B, T, C, NH, NKV);
-    EXPECT_TRUE(b.close(out, tolerance(t, 3)));
-    EXPECT_TRUE(b.close(lse, tolerance(DType::f32, 3)));
-    EXPECT_TRUE(b.close(dqkv, tolerance(t, 3)));
-  }
+  // Head size 16 over three blocks; and a real model's 64 in one block of 64 rows.
+  for (const auto& [T, C] : {std::pair{300, 64}, std::pair{64, 256}})
+    for (int NKV : {2, 1}) {
+      const int B = 2, NH = 4, hs = C / NH;
+      const int64_t BT = int64_t(B) * T, rows = int64_t(B) * NH * T;
+      SCOPED_TRACE(testing::Message() << "T " << T << " hs " << hs << " NKV " << NKV);
+      const int64_t W = C + 2 * int64_t(NKV) * hs;
+      Twin qkv = b.random(BT * W, t, 1), dout = b.random(BT * C, t, 2);
+      Twin out = b.zeros(BT * C, t), dqkv = b.random(BT * W, t, 3),
+           lse = b.zeros(rows, is_half(t) ? DType::f32 : t);
+      b.cpu->attention_forward(out.cpu, lse.cpu, qkv.cpu, B, T, C, NH, NKV);
+      b.cpu->attention_backward(dqkv.cpu, dout.cpu, qkv.cpu, out.cpu, lse.cpu, B, T, C, NH, NKV);
+      b.gpu->attention_forward(out.gpu, lse.gpu, qkv.gpu, B, T, C, NH, NKV);
+      b.gpu->attention_backward(dqkv.gpu, dout.gpu, qkv.gpu, out.gpu, lse.gpu, B, T, C, NH, NKV);
+      EXPECT_TRUE(b.close(out, tolerance(t, 3)));
+      EXPECT_TRUE(b.close(lse, tolerance(DType::f32, 3)));
+      EXPECT_TRUE(b.close(dqkv, tolerance(t, 3)));
+    }
 }
 
 // Generation over a key/value cache: the new queries of rows [q0, T) (one, or a prompt's worth).
+// Head sizes 8 (lanes idle in each warp), 64 and 128 (two and four columns a lane).
 TEST_P(CudaKernels, AttentionInference) {
   const DType t = GetParam();
   Backends b;
-  const int T = 77, C = 64, NH = 8, NKV = 2, hs = C / NH;
-  Twin qkv = b.random(int64_t(T) * (C + 2 * NKV * hs), t, 1);
-  for (int q0 : {0, 50, T - 1}) {
-    Twin out = b.zeros(int64_t(T - q0) * C, t);
-    b.both(
-        [&](Kernels& k, auto at) { k.attention_inference(at(out), at(qkv), T, q0, C, NH, NKV); });
-    EXPECT_TRUE(b.close(out, tolerance(t))) << "q0 " << q0;
+  struct Shape {
+    int T, C, NH, NKV;
+  };
+  for (const Shape& sh : {Shape{77, 64, 8, 2}, Shape{200, 512, 8, 2}, Shape{160, 512, 4, 2}}) {
+    const int T = sh.T, C = sh.C, NH = sh.NH, NKV = sh.NKV, hs = C / NH;
+    SCOPED_TRACE(testing::Message() << "T " << T << " hs " << hs);
+    Twin qkv = b.random(int64_t(T) * (C + 2 * NKV * hs), t, 1);
+    for (int q0 : {0, T / 2, T - 1}) {
+      Twin out = b.zeros(int64_t(T - q0) * C, t);
+      b.both(
+          [&](Kernels& k, auto at) { k.attention_inference(at(out), at(qkv), T, q0, C, NH, NKV); });
+      EXPECT_TRUE(b.close(out, tolerance(t))) << "q0 " << q0;
+    }
   }
 }
 

@@ -71,11 +71,16 @@ __global__ void adamw_kernel(float* param, const G* grad, float* m, float* v, in
                              AdamWConsts<float> c) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
-    float p = param[i], mi = m[i], vi = v[i];
-    adamw_element(p, load(grad[i]), mi, vi, c, [](float x) { return sqrtf(x); });
+    float p = param[i], mi = m[i];
+    if (c.sgd) {  // v is neither read nor written, as on the CPU
+      sgd_element(p, load(grad[i]), mi, c);
+    } else {
+      float vi = v[i];
+      adamw_element(p, load(grad[i]), mi, vi, c, [](float x) { return sqrtf(x); });
+      v[i] = vi;
+    }
     param[i] = p;
     m[i] = mi;
-    v[i] = vi;
   }
 }
 
