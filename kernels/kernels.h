@@ -297,6 +297,7 @@ class Kernels {
   // Deterministic; on the CPU bitwise the per-range sums added in order.
   virtual double sum_squares(DPtr x, const std::vector<Range>& ranges) = 0;
   // AdamW with decoupled weight decay: param -= lr * (mhat / (sqrt(vhat) + eps) + wd * param)
+  // (momentum SGD when args.sgd, which neither reads nor writes v: it may be null then).
   virtual void adamw_update(DPtr param, DPtr grad, DPtr m, DPtr v, int64_t n,
                             const AdamWArgs& args) = 0;
 };

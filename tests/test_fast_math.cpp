@@ -33,6 +33,14 @@ std::vector<float> row_with_guard(int n, uint64_t seed) {
   return x;
 }
 
+#ifdef TRAINER_EXPECT_VECTOR_BYTES
+// The narrower builds (tests/CMakeLists.txt) run the vector width they were built for: without
+// their -march they would silently test the native paths again.
+TEST(FastMath, BuiltForItsVectorWidth) {
+  EXPECT_EQ(kVectorBytes, TRAINER_EXPECT_VECTOR_BYTES);
+}
+#endif
+
 TEST(FastMath, ExpLanesGivesFastExpValues) {
   using S = Simd<float>;
   // Every multiple of 2^-10 in [-90, 90] (halfway points of x / ln2 included), and the clamps.

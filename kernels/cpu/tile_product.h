@@ -17,24 +17,12 @@
 
 namespace trainer::cpu {
 
-#if defined(__AVX512F__)
-constexpr int kTilePanels = 4;  // 6 x 4 accumulators + 4 panel vectors + 1 in 32 registers
-#elif defined(__AVX__)
-constexpr int kTilePanels = 2;  // 6 x 2 accumulators + 2 + 1 in 16 registers
-#else
-constexpr int kTilePanels = 2;
-#endif
+// AVX-512: 6 x 4 accumulators + 4 panel vectors + 1 in 32 registers; narrower: 6 x 2 + 2 + 1
+// in 16.
+constexpr int kTilePanels = kVectorBytes == 64 ? 4 : 2;
 constexpr int kTileRows = 6;
 
-// The tiles' code depends on -march: an inline namespace named by the vector width keeps two
-// translation units built for different widths from sharing (and silently swapping) them.
-#if defined(__AVX512F__)
-inline namespace tiles_64_bytes {
-#elif defined(__AVX__)
-inline namespace tiles_32_bytes {
-#else
-inline namespace tiles_16_bytes {
-#endif
+inline namespace TRAINER_SIMD_NAMESPACE {  // the tiles depend on -march: see simd.h
 
 // C(R rows, NC panels) = alpha * sum over k < kn of X(r, k) * panel row k [+ C when `add`].
 template <class T, int R, int NC>
@@ -111,5 +99,5 @@ void pack_transposed_panels(T* panels, const T* a, int64_t ld, int64_t rows, int
     }
 }
 
-}  // namespace tiles_N_bytes
+}  // namespace TRAINER_SIMD_NAMESPACE
 }  // namespace trainer::cpu
