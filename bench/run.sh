@@ -4,7 +4,9 @@
 #   bench/run.sh [W-S] [W-M] [W-L] [--steps N] [--warmup N] [--repeats R] [--threads N]
 #
 # Prints one JSON line per (framework, workload, repeat) and a final line with the trainer /
-# PyTorch tokens/s ratio per workload (medians over repeats). Progress goes to stderr.
+# PyTorch tokens/s ratio per workload and the trainer's MFU, counted as the trainer executes it
+# (causal attention, `mfu`) and as PaLM counts it (attention's full square, `mfu_palm`), medians
+# over repeats. Progress goes to stderr.
 # Frameworks alternate within a workload so that slow drift of a shared machine hits both.
 #
 # Fairness: Debian's PyTorch calls whatever libblas.so.3 is loaded, so it runs with the OpenMP
@@ -31,7 +33,7 @@ while (($#)); do
     --steps | --warmup) common+=("$1" "$2"); shift ;;
     --repeats) repeats="$2"; shift ;;
     --threads) threads="$2"; shift ;;
-    -h | --help) sed -n '2,7s/^# \{0,1\}//p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,9s/^# \{0,1\}//p' "$0"; exit 0 ;;
     *) echo "run.sh: unknown argument '$1'" >&2; exit 2 ;;
   esac
   shift
@@ -115,11 +117,17 @@ done
 printf '%s\n' "${results[@]}" | "$PYTHON" -c '
 import json, statistics, sys
 runs = [json.loads(line) for line in sys.stdin]
-tps = {}
+tps, mfu = {}, {}
 for r in runs:
     tps.setdefault(r["workload"], {}).setdefault(r["framework"], []).append(r["tokens_per_s"])
+    if r["framework"] == "trainer":
+        mfu.setdefault(r["workload"], {"mfu": [], "mfu_palm": []})
+        for k in ("mfu", "mfu_palm"):
+            mfu[r["workload"]][k].append(r[k])
 ratio = {w: statistics.median(f["trainer"]) / statistics.median(f["pytorch"])
          for w, f in tps.items()}
 print(json.dumps({"ratio_trainer_over_pytorch_tokens_per_s": ratio,
+                  "trainer_mfu": {w: statistics.median(m["mfu"]) for w, m in mfu.items()},
+                  "trainer_mfu_palm": {w: statistics.median(m["mfu_palm"]) for w, m in mfu.items()},
                   "max_other_cpu_cores": max(r["other_cpu_cores"] for r in runs)}))
 '

@@ -302,6 +302,8 @@ def main():
         "tokens_per_s": tokens_per_s,
         "ms_per_step": step_s * 1e3,
         "mfu": flops_per_token * tokens_per_s / peak,
+        # PaLM's count: attention's full T x T square, 12 L C T a token (see trainer_bench).
+        "mfu_palm": (flops_per_token + 6.0 * L * C * T) * tokens_per_s / peak,
         "peak_gflops": peak / 1e9,
         "flops_per_token": flops_per_token,
         "matmul_params": n_params,

@@ -24,6 +24,9 @@ for name in ("matmul_forward", "attention_backward"):
     assert ops[name]["gflops"] > 0, (name, ops[name])
 assert "gflops" not in ops["adamw_update"], ops["adamw_update"]
 assert ops["crossentropy_stats"]["calls_per_step"] == 1, ops["crossentropy_stats"]
+# PaLM's count charges attention its full square: 6 L C T a token more (W-S: 6 x 6 x 384 x 256).
+extra = (run["mfu_palm"] - run["mfu"]) / run["mfu"] * run["flops_per_token"]
+assert abs(extra - 6 * 6 * 384 * 256) < 1, (extra, run["mfu"], run["mfu_palm"])
 total = sum(o["ms_per_step"] for o in ops.values())
 assert 0 < total <= run["ms_per_step"] * 1.05, (total, run["ms_per_step"])
 print(f"ok: {len(ops)} operators, {total:.0f} of {run['ms_per_step']:.0f} ms a step")
