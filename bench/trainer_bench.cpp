@@ -200,8 +200,7 @@ int run(const Options& opt) {
   const double flops_per_token = trainer::flops_per_token(w.model);
   // The yardstick the benchmark's targets are stated in: PaLM's count (and nanoGPT's), which
   // charges attention the full T x T square, 12 L C T a token, where causal kernels execute half.
-  const double palm_flops_per_token =
-      flops_per_token + 6.0 * w.model.n_layer * w.model.d_model * T;
+  const double palm_flops_per_token = flops_per_token + 6.0 * w.model.n_layer * w.model.d_model * T;
 
   // --ops: each operator's calls, seconds and FLOPs over the timed steps.
   struct OpTotals {
