@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #include "kernels/cpu/tile_product.h"
@@ -62,15 +63,20 @@ TEST(TileProduct, MatchesTheNaiveProductForEveryTileShape) {
   }
 }
 
+// The panels of a rows x cols matrix (leading dimension ld), and nothing past them: a guard of
+// T(9)s after each buffer stays as it was (a packer that stored a whole vector for a partial one
+// writes there, and in attention.cpp into the next head's panels).
 template <class T>
-void check_packing() {
+void check_packing(int64_t rows, int cols, int64_t ld) {
+  SCOPED_TRACE(std::to_string(rows) + " x " + std::to_string(cols) + ", ld " + std::to_string(ld));
   const int L = Simd<T>::lanes;
-  const int64_t rows = 2 * L + 3, ld = 70;
-  const int cols = L + 5;
+  const size_t guard = size_t(2) * L * L;
   const std::vector<T> a = random_vector<T>(size_t(rows) * ld, 4);
   const int col_panels = (cols + L - 1) / L, row_panels = int((rows + L - 1) / L);
-  std::vector<T> by_columns(size_t(col_panels) * rows * L, T(9)),
-      transposed(size_t(row_panels) * cols * L, T(9));
+  const size_t by_columns_size = size_t(col_panels) * rows * L,
+               transposed_size = size_t(row_panels) * cols * L;
+  std::vector<T> by_columns(by_columns_size + guard, T(9)),
+      transposed(transposed_size + guard, T(9));
   pack_column_panels(by_columns.data(), a.data(), ld, rows, cols);
   pack_transposed_panels(transposed.data(), a.data(), ld, rows, cols);
   for (int n = 0; n < col_panels; n++)
@@ -85,11 +91,24 @@ void check_packing() {
         const int64_t row = int64_t(n) * L + l;
         EXPECT_EQ(transposed[(n * cols + k) * L + l], row < rows ? a[row * ld + k] : T(0));
       }
+  for (size_t i = 0; i < guard; i++) {
+    EXPECT_EQ(by_columns[by_columns_size + i], T(9)) << "past the column panels: " << i;
+    EXPECT_EQ(transposed[transposed_size + i], T(9)) << "past the transposed panels: " << i;
+  }
+}
+
+template <class T>
+void check_packings() {
+  const int L = Simd<T>::lanes;
+  check_packing<T>(2 * L + 3, L + 5, 70);  // partial panels both ways
+  check_packing<T>(2 * L, 2 * L, 2 * L);   // whole panels, rows back to back
+  check_packing<T>(3, 1, 1);               // less than a panel both ways
+  check_packing<T>(L + 1, 4 * L - 1, 4 * L);
 }
 
 TEST(TileProduct, PanelsHoldTheMatrixAndZerosPastIt) {
-  check_packing<float>();
-  check_packing<double>();
+  check_packings<float>();
+  check_packings<double>();
 }
 
 }  // namespace

@@ -115,7 +115,7 @@ inline void transpose_step(typename Simd<T>::Vec* v, std::integer_sequence<int, 
 // Packs the transpose of rows [0, rows) x columns [0, cols) as panels of its columns: panel n
 // holds rows n * lanes... of `a` as columns (panel stride cols * lanes), zero past `rows`.
 // Lanes x lanes blocks are transposed in registers: on W-S's attention shape (24 heads of 256 x
-// 64) 61-64 us against the element-by-element copy's, 29 (and 43 -> 31 for the column panels).
+// 64) 61-64 -> 29 us against the element-by-element copy (and 43 -> 31 for the column panels).
 template <class T>
 void pack_transposed_panels(T* panels, const T* a, int64_t ld, int64_t rows, int cols) {
   using S = Simd<T>;
