@@ -198,9 +198,7 @@ int run(const Options& opt) {
   // (read after the run). GPU: the data sheet.
   if (!gpu) kernels->measure_peak_flops();
   const double flops_per_token = trainer::flops_per_token(w.model);
-  // The yardstick the benchmark's targets are stated in: PaLM's count (and nanoGPT's), which
-  // charges attention the full T x T square, 12 L C T a token, where causal kernels execute half.
-  const double palm_flops_per_token = flops_per_token + 6.0 * w.model.n_layer * w.model.d_model * T;
+  const double palm_flops_per_token = trainer::palm_flops_per_token(w.model);  // mfu_palm's
 
   // --ops: each operator's calls, seconds and FLOPs over the timed steps.
   struct OpTotals {

@@ -235,8 +235,17 @@ int64_t matmul_params(const ModelConfig& cfg) {
   return n;
 }
 
+// QK^T and AV over the lower triangle, forward and backward: 6 L C T a token.
+static double causal_attention_flops_per_token(const ModelConfig& cfg) {
+  return 6.0 * cfg.n_layer * cfg.d_model * double(cfg.seq_len);
+}
+
 double flops_per_token(const ModelConfig& cfg) {
-  return 6.0 * double(matmul_params(cfg)) + 6.0 * cfg.n_layer * cfg.d_model * double(cfg.seq_len);
+  return 6.0 * double(matmul_params(cfg)) + causal_attention_flops_per_token(cfg);
+}
+
+double palm_flops_per_token(const ModelConfig& cfg) {
+  return 6.0 * double(matmul_params(cfg)) + 2 * causal_attention_flops_per_token(cfg);
 }
 
 }  // namespace trainer

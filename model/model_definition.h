@@ -262,5 +262,8 @@ int64_t matmul_params(const ModelConfig& cfg);
 // executed by a matmul or attention call, which is what bounds MFU by 100% on the CPU
 // (kernels/flop_meter.h).
 double flops_per_token(const ModelConfig& cfg);
+// The same with attention counted as PaLM counts it, over the full T x T square (12 L C T): the
+// yardstick the benchmark's targets are stated in (bench/trainer_bench.cpp's mfu_palm).
+double palm_flops_per_token(const ModelConfig& cfg);
 
 }  // namespace trainer

@@ -120,7 +120,7 @@ template <class T>
 void pack_transposed_panels(T* panels, const T* a, int64_t ld, int64_t rows, int cols) {
   using S = Simd<T>;
   constexpr int L = S::lanes;
-  static_assert((L & (L - 1)) == 0, "the transpose pairs lanes by halves");
+  static_assert(L >= 2 && (L & (L - 1)) == 0, "the transpose pairs lanes by halves");
   for (int64_t n = 0; n * L < rows; n++) {
     const int height = int(std::min<int64_t>(L, rows - n * L));
     for (int k0 = 0; k0 < cols; k0 += L) {
@@ -128,8 +128,7 @@ void pack_transposed_panels(T* panels, const T* a, int64_t ld, int64_t rows, int
       typename S::Vec v[L];
       for (int l = 0; l < L; l++)
         v[l] = l < height ? S::load_first(a + (n * L + l) * ld + k0, width) : typename S::Vec{};
-      if constexpr (L > 1)
-        detail::transpose_step<T, L / 2>(v, std::make_integer_sequence<int, L>());
+      detail::transpose_step<T, L / 2>(v, std::make_integer_sequence<int, L>());
       for (int k = 0; k < width; k++) S::store(panels + (n * cols + k0 + k) * L, v[k]);
     }
   }
