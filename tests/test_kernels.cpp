@@ -2,6 +2,7 @@
 // Tolerances: fp32 has a unit roundoff of 6e-8; the longest sums here have a few hundred terms
 // of O(1) values, so relative errors stay below 1e-5; we allow rtol 1e-4 and a small atol for
 // values that cancel to near zero.
+#include <cblas.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "kernels/cpu/panel_gemm.h"
 #include "kernels/half.h"
 #include "model/architectures.h"
 #include "model/context_parallel.h"
@@ -128,6 +130,23 @@ TEST(Kernels, MatmulForwardBackward) {
       EXPECT_TRUE(all_close(d.download<float>(db, OC), db_want, kRtol, kAtol));
     }
   }
+}
+
+// The layers' float multiplies go through the panel GEMM where the build has AVX-512, and
+// through OpenBLAS otherwise: the matmul's bits are one or the other's, which differ.
+TEST(Kernels, MatmulUsesThePanelGemmWithAvx512) {
+  Device d;
+  const int N = 60, IC = 700, OC = 90;
+  auto x = random_vector(N * IC, 8), w = random_vector(OC * IC, 9);
+  DPtr out = d.upload(std::vector<float>(N * OC));
+  d.k->matmul_forward(out, d.upload(x), d.upload(w), DPtr{}, N, IC, OC);
+  std::vector<float> panel(N * OC), openblas(N * OC);
+  cpu::panel_gemm<float>(false, true, N, OC, IC, 1.0f, x.data(), IC, w.data(), IC, 0.0f,
+                         panel.data(), OC);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, OC, IC, 1.0f, x.data(), IC, w.data(), IC,
+              0.0f, openblas.data(), OC);
+  ASSERT_NE(panel, openblas);  // else this test could not tell them apart
+  EXPECT_EQ(d.download<float>(out, N * OC), cpu::kVectorBytes == 64 ? panel : openblas);
 }
 
 TEST(Kernels, GeluForwardBackward) {

@@ -1,6 +1,7 @@
 #pragma once
 // Small register-tiled products for the attention kernels, where the operands are a few rows of
-// a matrix in cache and a strip of "panels" packed once per head. OpenBLAS answers each of these
+// a matrix in cache and a strip of "panels" packed once per head, and under the float GEMM
+// (panel_gemm.h), which packs its slices of B the same way. OpenBLAS answers each of these
 // calls by packing both operands again and zeroing C in a separate pass; for attention's short
 // inner dimension (the head size) and causal shapes that overhead, not the multiply-adds, set
 // the pace. Written with GCC vector types of the widest registers -march gives (zmm with

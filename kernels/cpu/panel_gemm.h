@@ -1,0 +1,138 @@
+#pragma once
+// The layers' float GEMM on AVX-512: GotoBLAS's blocking around the attention's register tiles
+// (tile_product.h), in place of OpenBLAS's sgemm. Why our own: OpenBLAS 0.3.21 (Debian 12) has
+// no kernels for current CPUs of its own (this AMD Zen 5 runs its Cooperlake ones, or Haswell's
+// where a site pins OPENBLAS_CORETYPE, as this workplace does: half the rate), and on the narrow
+// layers of small models it packs both operands and syncs its threads for little work. On this
+// machine, alternated in one session: W-S 1675 against 904 tokens/s under the Haswell pin, and
+// +6% against the Cooperlake kernels; W-M and W-L as fast as Cooperlake (README: Benchmark).
+//
+//  - The threads split C into one block each along its longer side (rows of A or columns of B),
+//    so that no thread waits for another; each packs its own panels of B, which stay in its L2.
+//  - A thread walks its block in column blocks and slices of the inner dimension (at most
+//    kPanelDepth deep, kPanelBytes of panels), packs that slice of B as panels (`lanes` columns
+//    each, row after row, as the tiles read them) and runs the 6-row tiles down all its rows,
+//    reading A in place: a 6 x 256 strip of it is 6 KiB of L1.
+// Each element of C sums the inner dimension in one order (slice after slice, k ascending in
+// each) however many threads run: the bits do not depend on the thread count.
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <new>
+
+#include "kernels/cpu/tile_product.h"
+
+namespace trainer::cpu {
+
+constexpr int64_t kPanelDepth = 256;        // the most of the inner dimension packed at once
+constexpr int64_t kPanelBytes = 768 << 10;  // the packed slice of B: 3/4 of Zen 5's L2
+
+inline namespace TRAINER_SIMD_NAMESPACE {
+
+namespace detail {
+
+// One thread's scratch for B's panels, kept from call to call (as OpenBLAS keeps its buffers):
+// packing into memory that was just allocated would fault its pages in on every call.
+template <class T>
+T* panel_scratch() {
+  constexpr size_t bytes = kPanelBytes;  // a multiple of the alignment, as aligned_alloc needs
+  struct Free {
+    void operator()(T* p) const { std::free(p); }
+  };
+  thread_local std::unique_ptr<T, Free> scratch(static_cast<T*>(std::aligned_alloc(64, bytes)));
+  if (!scratch) throw std::bad_alloc();
+  return scratch.get();
+}
+
+// C(M, N) = alpha * op(A) @ op(B) [+ C when `add`] on one thread, op(A)(r, k) at
+// a[r * rs + k * ks] and op(B)(k, n) at b[k * ldb + n] (or b[n * ldb + k] when trans_b).
+template <class T>
+void panel_gemm_block(bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, const T* a,
+                      int64_t rs, int64_t ks, const T* b, int64_t ldb, bool add, T* c,
+                      int64_t ldc) {
+  constexpr int L = Simd<T>::lanes;
+  T* panels = panel_scratch<T>();
+  // Equal slices (384 = 192 + 192, not 256 + 128), and as many whole tiles' columns as fit.
+  const int64_t slices = (K + kPanelDepth - 1) / kPanelDepth, slice = (K + slices - 1) / slices;
+  constexpr int64_t tile_columns = int64_t(kTilePanels) * L;
+  const int64_t columns = std::max(
+      tile_columns, kPanelBytes / int64_t(sizeof(T)) / slice / tile_columns * tile_columns);
+  for (int64_t n0 = 0; n0 < N; n0 += columns) {
+    const int width = int(std::min<int64_t>(columns, N - n0));
+    const int whole = width / L, tail = width % L;
+    for (int64_t k0 = 0; k0 < K; k0 += slice) {
+      const int depth = int(std::min<int64_t>(slice, K - k0));
+      if (trans_b)
+        pack_transposed_panels(panels, b + n0 * ldb + k0, ldb, width, depth);
+      else
+        pack_column_panels(panels, b + k0 * ldb + n0, ldb, depth, width);
+      const bool accumulate = add || k0 > 0;  // the first slice overwrites unless beta = 1
+      const int64_t stride = int64_t(depth) * L;
+      for (int64_t r0 = 0; r0 < M; r0 += kTileRows) {
+        const int rows = int(std::min<int64_t>(kTileRows, M - r0));
+        const T* x = a + r0 * rs + k0 * ks;
+        T* out = c + r0 * ldc + n0;
+        product_rows<T>(rows, x, rs, ks, depth, panels, stride, whole, out, ldc, alpha, accumulate);
+        if (tail) {  // a last panel narrower than a vector: through a tile, then its columns
+          alignas(64) T tile[kTileRows * L];
+          product_rows<T>(rows, x, rs, ks, depth, panels + whole * stride, stride, 1, tile, L,
+                          alpha, false);
+          for (int r = 0; r < rows; r++)
+            for (int l = 0; l < tail; l++) {
+              T& o = out[r * ldc + whole * L + l];
+              o = tile[r * L + l] + (accumulate ? o : T(0));
+            }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace detail
+
+// Row-major C(M, N) = alpha * op(A)(M, K) @ op(B)(K, N) + beta * C, as cblas_?gemm; on the
+// calling thread alone inside a parallel region.
+template <class T>
+void panel_gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, const T* A,
+                int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc) {
+  if (M <= 0 || N <= 0) return;
+  if (beta != T(0) && beta != T(1))
+    for (int64_t r = 0; r < M; r++)
+      for (int64_t n = 0; n < N; n++) C[r * ldc + n] *= beta;
+  const bool add = beta != T(0);
+  if (K <= 0) {  // C = beta * C, which is done
+    if (!add)
+      for (int64_t r = 0; r < M; r++) std::fill(C + r * ldc, C + r * ldc + N, T(0));
+    return;
+  }
+  constexpr int L = Simd<T>::lanes;
+  const int64_t rs = trans_a ? 1 : lda, ks = trans_a ? lda : 1;
+  // Threads cost a few microseconds to wake: products under a million multiply-adds
+  // (a few microseconds' work) run on this one.
+  const bool serial = omp_in_parallel() || M * N * K < (int64_t(1) << 20);
+  const bool split_rows = M >= N;
+#pragma omp parallel if (!serial)
+  {
+    const int threads = omp_get_num_threads(), t = omp_get_thread_num();
+    if (split_rows) {  // whole 6-row tiles to each thread
+      const int64_t tiles = (M + kTileRows - 1) / kTileRows;
+      const int64_t r0 = tiles * t / threads * kTileRows,
+                    r1 = std::min(M, tiles * (t + 1) / threads * kTileRows);
+      if (r1 > r0)
+        detail::panel_gemm_block(trans_b, r1 - r0, N, K, alpha, A + r0 * rs, rs, ks, B, ldb, add,
+                                 C + r0 * ldc, ldc);
+    } else {  // whole panels to each thread
+      const int64_t panels = (N + L - 1) / L;
+      const int64_t n0 = panels * t / threads * L, n1 = std::min(N, panels * (t + 1) / threads * L);
+      if (n1 > n0)
+        detail::panel_gemm_block(trans_b, M, n1 - n0, K, alpha, A, rs, ks,
+                                 B + n0 * (trans_b ? ldb : 1), ldb, add, C + n0, ldc);
+    }
+  }
+}
+
+}  // namespace TRAINER_SIMD_NAMESPACE
+}  // namespace trainer::cpu
