@@ -248,6 +248,10 @@ for ((k = 1; k <= attempts; k++)); do
     # In the background so that a signal during the delay is handled at once.
     sleep "$delay" &
     sleep_pid=$!
+    # A signal that came before sleep_pid was set found no delay to cut short: cut it now.
+    if [[ -n $signalled ]]; then
+      kill "$sleep_pid" 2>/dev/null || true
+    fi
     last_rc=$rc
     wait_child "$sleep_pid"
     rc=$last_rc
