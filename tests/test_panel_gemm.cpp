@@ -1,8 +1,9 @@
 // The panel GEMM (kernels/cpu/panel_gemm.h) against a naive double product: all four
 // transposes; shapes with partial 6-row tiles and partial vector panels, inner dimensions of one
 // slice and of several, more columns than one packed block; beta 0 (C's old values, NaN here,
-// ignored), 1 and another; leading dimensions longer than the rows. And its bits do not depend on
-// the number of threads. Built for every vector width (tests/CMakeLists.txt).
+// ignored), 1 and another; leading dimensions longer than the rows; on 1, 2 and 3 threads, split
+// both ways. Its bits do not depend on the number of threads, and empty products only scale C.
+// Built for every vector width (tests/CMakeLists.txt).
 #include <gtest/gtest.h>
 #include <omp.h>
 
@@ -47,26 +48,29 @@ TEST(PanelGemm, MatchesTheNaiveProduct) {
   // Slices kPanelDepth deep leave room for fewer than 800 columns in a block.
   static_assert(kPanelBytes / sizeof(float) / kPanelDepth < 800);
   const std::vector<Shape> shapes = {
-      {1, 1, 1},                            // one element
-      {kTileRows + 1, 2 * L + 3, 7},        // partial tiles and panel
-      {4 * kTileRows + 5, 9 * L + 1, 300},  // M < N; two slices of k
-      {9 * L + 1, 4 * kTileRows + 5, 700},  // M > N; three slices
-      // The deepest slices, whose column blocks are narrower than this (on one thread).
-      {2 * kTileRows, 800 + L / 2, 3 * kPanelDepth},
+      {1, 1, 1},                      // one element
+      {kTileRows + 1, 2 * L + 3, 7},  // partial tiles and panel
+      {29, 150, 300},                 // M < N: threads split the columns; two slices of k
+      {151, 29, 700},                 // M > N: threads split the rows; three slices
+      {12, 16, 8000},                 // one panel: a third thread has none
+      // The deepest slices, whose column blocks are narrower than each thread's columns.
+      {kTileRows + 1, 1600 + L / 2, 3 * kPanelDepth},
       {3, 1300, 40},              // a short, wide product
       {2 * kTileRows, 4 * L, 1},  // whole tiles, one k
   };
-  // On one thread, and on two that split the rows or the columns.
-  const int threads = omp_get_max_threads();
-  for (int team : {1, 2})
+  // On one thread, and on two and three that split the rows or the columns.
+  for (int team : {1, 2, 3})
     for (const Shape& s : shapes)
       for (bool ta : {false, true})
         for (bool tb : {false, true})
           for (float beta : {0.0f, 1.0f, -0.5f}) {
-            omp_set_num_threads(team);
+            const test::OmpThreads threads(team);
             SCOPED_TRACE(testing::Message()
                          << s.M << " x " << s.N << " x " << s.K << (ta ? " A^T" : "")
                          << (tb ? " B^T" : "") << " beta " << beta << ", " << team << " thread(s)");
+            if (s.M * s.N * s.K >= int64_t(1) << 20) {  // large enough to be shared
+              EXPECT_TRUE(panel_gemm_shares(s.M, s.N, s.K));
+            }
             const Product p(ta, tb, s);
             std::vector<float> c = p.c;
             if (beta == 0.0f)  // BLAS ignores C when beta = 0, NaN included
@@ -97,33 +101,51 @@ TEST(PanelGemm, MatchesTheNaiveProduct) {
               }
             EXPECT_EQ(wrong, 0);
           }
-  omp_set_num_threads(threads);
 }
 
-TEST(PanelGemm, EmptyInnerDimensionScalesC) {
-  const Product p(false, false, {5, 20, 0});
-  std::vector<float> zero = p.run(1.0f, 0.0f, p.c), half = p.run(1.0f, 0.5f, p.c);
-  for (int64_t r = 0; r < 5; r++)
-    for (int64_t n = 0; n < p.ldc; n++) {
-      const float old = p.c[r * p.ldc + n];
-      EXPECT_EQ(zero[r * p.ldc + n], n < 20 ? 0.0f : old);
-      EXPECT_EQ(half[r * p.ldc + n], n < 20 ? 0.5f * old : old);
+// C = beta * C without reading A or B, when K = 0 or alpha = 0 (NaN in A stays out); nothing at
+// all when M or N is 0.
+TEST(PanelGemm, EmptyProductsScaleC) {
+  Product p(false, false, {5, 20, 3});
+  p.a.assign(p.a.size(), NAN);
+  for (int64_t K : {0, 3})
+    for (float beta : {0.0f, 1.0f, 0.5f}) {
+      SCOPED_TRACE(testing::Message() << "K " << K << " beta " << beta);
+      std::vector<float> c = p.c;
+      panel_gemm<float>(false, false, 5, 20, K, K ? 0.0f : 1.0f, p.a.data(), p.lda, p.b.data(),
+                        p.ldb, beta, c.data(), p.ldc);
+      for (int64_t r = 0; r < 5; r++)
+        for (int64_t n = 0; n < p.ldc; n++) {
+          const float old = p.c[r * p.ldc + n];
+          EXPECT_EQ(c[r * p.ldc + n], n < 20 ? beta * old : old);
+        }
     }
+  for (Shape s : {Shape{0, 20, 3}, Shape{5, 0, 3}}) {
+    std::vector<float> c = p.c;
+    panel_gemm<float>(false, false, s.M, s.N, s.K, 1.0f, p.a.data(), p.lda, p.b.data(), p.ldb, 0.0f,
+                      c.data(), p.ldc);
+    EXPECT_EQ(c, p.c);
+  }
 }
 
-// Each element sums k in one order whatever splits the rows or columns among threads: one
-// thread and two give the same bits, for products split both ways.
+// Each element sums k in one order whatever splits the rows or columns among threads: one, two
+// and three threads give the same bits, for every transpose, both splits and beta 0 and 1.
 TEST(PanelGemm, BitsDoNotDependOnTheThreadCount) {
-  for (Shape s : {Shape{200, 70, 600}, Shape{70, 200, 600}}) {
-    const Product p(true, false, s);
-    const int threads = omp_get_max_threads();
-    omp_set_num_threads(1);
-    const std::vector<float> one = p.run(1.0f, 1.0f, p.c);
-    omp_set_num_threads(2);
-    const std::vector<float> two = p.run(1.0f, 1.0f, p.c);
-    omp_set_num_threads(threads);
-    EXPECT_EQ(one, two);
-  }
+  for (Shape s : {Shape{200, 70, 600}, Shape{70, 200, 600}})
+    for (bool ta : {false, true})
+      for (bool tb : {false, true})
+        for (float beta : {0.0f, 1.0f}) {
+          SCOPED_TRACE(testing::Message() << s.M << " x " << s.N << (ta ? " A^T" : "")
+                                          << (tb ? " B^T" : "") << " beta " << beta);
+          const Product p(ta, tb, s);
+          std::vector<float> bits[3];
+          for (int team : {1, 2, 3}) {
+            const test::OmpThreads threads(team);
+            bits[team - 1] = p.run(1.0f, beta, p.c);
+          }
+          EXPECT_EQ(bits[0], bits[1]);
+          EXPECT_EQ(bits[0], bits[2]);
+        }
 }
 
 }  // namespace

@@ -5,7 +5,8 @@
 // where a site pins OPENBLAS_CORETYPE, as this workplace does: half the rate), and on the narrow
 // layers of small models it packs both operands and syncs its threads for little work. On this
 // machine, alternated in one session: W-S 1675 against 904 tokens/s under the Haswell pin, and
-// +6% against the Cooperlake kernels; W-M and W-L as fast as Cooperlake (README: Benchmark).
+// +6% against the Cooperlake kernels; W-M and W-L within the machine's drift of Cooperlake (README:
+// Benchmark).
 //
 //  - The threads split C into one block each along its longer side (rows of A or columns of B),
 //    so that no thread waits for another; each packs its own panels of B, which stay in its L2.
@@ -18,6 +19,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cassert>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
@@ -43,18 +45,19 @@ T* panel_scratch() {
     void operator()(T* p) const { std::free(p); }
   };
   thread_local std::unique_ptr<T, Free> scratch(static_cast<T*>(std::aligned_alloc(64, bytes)));
-  if (!scratch) throw std::bad_alloc();
-  return scratch.get();
+  return scratch.get();  // null when out of memory: the caller throws, outside its threads
 }
 
 // C(M, N) = alpha * op(A) @ op(B) [+ C when `add`] on one thread, op(A)(r, k) at
 // a[r * rs + k * ks] and op(B)(k, n) at b[k * ldb + n] (or b[n * ldb + k] when trans_b).
+// False, with C untouched, when the thread's scratch could not be allocated.
 template <class T>
-void panel_gemm_block(bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, const T* a,
+bool panel_gemm_block(bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, const T* a,
                       int64_t rs, int64_t ks, const T* b, int64_t ldb, bool add, T* c,
                       int64_t ldc) {
   constexpr int L = Simd<T>::lanes;
   T* panels = panel_scratch<T>();
+  if (!panels) return false;
   // Equal slices (384 = 192 + 192, not 256 + 128), and as many whole tiles' columns as fit.
   const int64_t slices = (K + kPanelDepth - 1) / kPanelDepth, slice = (K + slices - 1) / slices;
   constexpr int64_t tile_columns = int64_t(kTilePanels) * L;
@@ -65,6 +68,7 @@ void panel_gemm_block(bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, co
     const int whole = width / L, tail = width % L;
     for (int64_t k0 = 0; k0 < K; k0 += slice) {
       const int depth = int(std::min<int64_t>(slice, K - k0));
+      assert((width + L - 1) / L * L * int64_t(depth) * int64_t(sizeof(T)) <= kPanelBytes);
       if (trans_b)
         pack_transposed_panels(panels, b + n0 * ldb + k0, ldb, width, depth);
       else
@@ -89,12 +93,20 @@ void panel_gemm_block(bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, co
       }
     }
   }
+  return true;
 }
 
 }  // namespace detail
 
-// Row-major C(M, N) = alpha * op(A)(M, K) @ op(B)(K, N) + beta * C, as cblas_?gemm; on the
-// calling thread alone inside a parallel region.
+// Whether panel_gemm shares this product among the threads: not inside a parallel region, and not
+// under a million multiply-adds (a few microseconds' work, about what waking threads costs).
+inline bool panel_gemm_shares(int64_t M, int64_t N, int64_t K) {
+  return !omp_in_parallel() && M * N * K >= (int64_t(1) << 20);
+}
+
+// Row-major C(M, N) = alpha * op(A)(M, K) @ op(B)(K, N) + beta * C, as cblas_?gemm (A and B
+// unread when alpha = 0 or K = 0, C unread when beta = 0); shared among the threads as
+// panel_gemm_shares says.
 template <class T>
 void panel_gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, const T* A,
                 int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc) {
@@ -103,18 +115,16 @@ void panel_gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T a
     for (int64_t r = 0; r < M; r++)
       for (int64_t n = 0; n < N; n++) C[r * ldc + n] *= beta;
   const bool add = beta != T(0);
-  if (K <= 0) {  // C = beta * C, which is done
+  if (K <= 0 || alpha == T(0)) {  // C = beta * C, which is done
     if (!add)
       for (int64_t r = 0; r < M; r++) std::fill(C + r * ldc, C + r * ldc + N, T(0));
     return;
   }
   constexpr int L = Simd<T>::lanes;
   const int64_t rs = trans_a ? 1 : lda, ks = trans_a ? lda : 1;
-  // Threads cost a few microseconds to wake: products under a million multiply-adds
-  // (a few microseconds' work) run on this one.
-  const bool serial = omp_in_parallel() || M * N * K < (int64_t(1) << 20);
   const bool split_rows = M >= N;
-#pragma omp parallel if (!serial)
+  bool out_of_memory = false;
+#pragma omp parallel if (panel_gemm_shares(M, N, K)) reduction(|| : out_of_memory)
   {
     const int threads = omp_get_num_threads(), t = omp_get_thread_num();
     if (split_rows) {  // whole 6-row tiles to each thread
@@ -122,16 +132,18 @@ void panel_gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T a
       const int64_t r0 = tiles * t / threads * kTileRows,
                     r1 = std::min(M, tiles * (t + 1) / threads * kTileRows);
       if (r1 > r0)
-        detail::panel_gemm_block(trans_b, r1 - r0, N, K, alpha, A + r0 * rs, rs, ks, B, ldb, add,
-                                 C + r0 * ldc, ldc);
+        out_of_memory = !detail::panel_gemm_block(trans_b, r1 - r0, N, K, alpha, A + r0 * rs, rs,
+                                                  ks, B, ldb, add, C + r0 * ldc, ldc);
     } else {  // whole panels to each thread
       const int64_t panels = (N + L - 1) / L;
       const int64_t n0 = panels * t / threads * L, n1 = std::min(N, panels * (t + 1) / threads * L);
       if (n1 > n0)
-        detail::panel_gemm_block(trans_b, M, n1 - n0, K, alpha, A, rs, ks,
-                                 B + n0 * (trans_b ? ldb : 1), ldb, add, C + n0, ldc);
+        out_of_memory =
+            !detail::panel_gemm_block(trans_b, M, n1 - n0, K, alpha, A, rs, ks,
+                                      B + n0 * (trans_b ? ldb : 1), ldb, add, C + n0, ldc);
     }
   }
+  if (out_of_memory) throw std::bad_alloc();  // here: an exception may not leave a thread
 }
 
 }  // namespace TRAINER_SIMD_NAMESPACE
