@@ -11,10 +11,12 @@
 #
 # Fairness: Debian's PyTorch calls whatever libblas.so.3 is loaded, so it runs with the OpenMP
 # OpenBLAS (the one the trainer links), with the same OpenBLAS kernels (OPENBLAS_CORETYPE as the
-# trainer picks it), with jemalloc told to keep freed pages (by default it returns them to the
-# OS, and page faults made PyTorch's W-S step ~25% slower: measured), on the same number of OpenMP
-# threads. Each run reports other_cpu_cores, the CPU used by other processes (and hypervisor
-# steal) while it was timed; a run disturbed by more than 0.25 cores is repeated (twice at most).
+# trainer picks it; where the trainer is built with AVX-512 its float GEMMs are its own,
+# kernels/cpu/panel_gemm.h, so pin nothing narrower there to compare GEMM with GEMM), with
+# jemalloc told to keep freed pages (by default it returns them to the OS, and page faults made
+# PyTorch's W-S step ~25% slower: measured), on the same number of OpenMP threads. Each run
+# reports other_cpu_cores, the CPU used by other processes (and hypervisor steal) while it was
+# timed; a run disturbed by more than 0.25 cores is repeated (twice at most).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
