@@ -61,8 +61,8 @@ bool panel_gemm_block(bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, co
   // Equal slices (384 = 192 + 192, not 256 + 128), and as many whole tiles' columns as fit.
   const int64_t slices = (K + kPanelDepth - 1) / kPanelDepth, slice = (K + slices - 1) / slices;
   constexpr int64_t tile_columns = int64_t(kTilePanels) * L;
-  const int64_t columns = std::max(
-      tile_columns, kPanelBytes / int64_t(sizeof(T)) / slice / tile_columns * tile_columns);
+  static_assert(kPanelBytes / int64_t(sizeof(T)) / kPanelDepth >= tile_columns);
+  const int64_t columns = kPanelBytes / int64_t(sizeof(T)) / slice / tile_columns * tile_columns;
   for (int64_t n0 = 0; n0 < N; n0 += columns) {
     const int width = int(std::min<int64_t>(columns, N - n0));
     const int whole = width / L, tail = width % L;
