@@ -1,8 +1,9 @@
 // The panel GEMM (kernels/cpu/panel_gemm.h) against a naive double product: all four
 // transposes; shapes with partial 6-row tiles and partial vector panels, inner dimensions of one
 // slice and of several, more columns than one packed block; beta 0 (C's old values, NaN here,
-// ignored), 1 and another; leading dimensions longer than the rows; on 1, 2 and 3 threads, split
-// both ways. Its bits do not depend on the number of threads, and empty products only scale C.
+// ignored), 1 and another; a bias on every row; leading dimensions longer than the rows; on 1, 2
+// and 3 threads, split both ways. Its bits do not depend on the number of threads, and empty
+// products only scale C.
 // Built for every vector width (tests/CMakeLists.txt).
 #include <gtest/gtest.h>
 #include <omp.h>
@@ -36,10 +37,38 @@ struct Product {
   }
   float A(int64_t r, int64_t k) const { return ta ? a[k * lda + r] : a[r * lda + k]; }
   float B(int64_t k, int64_t n) const { return tb ? b[n * ldb + k] : b[k * ldb + n]; }
-  std::vector<float> run(float alpha, float beta, std::vector<float> out) const {
+  std::vector<float> run(float alpha, float beta, std::vector<float> out,
+                         const float* bias = nullptr) const {
     panel_gemm<float>(ta, tb, s.M, s.N, s.K, alpha, a.data(), lda, b.data(), ldb, beta, out.data(),
-                      ldc);
+                      ldc, bias);
     return out;
+  }
+  // The elements of `got` = alpha * op(A) @ op(B) + beta * c [+ bias] that are wrong, the first
+  // reported. Float sums of K products in some order: each element within 1e-6 of the sum of
+  // the terms' magnitudes (rounding adds ~sqrt(K) * 2^-24 of it; a term lost or counted twice is
+  // ~1/K of it). Elements past each row of C must be untouched.
+  int wrong(float alpha, float beta, const std::vector<float>& c, const std::vector<float>& got,
+            const float* bias = nullptr) const {
+    int wrong = 0;
+    for (int64_t r = 0; r < s.M; r++)
+      for (int64_t n = 0; n < ldc; n++) {
+        const float old = c[r * ldc + n], out = got[r * ldc + n];
+        if (n >= s.N) {
+          wrong += !(out == old);
+          continue;
+        }
+        double sum = 0, magnitude = 0;
+        for (int64_t k = 0; k < s.K; k++) {
+          const double term = double(A(r, k)) * double(B(k, n));
+          sum += term, magnitude += std::abs(term);
+        }
+        const double kept = beta == 0.0f ? 0.0 : beta * double(old), add = bias ? bias[n] : 0.0;
+        const double want = alpha * sum + kept + add;
+        const double bound = 1e-6 * (alpha * magnitude + std::abs(kept) + std::abs(add));
+        if (!(std::abs(out - want) <= bound) && wrong++ == 0)
+          ADD_FAILURE() << "C(" << r << ", " << n << ") = " << out << ", want " << want;
+      }
+    return wrong;
   }
 };
 
@@ -47,12 +76,15 @@ TEST(PanelGemm, MatchesTheNaiveProduct) {
   const int L = Simd<float>::lanes;
   // Slices kPanelDepth deep leave room for fewer than 800 columns in a block.
   static_assert(kPanelBytes / sizeof(float) / kPanelDepth < 800);
+  static_assert(2 * kTransposedPanelDepth < kPanelDepth + 40);  // as the comments below say
   const std::vector<Shape> shapes = {
       {1, 1, 1},                      // one element
       {kTileRows + 1, 2 * L + 3, 7},  // partial tiles and panel
-      {29, 150, 300},                 // M < N: threads split the columns; two slices of k
-      {151, 29, 700},                 // M > N: threads split the rows; three slices
-      {12, 16, 8000},                 // one panel: a third thread has none
+      // M < N: threads split the columns; two slices of k (three with A^T).
+      {29, 150, kPanelDepth + 40},
+      // M > N: threads split the rows; three slices (five with A^T).
+      {151, 29, 2 * kPanelDepth + 100},
+      {12, 16, 8000},  // one panel: a third thread has none
       // The deepest slices, whose column blocks are narrower than each thread's columns.
       {kTileRows + 1, 1600 + L / 2, 3 * kPanelDepth},
       {3, 1300, 40},              // a short, wide product
@@ -76,31 +108,37 @@ TEST(PanelGemm, MatchesTheNaiveProduct) {
             if (beta == 0.0f)  // BLAS ignores C when beta = 0, NaN included
               for (int64_t r = 0; r < s.M; r++) c[r * p.ldc] = NAN;
             const float alpha = 0.75f;
-            const std::vector<float> got = p.run(alpha, beta, c);
-            // Float sums of K products in some order: each element within 1e-6 of the sum of the
-            // terms' magnitudes (rounding adds ~sqrt(K) * 2^-24 of it; a term lost or counted
-            // twice is ~1/K of it).
-            int wrong = 0;
-            for (int64_t r = 0; r < s.M; r++)
-              for (int64_t n = 0; n < p.ldc; n++) {
-                const float old = c[r * p.ldc + n], out = got[r * p.ldc + n];
-                if (n >= s.N) {  // past the row: untouched
-                  wrong += !(out == old);
-                  continue;
-                }
-                double sum = 0, magnitude = 0;
-                for (int64_t k = 0; k < s.K; k++) {
-                  const double term = double(p.A(r, k)) * double(p.B(k, n));
-                  sum += term, magnitude += std::abs(term);
-                }
-                const double want = alpha * sum + (beta == 0.0f ? 0.0 : beta * double(old));
-                const double bound =
-                    1e-6 * (alpha * magnitude + (beta == 0.0f ? 0.0 : std::abs(beta * old)));
-                if (!(std::abs(out - want) <= bound) && wrong++ == 0)
-                  ADD_FAILURE() << "C(" << r << ", " << n << ") = " << out << ", want " << want;
-              }
-            EXPECT_EQ(wrong, 0);
+            EXPECT_EQ(p.wrong(alpha, beta, c, p.run(alpha, beta, c)), 0);
           }
+}
+
+// The bias is added once to every row of C, as each tile is first stored: with beta 0 and 1, in
+// one slice of k and in several (A read along its rows and down its columns), on whole and partial
+// panels, with the threads splitting rows or columns. matmul_forward's bias rides on this.
+TEST(PanelGemm, AddsTheBiasToEveryRowOnce) {
+  const int L = Simd<float>::lanes;
+  const std::vector<Shape> shapes = {
+      {kTileRows + 1, 3 * L + 5, 40},         // one slice; a partial panel
+      {29, 150, kPanelDepth + 40},            // columns split; two slices (three with A^T)
+      {151, 2 * L + 3, 2 * kPanelDepth + 1},  // rows split; three slices (six with A^T)
+  };
+  for (int team : {1, 3})
+    for (const Shape& s : shapes)
+      for (bool ta : {false, true})
+        for (float beta : {0.0f, 1.0f}) {
+          const test::OmpThreads threads(team);
+          SCOPED_TRACE(testing::Message()
+                       << s.M << " x " << s.N << " x " << s.K << (ta ? " A^T" : "") << " beta "
+                       << beta << ", " << team << " thread(s)");
+          const Product p(ta, true, s);  // as matmul_forward calls it
+          const std::vector<float> bias = random_vector<float>(size_t(s.N), 14);
+          EXPECT_EQ(p.wrong(1.0f, beta, p.c, p.run(1.0f, beta, p.c, bias.data()), bias.data()), 0);
+        }
+  // An empty product leaves the bias (added to beta * C).
+  const Product p(false, false, {5, 20, 0});
+  const std::vector<float> bias = random_vector<float>(20, 15);
+  for (float beta : {0.0f, 1.0f})
+    EXPECT_EQ(p.wrong(1.0f, beta, p.c, p.run(1.0f, beta, p.c, bias.data()), bias.data()), 0);
 }
 
 // C = beta * C without reading A or B, when K = 0 or alpha = 0 (NaN in A stays out); nothing at

@@ -12,11 +12,11 @@ namespace trainer::cpu {
 // Writes `bytes` zero bytes at p: a large buffer in slices across the threads.
 void zero_bytes(void* p, size_t bytes);
 
-// Row-major GEMM, C(M,N) = alpha * op(A)(M,K) @ op(B)(K,N) + beta * C (kernels/cpu/gemm.cpp
-// says whose).
+// Row-major GEMM, C(M,N) = alpha * op(A)(M,K) @ op(B)(K,N) + beta * C [+ bias(N) on every row]
+// (kernels/cpu/gemm.cpp says whose).
 template <class T>
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, const T* A,
-          int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc);
+          int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc, const T* bias = nullptr);
 
 template <class T>
 void encoder_forward(T* out, const int32_t* tokens, const T* wte, const T* wpe, int B, int T_,

@@ -10,10 +10,14 @@
 //
 //  - The threads split C into one block each along its longer side (rows of A or columns of B),
 //    so that no thread waits for another; each packs its own panels of B, which stay in its L2.
-//  - A thread walks its block in column blocks and slices of the inner dimension (at most
-//    kPanelDepth deep, kPanelBytes of panels), packs that slice of B as panels (`lanes` columns
-//    each, row after row, as the tiles read them) and runs the 6-row tiles down all its rows,
-//    reading A in place: a 6 x 256 strip of it is 6 KiB of L1.
+//  - A thread walks its block in column blocks and slices of the inner dimension (kPanelBytes of
+//    panels), packs that slice of B as panels (`lanes` columns each, row after row, as the tiles
+//    read them) and runs the 6-row tiles down all its rows, reading A in place.
+//  - Slices are as deep as A's strip lets L1 hold it: a 6 x 768 strip of A's rows is 18 KiB,
+//    while A^T's strip takes a cache line for each k (384: 24 KiB). Each slice after the first
+//    reads C back, and C rarely fits in a cache: alternated with slices 256 deep on the layers
+//    of W-S, W-M and W-L with cold caches, 768 was 4-17% faster where A is read along its rows,
+//    384 about 2% faster where it is read down its columns (512: 7% slower there).
 // Each element of C sums the inner dimension in one order (slice after slice, k ascending in
 // each) however many threads run: the bits do not depend on the thread count.
 #include <omp.h>
@@ -29,8 +33,9 @@
 
 namespace trainer::cpu {
 
-constexpr int64_t kPanelDepth = 256;        // the most of the inner dimension packed at once
-constexpr int64_t kPanelBytes = 768 << 10;  // the packed slice of B: 3/4 of Zen 5's L2
+constexpr int64_t kPanelDepth = 768;            // the deepest slice where A is read along rows
+constexpr int64_t kTransposedPanelDepth = 384;  // ... and where A is read down its columns
+constexpr int64_t kPanelBytes = 768 << 10;      // the packed slice of B: 3/4 of Zen 5's L2
 
 inline namespace TRAINER_SIMD_NAMESPACE {
 
@@ -48,18 +53,20 @@ T* panel_scratch() {
   return scratch.get();  // null when out of memory: the caller throws, outside its threads
 }
 
-// C(M, N) = alpha * op(A) @ op(B) [+ C when `add`] on one thread, op(A)(r, k) at
-// a[r * rs + k * ks] and op(B)(k, n) at b[k * ldb + n] (or b[n * ldb + k] when trans_b).
-// False, with C untouched, when the thread's scratch could not be allocated.
+// C(M, N) = alpha * op(A) @ op(B) [+ C when `add`, or + bias on every row when not null] on one
+// thread, op(A)(r, k) at a[r * rs + k * ks] (ks = 1: A's rows; rs = 1: its columns) and op(B)(k, n)
+// at b[k * ldb + n] (or b[n * ldb + k] when trans_b). False, with C untouched, when the thread's
+// scratch could not be allocated.
 template <class T>
 bool panel_gemm_block(bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, const T* a,
-                      int64_t rs, int64_t ks, const T* b, int64_t ldb, bool add, T* c,
-                      int64_t ldc) {
+                      int64_t rs, int64_t ks, const T* b, int64_t ldb, bool add, const T* bias,
+                      T* c, int64_t ldc) {
   constexpr int L = Simd<T>::lanes;
   T* panels = panel_scratch<T>();
   if (!panels) return false;
-  // Equal slices (384 = 192 + 192, not 256 + 128), and as many whole tiles' columns as fit.
-  const int64_t slices = (K + kPanelDepth - 1) / kPanelDepth, slice = (K + slices - 1) / slices;
+  // Equal slices (1000 = 500 + 500, not 768 + 232), and as many whole tiles' columns as fit.
+  const int64_t deepest = ks == 1 ? kPanelDepth : kTransposedPanelDepth;
+  const int64_t slices = (K + deepest - 1) / deepest, slice = (K + slices - 1) / slices;
   constexpr int64_t tile_columns = int64_t(kTilePanels) * L;
   static_assert(kPanelBytes / int64_t(sizeof(T)) / kPanelDepth >= tile_columns);
   const int64_t columns = kPanelBytes / int64_t(sizeof(T)) / slice / tile_columns * tile_columns;
@@ -74,12 +81,14 @@ bool panel_gemm_block(bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, co
       else
         pack_column_panels(panels, b + k0 * ldb + n0, ldb, depth, width);
       const bool accumulate = add || k0 > 0;  // the first slice overwrites unless beta = 1
+      const T* slice_bias = k0 == 0 && bias ? bias + n0 : nullptr;  // the first adds the bias
       const int64_t stride = int64_t(depth) * L;
       for (int64_t r0 = 0; r0 < M; r0 += kTileRows) {
         const int rows = int(std::min<int64_t>(kTileRows, M - r0));
         const T* x = a + r0 * rs + k0 * ks;
         T* out = c + r0 * ldc + n0;
-        product_rows<T>(rows, x, rs, ks, depth, panels, stride, whole, out, ldc, alpha, accumulate);
+        product_rows<T>(rows, x, rs, ks, depth, panels, stride, whole, out, ldc, alpha, accumulate,
+                        slice_bias);
         if (tail) {  // a last panel narrower than a vector: through a tile, then its columns
           alignas(64) T tile[kTileRows * L];
           product_rows<T>(rows, x, rs, ks, depth, panels + whole * stride, stride, 1, tile, L,
@@ -87,7 +96,10 @@ bool panel_gemm_block(bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, co
           for (int r = 0; r < rows; r++)
             for (int l = 0; l < tail; l++) {
               T& o = out[r * ldc + whole * L + l];
-              o = tile[r * L + l] + (accumulate ? o : T(0));
+              T v = tile[r * L + l];
+              if (accumulate) v += o;
+              if (slice_bias) v += slice_bias[whole * L + l];
+              o = v;
             }
         }
       }
@@ -104,21 +116,29 @@ inline bool panel_gemm_shares(int64_t M, int64_t N, int64_t K) {
   return !omp_in_parallel() && M * N * K >= (int64_t(1) << 20);
 }
 
-// Row-major C(M, N) = alpha * op(A)(M, K) @ op(B)(K, N) + beta * C, as cblas_?gemm (A and B
-// unread when alpha = 0 or K = 0, C unread when beta = 0); shared among the threads as
-// panel_gemm_shares says.
+// Row-major C(M, N) = alpha * op(A)(M, K) @ op(B)(K, N) + beta * C [+ bias(N) on every row], as
+// cblas_?gemm (A and B unread when alpha = 0 or K = 0, C unread when beta = 0) with a bias added
+// as the tiles are stored; shared among the threads as panel_gemm_shares says.
 template <class T>
 void panel_gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, const T* A,
-                int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc) {
+                int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc,
+                const T* bias = nullptr) {
   if (M <= 0 || N <= 0) return;
   if (beta != T(0) && beta != T(1))
     for (int64_t r = 0; r < M; r++)
       for (int64_t n = 0; n < N; n++) C[r * ldc + n] *= beta;
   const bool add = beta != T(0);
-  if (K <= 0 || alpha == T(0)) {  // C = beta * C, which is done
-    if (!add)
-      for (int64_t r = 0; r < M; r++) std::fill(C + r * ldc, C + r * ldc + N, T(0));
+  if (K <= 0 || alpha == T(0)) {  // C = beta * C [+ bias]: what is left is the bias
+    if (!add || bias)
+      for (int64_t r = 0; r < M; r++)
+        for (int64_t n = 0; n < N; n++)
+          C[r * ldc + n] = (add ? C[r * ldc + n] : T(0)) + (bias ? bias[n] : T(0));
     return;
+  }
+  if (add && bias) {  // the tiles add either C or the bias: C + bias first (not matmul's case)
+    for (int64_t r = 0; r < M; r++)
+      for (int64_t n = 0; n < N; n++) C[r * ldc + n] += bias[n];
+    bias = nullptr;
   }
   constexpr int L = Simd<T>::lanes;
   const int64_t rs = trans_a ? 1 : lda, ks = trans_a ? lda : 1;
@@ -133,14 +153,14 @@ void panel_gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T a
                     r1 = std::min(M, tiles * (t + 1) / threads * kTileRows);
       if (r1 > r0)
         out_of_memory = !detail::panel_gemm_block(trans_b, r1 - r0, N, K, alpha, A + r0 * rs, rs,
-                                                  ks, B, ldb, add, C + r0 * ldc, ldc);
+                                                  ks, B, ldb, add, bias, C + r0 * ldc, ldc);
     } else {  // whole panels to each thread
       const int64_t panels = (N + L - 1) / L;
       const int64_t n0 = panels * t / threads * L, n1 = std::min(N, panels * (t + 1) / threads * L);
       if (n1 > n0)
-        out_of_memory =
-            !detail::panel_gemm_block(trans_b, M, n1 - n0, K, alpha, A, rs, ks,
-                                      B + n0 * (trans_b ? ldb : 1), ldb, add, C + n0, ldc);
+        out_of_memory = !detail::panel_gemm_block(trans_b, M, n1 - n0, K, alpha, A, rs, ks,
+                                                  B + n0 * (trans_b ? ldb : 1), ldb, add,
+                                                  bias ? bias + n0 : nullptr, C + n0, ldc);
     }
   }
   if (out_of_memory) throw std::bad_alloc();  // here: an exception may not leave a thread

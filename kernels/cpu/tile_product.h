@@ -28,10 +28,14 @@ constexpr int kTileRows = 6;
 
 inline namespace TRAINER_SIMD_NAMESPACE {  // the tiles depend on -march: see simd.h
 
-// C(R rows, NC panels) = alpha * sum over k < kn of X(r, k) * panel row k [+ C when `add`].
-template <class T, int R, int NC>
+// C(R rows, NC panels) = alpha * sum over k < kn of X(r, k) * panel row k [+ C when `add`], or
+// with kBias + `bias` (one value per column, on every row) in place of C (`add` false). kBias is
+// a template argument: a run-time test of the pointer made GCC spill the 24 accumulators before
+// storing them, and the products without a bias 3-8% slower.
+template <class T, int R, int NC, bool kBias>
 inline void product_tile(const T* x, int64_t rs, int64_t ks, int64_t kn, const T* panels,
-                         int64_t panel_stride, T* c, int64_t ldc, T alpha, bool add) {
+                         int64_t panel_stride, T* c, int64_t ldc, T alpha, bool add,
+                         const T* bias) {
   using S = Simd<T>;
   typename S::Vec acc[R][NC] = {};
   for (int64_t k = 0; k < kn; k++) {
@@ -46,36 +50,49 @@ inline void product_tile(const T* x, int64_t rs, int64_t ks, int64_t kn, const T
     for (int n = 0; n < NC; n++) {
       T* out = c + r * ldc + n * S::lanes;
       typename S::Vec v = alpha * acc[r][n];
-      if (add) v += S::load(out);
+      if constexpr (kBias)
+        v += S::load(bias + n * S::lanes);
+      else if (add)
+        v += S::load(out);
       S::store(out, v);
     }
 }
 
 // The compile-time tile shapes for a run-time count: the largest NC <= kTilePanels that fits.
-template <class T, int R, int NC = kTilePanels>
+template <class T, int R, bool kBias, int NC = kTilePanels>
 inline void product_panels(const T* x, int64_t rs, int64_t ks, int64_t kn, const T* panels,
-                           int64_t panel_stride, int npanels, T* c, int64_t ldc, T alpha,
-                           bool add) {
+                           int64_t panel_stride, int npanels, T* c, int64_t ldc, T alpha, bool add,
+                           const T* bias) {
   if constexpr (NC > 0) {
+    constexpr int L = Simd<T>::lanes;
     int n = 0;
     for (; n + NC <= npanels; n += NC)
-      product_tile<T, R, NC>(x, rs, ks, kn, panels + n * panel_stride, panel_stride,
-                             c + n * Simd<T>::lanes, ldc, alpha, add);
-    product_panels<T, R, NC - 1>(x, rs, ks, kn, panels + n * panel_stride, panel_stride,
-                                 npanels - n, c + n * Simd<T>::lanes, ldc, alpha, add);
+      product_tile<T, R, NC, kBias>(x, rs, ks, kn, panels + n * panel_stride, panel_stride,
+                                    c + n * L, ldc, alpha, add, kBias ? bias + n * L : nullptr);
+    product_panels<T, R, kBias, NC - 1>(x, rs, ks, kn, panels + n * panel_stride, panel_stride,
+                                        npanels - n, c + n * L, ldc, alpha, add,
+                                        kBias ? bias + n * L : nullptr);
   }
 }
 
-// C(rows, npanels * lanes) = alpha * X(rows, kn) @ panels(kn, npanels * lanes) [+ C], for
-// rows <= kTileRows (callers step through their rows, each group with its own causal range).
-template <class T, int R = kTileRows>
+// C(rows, npanels * lanes) = alpha * X(rows, kn) @ panels(kn, npanels * lanes) [+ C or + bias
+// on every row], for rows <= kTileRows (callers step through their rows, each group with its own
+// causal range).
+template <class T, int R = kTileRows, bool kBias = false>
 inline void product_rows(int rows, const T* x, int64_t rs, int64_t ks, int64_t kn, const T* panels,
-                         int64_t panel_stride, int npanels, T* c, int64_t ldc, T alpha, bool add) {
-  assert(rows >= 1 && rows <= kTileRows);
+                         int64_t panel_stride, int npanels, T* c, int64_t ldc, T alpha, bool add,
+                         const T* bias = nullptr) {
+  assert(rows >= 1 && rows <= kTileRows && !(add && bias));
+  if constexpr (!kBias)
+    if (bias)
+      return product_rows<T, R, true>(rows, x, rs, ks, kn, panels, panel_stride, npanels, c, ldc,
+                                      alpha, add, bias);
   if constexpr (R > 0) {
     if (rows == R)
-      return product_panels<T, R>(x, rs, ks, kn, panels, panel_stride, npanels, c, ldc, alpha, add);
-    product_rows<T, R - 1>(rows, x, rs, ks, kn, panels, panel_stride, npanels, c, ldc, alpha, add);
+      return product_panels<T, R, kBias>(x, rs, ks, kn, panels, panel_stride, npanels, c, ldc,
+                                         alpha, add, bias);
+    product_rows<T, R - 1, kBias>(rows, x, rs, ks, kn, panels, panel_stride, npanels, c, ldc, alpha,
+                                  add, bias);
   }
 }
 
