@@ -112,33 +112,35 @@ TEST(PanelGemm, MatchesTheNaiveProduct) {
           }
 }
 
-// The bias is added once to every row of C, as each tile is first stored: with beta 0 and 1, in
-// one slice of k and in several (A read along its rows and down its columns), on whole and partial
-// panels, with the threads splitting rows or columns. matmul_forward's bias rides on this.
+// The bias is added once to every row of C, unscaled by alpha, as each tile is first stored: with
+// beta 0, 1 and another (C scaled, then the bias added before the tiles add C), in one slice of k
+// and in several (A read along its rows and down its columns), in several column blocks, on whole
+// and partial panels, with the threads splitting rows or columns; and with alpha = 0 or K = 0,
+// where the bias is what is added. matmul_forward's bias rides on this.
 TEST(PanelGemm, AddsTheBiasToEveryRowOnce) {
   const int L = Simd<float>::lanes;
   const std::vector<Shape> shapes = {
-      {kTileRows + 1, 3 * L + 5, 40},         // one slice; a partial panel
-      {29, 150, kPanelDepth + 40},            // columns split; two slices (three with A^T)
-      {151, 2 * L + 3, 2 * kPanelDepth + 1},  // rows split; three slices (six with A^T)
+      {kTileRows + 1, 3 * L + 5, 40},                  // one slice; a partial panel
+      {29, 150, kPanelDepth + 40},                     // columns split; two slices (three with A^T)
+      {151, 2 * L + 3, 2 * kPanelDepth + 1},           // rows split; three slices (five with A^T)
+      {kTileRows + 1, 1600 + L / 2, 3 * kPanelDepth},  // several column blocks on each thread
+      {5, 20, 0},                                      // an empty product: C = beta * C + bias
   };
   for (int team : {1, 3})
     for (const Shape& s : shapes)
       for (bool ta : {false, true})
-        for (float beta : {0.0f, 1.0f}) {
-          const test::OmpThreads threads(team);
-          SCOPED_TRACE(testing::Message()
-                       << s.M << " x " << s.N << " x " << s.K << (ta ? " A^T" : "") << " beta "
-                       << beta << ", " << team << " thread(s)");
-          const Product p(ta, true, s);  // as matmul_forward calls it
-          const std::vector<float> bias = random_vector<float>(size_t(s.N), 14);
-          EXPECT_EQ(p.wrong(1.0f, beta, p.c, p.run(1.0f, beta, p.c, bias.data()), bias.data()), 0);
-        }
-  // An empty product leaves the bias (added to beta * C).
-  const Product p(false, false, {5, 20, 0});
-  const std::vector<float> bias = random_vector<float>(20, 15);
-  for (float beta : {0.0f, 1.0f})
-    EXPECT_EQ(p.wrong(1.0f, beta, p.c, p.run(1.0f, beta, p.c, bias.data()), bias.data()), 0);
+        for (float alpha : {1.0f, 0.75f, 0.0f})
+          for (float beta : {0.0f, 1.0f, 0.5f}) {
+            if (s.N > 1000 && (alpha != 0.75f || beta == 0.5f)) continue;  // its blocks: enough
+            const test::OmpThreads threads(team);
+            SCOPED_TRACE(testing::Message()
+                         << s.M << " x " << s.N << " x " << s.K << (ta ? " A^T" : "") << " alpha "
+                         << alpha << " beta " << beta << ", " << team << " thread(s)");
+            const Product p(ta, true, s);  // as matmul_forward calls it
+            const std::vector<float> bias = random_vector<float>(size_t(s.N), 14);
+            const std::vector<float> got = p.run(alpha, beta, p.c, bias.data());
+            EXPECT_EQ(p.wrong(alpha, beta, p.c, got, bias.data()), 0);
+          }
 }
 
 // C = beta * C without reading A or B, when K = 0 or alpha = 0 (NaN in A stays out); nothing at
@@ -167,9 +169,10 @@ TEST(PanelGemm, EmptyProductsScaleC) {
 }
 
 // Each element sums k in one order whatever splits the rows or columns among threads: one, two
-// and three threads give the same bits, for every transpose, both splits and beta 0 and 1.
+// and three threads give the same bits, for every transpose, both splits and beta 0 and 1, over
+// several slices of k (two, or three with A^T).
 TEST(PanelGemm, BitsDoNotDependOnTheThreadCount) {
-  for (Shape s : {Shape{200, 70, 600}, Shape{70, 200, 600}})
+  for (Shape s : {Shape{200, 70, kPanelDepth + 40}, Shape{70, 200, kPanelDepth + 40}})
     for (bool ta : {false, true})
       for (bool tb : {false, true})
         for (float beta : {0.0f, 1.0f}) {

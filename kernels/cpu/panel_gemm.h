@@ -80,8 +80,9 @@ bool panel_gemm_block(bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, co
         pack_transposed_panels(panels, b + n0 * ldb + k0, ldb, width, depth);
       else
         pack_column_panels(panels, b + k0 * ldb + n0, ldb, depth, width);
-      const bool accumulate = add || k0 > 0;  // the first slice overwrites unless beta = 1
-      const T* slice_bias = k0 == 0 && bias ? bias + n0 : nullptr;  // the first adds the bias
+      // The first slice overwrites C (with the product + bias) unless beta != 0 (C was scaled).
+      const bool accumulate = add || k0 > 0;
+      const T* slice_bias = k0 == 0 && bias ? bias + n0 : nullptr;
       const int64_t stride = int64_t(depth) * L;
       for (int64_t r0 = 0; r0 < M; r0 += kTileRows) {
         const int rows = int(std::min<int64_t>(kTileRows, M - r0));
