@@ -121,6 +121,19 @@ bool panel_gemm_block(bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, co
 
 }  // namespace detail
 
+// C(M, N) = beta * C + bias(N) on every row (C unread when beta = 0, nothing added when bias is
+// null): what a GEMM whose products only store or accumulate does first.
+template <class T>
+void scale_and_add_bias(int64_t M, int64_t N, T beta, T* C, int64_t ldc, const T* bias) {
+#pragma omp parallel for schedule(static) if (!omp_in_parallel())
+  for (int64_t r = 0; r < M; r++)
+    for (int64_t n = 0; n < N; n++) {
+      T v = beta == T(0) ? T(0) : beta * C[r * ldc + n];
+      if (bias) v += bias[n];
+      C[r * ldc + n] = v;
+    }
+}
+
 // Whether panel_gemm shares this product among the threads: not inside a parallel region, and not
 // under a million multiply-adds (a few microseconds' work, about what waking threads costs).
 inline bool panel_gemm_shares(int64_t M, int64_t N, int64_t K) {
@@ -135,22 +148,16 @@ void panel_gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T a
                 int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc,
                 const T* bias = nullptr) {
   if (M <= 0 || N <= 0) return;
-  if (beta != T(0) && beta != T(1))
-    for (int64_t r = 0; r < M; r++)
-      for (int64_t n = 0; n < N; n++) C[r * ldc + n] *= beta;
+  // The tiles store the product, add it to C, or add it to the bias. Anything else (beta other
+  // than 0 or 1, C and a bias both, nothing to multiply) takes a pass over C first.
+  const bool empty = K <= 0 || alpha == T(0);
+  if ((beta != T(0) && beta != T(1)) || (bias && beta != T(0)) ||
+      (empty && (beta == T(0) || bias))) {
+    scale_and_add_bias(M, N, beta, C, ldc, bias);
+    beta = T(1), bias = nullptr;
+  }
+  if (empty) return;
   const bool add = beta != T(0);
-  if (K <= 0 || alpha == T(0)) {  // C = beta * C [+ bias]: what is left is the bias
-    if (!add || bias)
-      for (int64_t r = 0; r < M; r++)
-        for (int64_t n = 0; n < N; n++)
-          C[r * ldc + n] = (add ? C[r * ldc + n] : T(0)) + (bias ? bias[n] : T(0));
-    return;
-  }
-  if (add && bias) {  // the tiles add either C or the bias: C + bias first (not matmul's case)
-    for (int64_t r = 0; r < M; r++)
-      for (int64_t n = 0; n < N; n++) C[r * ldc + n] += bias[n];
-    bias = nullptr;
-  }
   constexpr int L = Simd<T>::lanes;
   const int64_t rs = trans_a ? 1 : lda, ks = trans_a ? lda : 1;
   const bool split_rows = M >= N;
