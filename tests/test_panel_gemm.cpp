@@ -4,11 +4,16 @@
 // ignored), 1 and another; a bias on every row; leading dimensions longer than the rows; on 1, 2
 // and 3 threads, split both ways. Its bits do not depend on the number of threads, and empty
 // products only scale C.
+// The threads share a product a piece at a time, any piece to any thread.
 // Built for every vector width (tests/CMakeLists.txt).
 #include <gtest/gtest.h>
 #include <omp.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <latch>
+#include <memory>
+#include <thread>
 #include <vector>
 
 #include "kernels/cpu/panel_gemm.h"
@@ -34,6 +39,23 @@ struct Product {
     a = random_vector<float>(size_t(ta ? s.K : s.M) * lda, 11);
     b = random_vector<float>(size_t(tb ? s.N : s.K) * ldb, 12);
     c = random_vector<float>(size_t(s.M) * ldc, 13);
+  }
+  // The product alpha * op(A) @ op(B) + C (beta 1) over `out`, as panel_gemm hands it to threads.
+  detail::Product<float> shared(float alpha, std::vector<float>& out) const {
+    return {.M = s.M,
+            .N = s.N,
+            .K = s.K,
+            .alpha = alpha,
+            .a = a.data(),
+            .rs = ta ? 1 : lda,
+            .ks = ta ? lda : 1,
+            .b = b.data(),
+            .ldb = ldb,
+            .trans_b = tb,
+            .add = true,
+            .bias = nullptr,
+            .c = out.data(),
+            .ldc = ldc};
   }
   float A(int64_t r, int64_t k) const { return ta ? a[k * lda + r] : a[r * lda + k]; }
   float B(int64_t k, int64_t n) const { return tb ? b[n * ldb + k] : b[k * ldb + n]; }
@@ -187,6 +209,58 @@ TEST(PanelGemm, BitsDoNotDependOnTheThreadCount) {
           EXPECT_EQ(bits[0], bits[1]);
           EXPECT_EQ(bits[0], bits[2]);
         }
+}
+
+// No piece of a shared product belongs to a thread: one thread alone, among the two or four it
+// was cut for, computes all of it (as when the others are slowed down, or have no scratch), with
+// the bits of panel_gemm on one thread; and two threads taking pieces at once give those bits
+// too (each element's slices in order: where the rows are one piece, the second thread's first
+// step waits for the first's). Rows shared (A along its rows and down its columns, two
+// and three slices of k, column blocks) and columns (pieces narrower than a block, and as wide).
+TEST(PanelGemm, AnyThreadTakesAnyPiece) {
+  struct Free {
+    void operator()(float* p) const { std::free(p); }
+  };
+  auto scratch = [] {
+    return std::unique_ptr<float, Free>(static_cast<float*>(std::aligned_alloc(64, kPanelBytes)));
+  };
+  const std::vector<Shape> shapes = {
+      {151, 29, 2 * kPanelDepth + 100},         // rows
+      {200, 1200, kPanelDepth + 40},            // columns: several pieces and blocks
+      {kTileRows + 1, 1600, 3 * kPanelDepth},   // columns: pieces of one tile's width
+      {1000, 700, kTransposedPanelDepth + 40},  // rows: column blocks and slices
+      {kTileRows, kTileRows, 4 * kPanelDepth},  // rows: one piece, which waits its turn
+  };
+  for (const Shape& s : shapes)
+    for (bool ta : {false, true}) {
+      SCOPED_TRACE(testing::Message() << s.M << " x " << s.N << " x " << s.K << (ta ? " A^T" : ""));
+      const Product p(ta, false, s);
+      std::vector<float> serial;
+      {
+        const test::OmpThreads threads(1);
+        serial = p.run(0.75f, 1.0f, p.c);
+      }
+      for (int cut_for : {2, 4}) {
+        std::vector<float> alone = p.c;
+        detail::SharedProduct<float> product(p.shared(0.75f, alone), cut_for);
+        product.take_pieces(scratch().get(), cut_for - 1);  // the last range first
+        EXPECT_EQ(alone, serial) << "one thread of " << cut_for;
+      }
+      for (int run = 0; run < 5; run++) {
+        std::vector<float> together = p.c;
+        detail::SharedProduct<float> product(p.shared(0.75f, together), 2);
+        std::latch start(2);  // both threads ready before either takes a piece
+        auto take = [&](int thread) {
+          const auto panels = scratch();
+          start.arrive_and_wait();
+          product.take_pieces(panels.get(), thread);
+        };
+        std::thread other(take, 1);
+        take(0);
+        other.join();
+        EXPECT_EQ(together, serial) << "two threads at once";
+      }
+    }
 }
 
 }  // namespace

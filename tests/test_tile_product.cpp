@@ -1,7 +1,8 @@
 // The fused attention's register tiles (kernels/cpu/tile_product.h) against a naive double
 // product: every row count up to a tile's, panel counts that need one, two and three tile widths
 // (with the narrower remainders), X read as a matrix and as a transpose, alpha and accumulation;
-// and the packing of column and transposed panels with their zero padding.
+// the same bits from every tile shape; and the packing of column and transposed panels with their
+// zero padding.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -60,6 +61,46 @@ TEST(TileProduct, MatchesTheNaiveProductForEveryTileShape) {
   for (int64_t kn : {37, 1}) {
     check_products<float>(kn);
     check_products<double>(kn);
+  }
+}
+
+// An element's bits do not depend on the tile that computes it: C's columns cut into tiles one
+// panel wide, or two, give the bits of the widest tiles, for every row count, with C added or a
+// bias. (GCC fused alpha * acc + C into one multiply-add in some tile shapes only: a 2-row tile
+// one panel wide differed from a 2-row tile four wide, so the GEMM's bits depended on how the
+// threads cut C.)
+template <class T>
+void check_same_bits(int64_t kn) {
+  const int L = Simd<T>::lanes, npanels = kTilePanels;
+  const std::vector<T> x = random_vector<T>(size_t(kTileRows) * kn, 5),
+                       panels = random_vector<T>(size_t(npanels) * kn * L, 6),
+                       c = random_vector<T>(size_t(kTileRows) * npanels * L, 7),
+                       bias = random_vector<T>(size_t(npanels) * L, 8);
+  const int64_t ldc = int64_t(npanels) * L;
+  for (int rows = 1; rows <= kTileRows; rows++)
+    for (int epilogue = 0; epilogue < 3; epilogue++) {  // store, add C, add the bias
+      SCOPED_TRACE(testing::Message()
+                   << "k " << kn << " rows " << rows << " epilogue " << epilogue);
+      const bool add = epilogue == 1;
+      const T* b = epilogue == 2 ? bias.data() : nullptr;
+      std::vector<T> widest = c;
+      product_rows<T>(rows, x.data(), kn, 1, kn, panels.data(), kn * L, npanels, widest.data(), ldc,
+                      T(0.75), add, b);
+      for (int width : {1, 2}) {
+        std::vector<T> narrow = c;
+        for (int n = 0; n < npanels; n += width)
+          product_rows<T>(rows, x.data(), kn, 1, kn, panels.data() + n * kn * L, kn * L,
+                          std::min(width, npanels - n), narrow.data() + n * L, ldc, T(0.75), add,
+                          b ? b + n * L : nullptr);
+        EXPECT_EQ(narrow, widest) << "tiles " << width << " panel(s) wide";
+      }
+    }
+}
+
+TEST(TileProduct, BitsDoNotDependOnTheTileShape) {
+  for (int64_t kn : {404, 64}) {
+    check_same_bits<float>(kn);
+    check_same_bits<double>(kn);
   }
 }
 

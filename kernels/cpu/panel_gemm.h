@@ -8,11 +8,12 @@
 // +6% against the Cooperlake kernels; W-M and W-L within the machine's drift of Cooperlake (README:
 // Benchmark).
 //
-//  - The threads split C into one block each along its longer side (rows of A or columns of B),
-//    so that no thread waits for another; each packs its own panels of B, which stay in its L2.
-//  - A thread walks its block in column blocks and slices of the inner dimension (kPanelBytes of
-//    panels), packs that slice of B as panels (`lanes` columns each, row after row, as the tiles
-//    read them) and runs the 6-row tiles down all its rows, reading A in place.
+//  - The product is walked in column blocks and slices of the inner dimension (kPanelBytes of
+//    panels): each slice of B is packed as panels (`lanes` columns each, row after row, as the
+//    tiles read them), then the 6-row tiles run down the rows, reading A in place.
+//  - The threads share C along its longer side a piece at a time (detail::share_rows and
+//    share_columns), so that a thread slowed down hands its work to the others; each packs its
+//    own panels of B, which stay in its L2.
 //  - Slices are as deep as A's strip lets L1 hold it: a 6 x 768 strip of A's rows is 18 KiB,
 //    while A^T's strip takes a cache line for each k (384: 24 KiB). Each slice after the first
 //    reads C back, and C rarely fits in a cache: alternated with slices 256 deep on the layers
@@ -23,6 +24,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cassert>
 #include <cstdint>
 #include <cstdlib>
@@ -37,6 +39,7 @@ constexpr int64_t kPanelDepth = 768;            // the deepest slice where A is 
 constexpr int64_t kTransposedPanelDepth = 384;  // ... and where A is read down its columns
 constexpr int64_t kPanelBytes = 768 << 10;      // the packed slice of B: 3/4 of Zen 5's L2
 constexpr int64_t kPrefetchTileRows = 2;        // how far ahead A^T's strips are fetched
+constexpr int64_t kPiecesPerThread = 16;        // how finely the threads share a product
 
 inline namespace TRAINER_SIMD_NAMESPACE {
 
@@ -54,70 +57,225 @@ T* panel_scratch() {
   return scratch.get();  // null when out of memory: the caller throws, outside its threads
 }
 
-// C(M, N) = alpha * op(A) @ op(B) [+ C when `add`, or + bias on every row when not null] on one
-// thread, op(A)(r, k) at a[r * rs + k * ks] (ks = 1: A's rows; rs = 1: its columns) and op(B)(k, n)
-// at b[k * ldb + n] (or b[n * ldb + k] when trans_b). False, with C untouched, when the thread's
-// scratch could not be allocated.
+// One product: C(M, N) = alpha * op(A) @ op(B) [+ C when `add`, or + bias on every row when not
+// null], op(A)(r, k) at a[r * rs + k * ks] (ks = 1: A's rows; rs = 1: its columns) and op(B)(k, n)
+// at b[k * ldb + n] (or b[n * ldb + k] when trans_b).
 template <class T>
-bool panel_gemm_block(bool trans_b, int64_t M, int64_t N, int64_t K, T alpha, const T* a,
-                      int64_t rs, int64_t ks, const T* b, int64_t ldb, bool add, const T* bias,
-                      T* c, int64_t ldc) {
-  constexpr int L = Simd<T>::lanes;
-  T* panels = panel_scratch<T>();
-  if (!panels) return false;
-  // Equal slices (1000 = 500 + 500, not 768 + 232), and as many whole tiles' columns as fit.
+struct Product {
+  int64_t M, N, K;
+  T alpha;
+  const T* a;
+  int64_t rs, ks;
+  const T* b;
+  int64_t ldb;
+  bool trans_b, add;
+  const T* bias;
+  T* c;
+  int64_t ldc;
+  // Its columns [n0, n0 + width): a product of its own.
+  Product columns(int64_t n0, int64_t width) const {
+    Product p = *this;
+    p.N = width;
+    p.b += n0 * (trans_b ? ldb : 1);
+    if (bias) p.bias += n0;
+    p.c += n0;
+    return p;
+  }
+};
+
+// How a product is cut: slices of the inner dimension, each `slice` deep, and blocks of
+// `columns` columns, one packed slice of B each (equal slices: 1000 = 500 + 500, not 768 + 232;
+// as many whole tiles' columns as kPanelBytes holds).
+struct Blocking {
+  int64_t slice, columns;
+  int64_t slices(int64_t K) const { return (K + slice - 1) / slice; }
+  int64_t blocks(int64_t N) const { return (N + columns - 1) / columns; }
+};
+template <class T>
+Blocking blocking(int64_t K, int64_t ks) {
   const int64_t deepest = ks == 1 ? kPanelDepth : kTransposedPanelDepth;
   const int64_t slices = (K + deepest - 1) / deepest, slice = (K + slices - 1) / slices;
-  constexpr int64_t tile_columns = int64_t(kTilePanels) * L;
+  constexpr int64_t tile_columns = int64_t(kTilePanels) * Simd<T>::lanes;
   static_assert(kPanelBytes / int64_t(sizeof(T)) / kPanelDepth >= tile_columns);
-  const int64_t columns = kPanelBytes / int64_t(sizeof(T)) / slice / tile_columns * tile_columns;
-  for (int64_t n0 = 0; n0 < N; n0 += columns) {
-    const int width = int(std::min<int64_t>(columns, N - n0));
-    const int whole = width / L, tail = width % L;
-    for (int64_t k0 = 0; k0 < K; k0 += slice) {
-      const int depth = int(std::min<int64_t>(slice, K - k0));
-      assert((width + L - 1) / L * L * int64_t(depth) * int64_t(sizeof(T)) <= kPanelBytes);
-      if (trans_b)
-        pack_transposed_panels(panels, b + n0 * ldb + k0, ldb, width, depth);
-      else
-        pack_column_panels(panels, b + k0 * ldb + n0, ldb, depth, width);
-      // The first slice overwrites C (with the product + bias) unless beta != 0 (C was scaled).
-      const bool accumulate = add || k0 > 0;
-      const T* slice_bias = k0 == 0 && bias ? bias + n0 : nullptr;
-      const int64_t stride = int64_t(depth) * L;
-      for (int64_t r0 = 0; r0 < M; r0 += kTileRows) {
-        const int rows = int(std::min<int64_t>(kTileRows, M - r0));
-        const T* x = a + r0 * rs + k0 * ks;
-        T* out = c + r0 * ldc + n0;
-        // A^T's strip takes a cache line for each k, each on a page of its own where A's rows are
-        // long: no hardware prefetcher follows that, and each tile row waited on memory for its
-        // lines. This fetches those of the strip kPrefetchTileRows ahead while this one
-        // multiplies (its last element for each k: its first shares a line with the strip before
-        // it, or starts the line). Alternated, cold caches: W-S's head weight gradient 318 -> 351
-        // GFLOP/s, the layers' and heads' A^T shapes of W-S, W-M and W-L together 324 -> 339.
-        if (ks != 1 && r0 + (kPrefetchTileRows + 1) * kTileRows <= M)
-          for (int k = 0; k < depth; k++)
-            __builtin_prefetch(x + (kPrefetchTileRows + 1) * kTileRows - 1 + k * ks);
-        product_rows<T>(rows, x, rs, ks, depth, panels, stride, whole, out, ldc, alpha, accumulate,
-                        slice_bias);
-        if (tail) {  // a last panel narrower than a vector: through a tile, then its columns
-          alignas(64) T tile[kTileRows * L];
-          product_rows<T>(rows, x, rs, ks, depth, panels + whole * stride, stride, 1, tile, L,
-                          alpha, false);
-          for (int r = 0; r < rows; r++)
-            for (int l = 0; l < tail; l++) {
-              T& o = out[r * ldc + whole * L + l];
-              T v = tile[r * L + l];
-              if (accumulate) v += o;
-              if (slice_bias) v += slice_bias[whole * L + l];
-              o = v;
-            }
+  return {slice, kPanelBytes / int64_t(sizeof(T)) / slice / tile_columns * tile_columns};
+}
+
+// One slice of one column block: op(B)'s rows [k0, k0 + depth) x columns [n0, n0 + width).
+struct Step {
+  int64_t k0, n0;
+  int depth, width;
+};
+template <class T>
+Step step_of(const Product<T>& p, const Blocking& cut, int64_t k0, int64_t n0) {
+  return {k0, n0, int(std::min(cut.slice, p.K - k0)), int(std::min(cut.columns, p.N - n0))};
+}
+
+// Packs a step's slice of B as panels (`lanes` columns each, row after row, as the tiles read
+// them).
+template <class T>
+void pack_slice(T* panels, const Product<T>& p, const Step& s) {
+  assert((s.width + Simd<T>::lanes - 1) / Simd<T>::lanes * Simd<T>::lanes * int64_t(s.depth) *
+             int64_t(sizeof(T)) <=
+         kPanelBytes);
+  if (p.trans_b)
+    pack_transposed_panels(panels, p.b + s.n0 * p.ldb + s.k0, p.ldb, s.width, s.depth);
+  else
+    pack_column_panels(panels, p.b + s.k0 * p.ldb + s.n0, p.ldb, s.depth, s.width);
+}
+
+// A step of the product on C's rows [r0, r1), in 6-row tiles from r0, its slice of B packed in
+// `panels`: the first slice stores (adding the bias) unless the product adds to C, the others add.
+template <class T>
+void multiply_slice(const Product<T>& p, const Step& s, const T* panels, int64_t r0, int64_t r1) {
+  constexpr int L = Simd<T>::lanes;
+  const int whole = s.width / L, tail = s.width % L;
+  const int64_t stride = int64_t(s.depth) * L, rs = p.rs, ks = p.ks;
+  const bool accumulate = p.add || s.k0 > 0;
+  const T* bias = s.k0 == 0 && p.bias ? p.bias + s.n0 : nullptr;
+  for (int64_t r = r0; r < r1; r += kTileRows) {
+    const int rows = int(std::min<int64_t>(kTileRows, r1 - r));
+    const T* x = p.a + r * rs + s.k0 * ks;
+    T* out = p.c + r * p.ldc + s.n0;
+    // A^T's strip takes a cache line for each k, each on a page of its own where A's rows are
+    // long: no hardware prefetcher follows that, and each tile row waited on memory for its
+    // lines. This fetches those of the strip kPrefetchTileRows ahead while this one multiplies
+    // (its last element for each k: its first shares a line with the strip before it, or starts
+    // the line). Alternated, cold caches: W-S's head weight gradient 318 -> 351 GFLOP/s, the
+    // layers' and heads' A^T shapes of W-S, W-M and W-L together 324 -> 339.
+    if (ks != 1 && r + (kPrefetchTileRows + 1) * kTileRows <= p.M)
+      for (int k = 0; k < s.depth; k++)
+        __builtin_prefetch(x + (kPrefetchTileRows + 1) * kTileRows - 1 + k * ks);
+    product_rows<T>(rows, x, rs, ks, s.depth, panels, stride, whole, out, p.ldc, p.alpha,
+                    accumulate, bias);
+    if (tail) {  // a last panel narrower than a vector: through a tile, then its columns
+      alignas(64) T tile[kTileRows * L];
+      product_rows<T>(rows, x, rs, ks, s.depth, panels + whole * stride, stride, 1, tile, L,
+                      p.alpha, false);
+      for (int i = 0; i < rows; i++)
+        for (int l = 0; l < tail; l++) {
+          T& o = out[i * p.ldc + whole * L + l];
+          T v = tile[i * L + l];
+          if (accumulate) v += o;
+          if (bias) v += bias[whole * L + l];
+          o = v;
         }
-      }
     }
   }
-  return true;
 }
+
+// The whole product on one thread: column block by column block, slice by slice, each slice of
+// B packed into `panels` and multiplied by all of A's rows.
+template <class T>
+void multiply_alone(const Product<T>& p, T* panels) {
+  const Blocking cut = blocking<T>(p.K, p.ks);
+  for (int64_t n0 = 0; n0 < p.N; n0 += cut.columns)
+    for (int64_t k0 = 0; k0 < p.K; k0 += cut.slice) {
+      const Step s = step_of(p, cut, k0, n0);
+      pack_slice(panels, p, s);
+      multiply_slice(p, s, panels, 0, p.M);
+    }
+}
+
+// A spinning thread's hint to the core (x86's pause).
+inline void pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// A product shared among threads a piece at a time: each thread that has scratch for B's panels
+// calls take_pieces, which returns when no piece is left. Pieces are not bound to threads, so
+// one slowed down (a busy neighbour on its core, an interrupt, the other hyperthread) leaves its
+// share to the others instead of holding them at the end: with a busy loop on one of the two
+// cores, W-M's layer and head shapes ran at 242 GFLOP/s against 160 when each thread had half of
+// every product. Each element of C still sums its slices in order, one thread at a time: the
+// bits do not depend on the threads.
+template <class T>
+class SharedProduct {
+ public:
+  // Cut for `threads` threads, kPiecesPerThread pieces each if they all ran at one speed.
+  SharedProduct(const Product<T>& p, int threads)
+      : p_(p),
+        cut_(blocking<T>(p.K, p.ks)),
+        by_rows_(p.M >= p.N),
+        piece_rows_(((p.M + kTileRows - 1) / kTileRows + threads * kPiecesPerThread - 1) /
+                    (threads * kPiecesPerThread) * kTileRows),
+        row_pieces_(by_rows_ ? (p.M + piece_rows_ - 1) / piece_rows_ : 0),
+        piece_columns_(piece_columns(p, cut_, threads * kPiecesPerThread)),
+        ranges_(threads),
+        cursors_(new Cursor[ranges_]),
+        done_(new std::atomic<int64_t>[row_pieces_]()) {}
+
+  // Takes pieces until none is left: `thread` (0, 1...) says which range to start with.
+  void take_pieces(T* panels, int thread) {
+    int64_t packed = -1;  // the step whose slice `panels` holds (rows shared)
+    for (int r = 0; r < ranges_; r++) {
+      const int range = (thread + r) % ranges_;
+      if (by_rows_)
+        take_rows(panels, range, packed);
+      else
+        take_columns(panels, range);
+    }
+  }
+
+ private:
+  // Where C is at least as tall as wide, pieces of rows, step by step (a step: one slice of one
+  // column block). Each thread has a range of consecutive pieces (its even share of the rows),
+  // which it takes (step, piece) pair by pair, in order, from the range's cursor,
+  // packing the slice of each new step (into its own L2); then it takes what is left of the
+  // others' ranges the same way. A piece waits for its rows' previous step where a slower thread
+  // still holds that (done_: how many steps of each piece are done), so that each element's
+  // slices add in order; a thread is held only there, not at the end of every step.
+  void take_rows(T* panels, int range, int64_t& packed) {
+    const int64_t first = range * row_pieces_ / ranges_,
+                  count = (range + 1) * row_pieces_ / ranges_ - first;
+    if (count == 0) return;
+    const int64_t slices = cut_.slices(p_.K), pairs = cut_.blocks(p_.N) * slices * count;
+    std::atomic<int64_t>& cursor = cursors_[range].next;
+    for (int64_t u; (u = cursor.fetch_add(1, std::memory_order_relaxed)) < pairs;) {
+      const int64_t step = u / count, piece = first + u % count;
+      const Step s = step_of(p_, cut_, step % slices * cut_.slice, step / slices * cut_.columns);
+      if (step != packed) {
+        pack_slice(panels, p_, s);
+        packed = step;
+      }
+      while (done_[piece].load(std::memory_order_acquire) < step) pause();
+      const int64_t r0 = piece * piece_rows_;
+      multiply_slice(p_, s, panels, r0, std::min(p_.M, r0 + piece_rows_));
+      done_[piece].store(step + 1, std::memory_order_release);
+    }
+  }
+  // Where C is wider than tall, pieces of whole tiles' columns, each a product of its own, taken
+  // in order from each thread's range of columns (its even share of whole panels), then from
+  // the others'.
+  void take_columns(T* panels, int range) {
+    constexpr int L = Simd<T>::lanes;
+    const int64_t panels_in_c = (p_.N + L - 1) / L;
+    const int64_t c0 = range * panels_in_c / ranges_ * L,
+                  c1 = std::min(p_.N, (range + 1) * panels_in_c / ranges_ * L);
+    std::atomic<int64_t>& cursor = cursors_[range].next;
+    for (int64_t n0;
+         (n0 = c0 + cursor.fetch_add(1, std::memory_order_relaxed) * piece_columns_) < c1;)
+      multiply_alone(p_.columns(n0, std::min(piece_columns_, c1 - n0)), panels);
+  }
+  // As wide as a block where A is read down its columns: each piece reads all of A^T's strips.
+  static int64_t piece_columns(const Product<T>& p, const Blocking& cut, int64_t pieces) {
+    constexpr int64_t tile_columns = int64_t(kTilePanels) * Simd<T>::lanes;
+    if (p.ks != 1) return cut.columns;
+    return std::clamp(p.N / pieces / tile_columns * tile_columns, tile_columns, cut.columns);
+  }
+
+  struct alignas(64) Cursor {  // a cache line each: the threads take from them at once
+    std::atomic<int64_t> next{0};
+  };
+  const Product<T> p_;
+  const Blocking cut_;
+  const bool by_rows_;
+  const int64_t piece_rows_, row_pieces_, piece_columns_;
+  const int ranges_;
+  const std::unique_ptr<Cursor[]> cursors_;
+  const std::unique_ptr<std::atomic<int64_t>[]> done_;
+};
 
 }  // namespace detail
 
@@ -157,31 +315,36 @@ void panel_gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, T a
     beta = T(1), bias = nullptr;
   }
   if (empty) return;
-  const bool add = beta != T(0);
-  constexpr int L = Simd<T>::lanes;
-  const int64_t rs = trans_a ? 1 : lda, ks = trans_a ? lda : 1;
-  const bool split_rows = M >= N;
-  bool out_of_memory = false;
-#pragma omp parallel if (panel_gemm_shares(M, N, K)) reduction(|| : out_of_memory)
+  const detail::Product<T> p{.M = M,
+                             .N = N,
+                             .K = K,
+                             .alpha = alpha,
+                             .a = A,
+                             .rs = trans_a ? 1 : lda,
+                             .ks = trans_a ? lda : 1,
+                             .b = B,
+                             .ldb = ldb,
+                             .trans_b = trans_b,
+                             .add = beta != T(0),
+                             .bias = bias,
+                             .c = C,
+                             .ldc = ldc};
+  const int threads = omp_get_max_threads();
+  if (threads == 1 || !panel_gemm_shares(M, N, K)) {
+    T* panels = detail::panel_scratch<T>();
+    if (!panels) throw std::bad_alloc();
+    return detail::multiply_alone(p, panels);
+  }
+  detail::SharedProduct<T> shared(p, threads);
+  bool computed = false;  // by some thread: one without scratch leaves its pieces to the others
+#pragma omp parallel reduction(|| : computed)
   {
-    const int threads = omp_get_num_threads(), t = omp_get_thread_num();
-    if (split_rows) {  // whole 6-row tiles to each thread
-      const int64_t tiles = (M + kTileRows - 1) / kTileRows;
-      const int64_t r0 = tiles * t / threads * kTileRows,
-                    r1 = std::min(M, tiles * (t + 1) / threads * kTileRows);
-      if (r1 > r0)
-        out_of_memory = !detail::panel_gemm_block(trans_b, r1 - r0, N, K, alpha, A + r0 * rs, rs,
-                                                  ks, B, ldb, add, bias, C + r0 * ldc, ldc);
-    } else {  // whole panels to each thread
-      const int64_t panels = (N + L - 1) / L;
-      const int64_t n0 = panels * t / threads * L, n1 = std::min(N, panels * (t + 1) / threads * L);
-      if (n1 > n0)
-        out_of_memory = !detail::panel_gemm_block(trans_b, M, n1 - n0, K, alpha, A, rs, ks,
-                                                  B + n0 * (trans_b ? ldb : 1), ldb, add,
-                                                  bias ? bias + n0 : nullptr, C + n0, ldc);
+    if (T* panels = detail::panel_scratch<T>()) {
+      shared.take_pieces(panels, omp_get_thread_num());
+      computed = true;
     }
   }
-  if (out_of_memory) throw std::bad_alloc();  // here: an exception may not leave a thread
+  if (!computed) throw std::bad_alloc();  // here: an exception may not leave a thread
 }
 
 }  // namespace TRAINER_SIMD_NAMESPACE

@@ -28,6 +28,19 @@ constexpr int kTileRows = 6;
 
 inline namespace TRAINER_SIMD_NAMESPACE {  // the tiles depend on -march: see simd.h
 
+// Keeps v as it is rounded here: GCC fuses alpha * acc + C into one multiply-add in some tile
+// shapes and not in others (6 x 4 and 2 x 1 tiles gave other bits for the same element), and the
+// bits of a product would depend on how its columns were cut among threads. An empty asm the
+// value passes through, which no fusing crosses.
+template <class V>
+[[gnu::always_inline]] inline void round_alone(V& v) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm("" : "+x"(v));
+#elif defined(__aarch64__)
+  asm("" : "+w"(v));
+#endif
+}
+
 // C(R rows, NC panels) = alpha * sum over k < kn of X(r, k) * panel row k [+ C when `add`], or
 // with kBias + `bias` (one value per column, on every row) in place of C (`add` false). kBias is
 // a template argument: a run-time test of the pointer made GCC spill the 24 accumulators before
@@ -50,6 +63,7 @@ inline void product_tile(const T* x, int64_t rs, int64_t ks, int64_t kn, const T
     for (int n = 0; n < NC; n++) {
       T* out = c + r * ldc + n * S::lanes;
       typename S::Vec v = alpha * acc[r][n];
+      round_alone(v);
       if constexpr (kBias)
         v += S::load(bias + n * S::lanes);
       else if (add)
