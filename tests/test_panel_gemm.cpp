@@ -227,7 +227,7 @@ TEST(PanelGemm, AnyThreadTakesAnyPiece) {
   const std::vector<Shape> shapes = {
       {151, 29, 2 * kPanelDepth + 100},         // rows
       {200, 1200, kPanelDepth + 40},            // columns: several pieces and blocks
-      {kTileRows + 1, 1600, 3 * kPanelDepth},   // columns: pieces of one tile's width
+      {kTileRows + 1, 1600, 3 * kPanelDepth},   // columns: the narrowest pieces
       {1000, 700, kTransposedPanelDepth + 40},  // rows: column blocks and slices
       {kTileRows, kTileRows, 4 * kPanelDepth},  // rows: one piece, which waits its turn
   };

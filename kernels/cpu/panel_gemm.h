@@ -40,6 +40,7 @@ constexpr int64_t kTransposedPanelDepth = 384;  // ... and where A is read down 
 constexpr int64_t kPanelBytes = 768 << 10;      // the packed slice of B: 3/4 of Zen 5's L2
 constexpr int64_t kPrefetchTileRows = 2;        // how far ahead A^T's strips are fetched
 constexpr int64_t kPiecesPerThread = 16;        // how finely the threads share a product
+constexpr int64_t kPieceTiles = 4;              // the narrowest piece of columns, in tiles
 
 inline namespace TRAINER_SIMD_NAMESPACE {
 
@@ -187,7 +188,7 @@ inline void pause() {
 // calls take_pieces, which returns when no piece is left. Pieces are not bound to threads, so
 // one slowed down (a busy neighbour on its core, an interrupt, the other hyperthread) leaves its
 // share to the others instead of holding them at the end: with a busy loop on one of the two
-// cores, W-M's layer and head shapes ran at 242 GFLOP/s against 160 when each thread had half of
+// cores, W-M's layer and head shapes ran at 235 GFLOP/s against 153 when each thread had half of
 // every product. Each element of C still sums its slices in order, one thread at a time: the
 // bits do not depend on the threads.
 template <class T>
@@ -258,11 +259,14 @@ class SharedProduct {
          (n0 = c0 + cursor.fetch_add(1, std::memory_order_relaxed) * piece_columns_) < c1;)
       multiply_alone(p_.columns(n0, std::min(piece_columns_, c1 - n0)), panels);
   }
-  // As wide as a block where A is read down its columns: each piece reads all of A^T's strips.
+  // Each piece reads all of A's strips again, and each strip serves the piece's tiles from L1: at
+  // least kPieceTiles tiles wide, and as wide as a block where A is read down its columns (a
+  // cache line for each k of a strip).
   static int64_t piece_columns(const Product<T>& p, const Blocking& cut, int64_t pieces) {
     constexpr int64_t tile_columns = int64_t(kTilePanels) * Simd<T>::lanes;
     if (p.ks != 1) return cut.columns;
-    return std::clamp(p.N / pieces / tile_columns * tile_columns, tile_columns, cut.columns);
+    return std::clamp(p.N / pieces / tile_columns * tile_columns,
+                      std::min(cut.columns, kPieceTiles * tile_columns), cut.columns);
   }
 
   struct alignas(64) Cursor {  // a cache line each: the threads take from them at once

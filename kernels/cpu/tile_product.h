@@ -35,7 +35,7 @@ inline namespace TRAINER_SIMD_NAMESPACE {  // the tiles depend on -march: see si
 template <class V>
 [[gnu::always_inline]] inline void round_alone(V& v) {
 #if defined(__x86_64__) || defined(__i386__)
-  asm("" : "+x"(v));
+  asm("" : "+v"(v));  // v: any vector register (all 32 with AVX-512)
 #elif defined(__aarch64__)
   asm("" : "+w"(v));
 #endif
