@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <latch>
 #include <memory>
+#include <new>
 #include <thread>
 #include <vector>
 
@@ -40,8 +41,10 @@ struct Product {
     b = random_vector<float>(size_t(tb ? s.N : s.K) * ldb, 12);
     c = random_vector<float>(size_t(s.M) * ldc, 13);
   }
-  // The product alpha * op(A) @ op(B) + C (beta 1) over `out`, as panel_gemm hands it to threads.
-  detail::Product<float> shared(float alpha, std::vector<float>& out) const {
+  // The product alpha * op(A) @ op(B) + C over `out` (or + bias, where there is one), as
+  // panel_gemm hands it to threads.
+  detail::Product<float> shared(float alpha, std::vector<float>& out,
+                                const float* bias = nullptr) const {
     return {.M = s.M,
             .N = s.N,
             .K = s.K,
@@ -52,8 +55,8 @@ struct Product {
             .b = b.data(),
             .ldb = ldb,
             .trans_b = tb,
-            .add = true,
-            .bias = nullptr,
+            .add = bias == nullptr,
+            .bias = bias,
             .c = out.data(),
             .ldc = ldc};
   }
@@ -216,13 +219,16 @@ TEST(PanelGemm, BitsDoNotDependOnTheThreadCount) {
 // the bits of panel_gemm on one thread; and two threads taking pieces at once give those bits
 // too (each element's slices in order: where the rows are one piece, the second thread's first
 // step waits for the first's). Rows shared (A along its rows and down its columns, two
-// and three slices of k, column blocks) and columns (pieces narrower than a block, and as wide).
+// and three slices of k, column blocks) and columns (pieces narrower than a block, and as wide),
+// with B or B^T, C added or a bias.
 TEST(PanelGemm, AnyThreadTakesAnyPiece) {
   struct Free {
     void operator()(float* p) const { std::free(p); }
   };
   auto scratch = [] {
-    return std::unique_ptr<float, Free>(static_cast<float*>(std::aligned_alloc(64, kPanelBytes)));
+    std::unique_ptr<float, Free> panels(static_cast<float*>(std::aligned_alloc(64, kPanelBytes)));
+    if (!panels) throw std::bad_alloc();
+    return panels;
   };
   const std::vector<Shape> shapes = {
       {151, 29, 2 * kPanelDepth + 100},         // rows
@@ -231,24 +237,29 @@ TEST(PanelGemm, AnyThreadTakesAnyPiece) {
       {1000, 700, kTransposedPanelDepth + 40},  // rows: column blocks and slices
       {kTileRows, kTileRows, 4 * kPanelDepth},  // rows: one piece, which waits its turn
   };
+  // A^T, B^T or neither; C added, or a bias in its place (beta 0).
   for (const Shape& s : shapes)
-    for (bool ta : {false, true}) {
-      SCOPED_TRACE(testing::Message() << s.M << " x " << s.N << " x " << s.K << (ta ? " A^T" : ""));
-      const Product p(ta, false, s);
+    for (int variant = 0; variant < 4; variant++) {
+      const bool ta = variant == 1, tb = variant == 2, with_bias = variant == 3;
+      SCOPED_TRACE(testing::Message() << s.M << " x " << s.N << " x " << s.K << (ta ? " A^T" : "")
+                                      << (tb ? " B^T" : "") << (with_bias ? " bias" : ""));
+      const Product p(ta, tb, s);
+      const std::vector<float> bias = random_vector<float>(size_t(s.N), 15);
+      const float* b = with_bias ? bias.data() : nullptr;
       std::vector<float> serial;
       {
         const test::OmpThreads threads(1);
-        serial = p.run(0.75f, 1.0f, p.c);
+        serial = p.run(0.75f, with_bias ? 0.0f : 1.0f, p.c, b);
       }
       for (int cut_for : {2, 4}) {
         std::vector<float> alone = p.c;
-        detail::SharedProduct<float> product(p.shared(0.75f, alone), cut_for);
+        detail::SharedProduct<float> product(p.shared(0.75f, alone, b), cut_for);
         product.take_pieces(scratch().get(), cut_for - 1);  // the last range first
         EXPECT_EQ(alone, serial) << "one thread of " << cut_for;
       }
       for (int run = 0; run < 5; run++) {
         std::vector<float> together = p.c;
-        detail::SharedProduct<float> product(p.shared(0.75f, together), 2);
+        detail::SharedProduct<float> product(p.shared(0.75f, together, b), 2);
         std::latch start(2);  // both threads ready before either takes a piece
         auto take = [&](int thread) {
           const auto panels = scratch();

@@ -11,9 +11,9 @@
 //  - The product is walked in column blocks and slices of the inner dimension (kPanelBytes of
 //    panels): each slice of B is packed as panels (`lanes` columns each, row after row, as the
 //    tiles read them), then the 6-row tiles run down the rows, reading A in place.
-//  - The threads share C along its longer side a piece at a time (detail::share_rows and
-//    share_columns), so that a thread slowed down hands its work to the others; each packs its
-//    own panels of B, which stay in its L2.
+//  - The threads share C along its longer side a piece at a time (detail::SharedProduct), so
+//    that a thread slowed down hands its work to the others; each packs its own panels of B,
+//    which stay in its L2.
 //  - Slices are as deep as A's strip lets L1 hold it: a 6 x 768 strip of A's rows is 18 KiB,
 //    while A^T's strip takes a cache line for each k (384: 24 KiB). Each slice after the first
 //    reads C back, and C rarely fits in a cache: alternated with slices 256 deep on the layers
@@ -30,6 +30,7 @@
 #include <cstdlib>
 #include <memory>
 #include <new>
+#include <thread>
 
 #include "kernels/cpu/tile_product.h"
 
@@ -177,11 +178,19 @@ void multiply_alone(const Product<T>& p, T* panels) {
     }
 }
 
-// A spinning thread's hint to the core (x86's pause).
-inline void pause() {
+// Waits until `counter` reaches `value`: spinning (x86's pause) while the thread it waits for is
+// likely running, then giving the core away, which that thread may need (more threads than cores,
+// a busy neighbour).
+inline void wait_for(const std::atomic<int64_t>& counter, int64_t value) {
+  for (int spins = 0; counter.load(std::memory_order_acquire) < value; spins++) {
+    if (spins < 1024) {
 #if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
+      __builtin_ia32_pause();
 #endif
+    } else {
+      std::this_thread::yield();
+    }
+  }
 }
 
 // A product shared among threads a piece at a time: each thread that has scratch for B's panels
@@ -240,7 +249,7 @@ class SharedProduct {
         pack_slice(panels, p_, s);
         packed = step;
       }
-      while (done_[piece].load(std::memory_order_acquire) < step) pause();
+      wait_for(done_[piece], step);
       const int64_t r0 = piece * piece_rows_;
       multiply_slice(p_, s, panels, r0, std::min(p_.M, r0 + piece_rows_));
       done_[piece].store(step + 1, std::memory_order_release);
@@ -261,7 +270,8 @@ class SharedProduct {
   }
   // Each piece reads all of A's strips again, and each strip serves the piece's tiles from L1: at
   // least kPieceTiles tiles wide, and as wide as a block where A is read down its columns (a
-  // cache line for each k of a strip).
+  // cache line for each k of a strip; a share of one block is then one piece, which no other
+  // thread can take over: weight gradients wider than tall over few columns keep fixed shares).
   static int64_t piece_columns(const Product<T>& p, const Blocking& cut, int64_t pieces) {
     constexpr int64_t tile_columns = int64_t(kTilePanels) * Simd<T>::lanes;
     if (p.ks != 1) return cut.columns;
