@@ -91,7 +91,7 @@ struct Product {
 struct Blocking {
   int64_t slice, columns;
   int64_t slices(int64_t K) const { return (K + slice - 1) / slice; }
-  int64_t blocks(int64_t N) const { return (N + columns - 1) / columns; }
+  int64_t steps(int64_t N, int64_t K) const { return (N + columns - 1) / columns * slices(K); }
 };
 template <class T>
 Blocking blocking(int64_t K, int64_t ks) {
@@ -107,8 +107,12 @@ struct Step {
   int64_t k0, n0;
   int depth, width;
 };
+// Step i of a product, column block by column block and slice by slice within each: the order in
+// which every element's slices add, on one thread or shared.
 template <class T>
-Step step_of(const Product<T>& p, const Blocking& cut, int64_t k0, int64_t n0) {
+Step step_of(const Product<T>& p, const Blocking& cut, int64_t i) {
+  const int64_t slices = cut.slices(p.K), k0 = i % slices * cut.slice,
+                n0 = i / slices * cut.columns;
   return {k0, n0, int(std::min(cut.slice, p.K - k0)), int(std::min(cut.columns, p.N - n0))};
 }
 
@@ -165,17 +169,16 @@ void multiply_slice(const Product<T>& p, const Step& s, const T* panels, int64_t
   }
 }
 
-// The whole product on one thread: column block by column block, slice by slice, each slice of
-// B packed into `panels` and multiplied by all of A's rows.
+// The whole product on one thread: step by step, each slice of B packed into `panels` and
+// multiplied by all of A's rows.
 template <class T>
 void multiply_alone(const Product<T>& p, T* panels) {
   const Blocking cut = blocking<T>(p.K, p.ks);
-  for (int64_t n0 = 0; n0 < p.N; n0 += cut.columns)
-    for (int64_t k0 = 0; k0 < p.K; k0 += cut.slice) {
-      const Step s = step_of(p, cut, k0, n0);
-      pack_slice(panels, p, s);
-      multiply_slice(p, s, panels, 0, p.M);
-    }
+  for (int64_t i = 0; i < cut.steps(p.N, p.K); i++) {
+    const Step s = step_of(p, cut, i);
+    pack_slice(panels, p, s);
+    multiply_slice(p, s, panels, 0, p.M);
+  }
 }
 
 // Waits until `counter` reaches `value`: spinning (x86's pause) while the thread it waits for is
@@ -240,11 +243,11 @@ class SharedProduct {
     const int64_t first = range * row_pieces_ / ranges_,
                   count = (range + 1) * row_pieces_ / ranges_ - first;
     if (count == 0) return;
-    const int64_t slices = cut_.slices(p_.K), pairs = cut_.blocks(p_.N) * slices * count;
+    const int64_t pairs = cut_.steps(p_.N, p_.K) * count;
     std::atomic<int64_t>& cursor = cursors_[range].next;
     for (int64_t u; (u = cursor.fetch_add(1, std::memory_order_relaxed)) < pairs;) {
       const int64_t step = u / count, piece = first + u % count;
-      const Step s = step_of(p_, cut_, step % slices * cut_.slice, step / slices * cut_.columns);
+      const Step s = step_of(p_, cut_, step);
       if (step != packed) {
         pack_slice(panels, p_, s);
         packed = step;
