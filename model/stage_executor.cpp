@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <type_traits>
 
 #include "model/init.h"
 
@@ -278,20 +279,22 @@ void StageExecutor::init_parameters(uint64_t seed, DPtr into) {
     }
 }
 
+// Host values in H to and from a buffer of any dtype: copied where the dtypes match, else through
+// fp32, which every backend converts to and from (the CUDA backend has no f64 kernels, and
+// neither backend converts between f64 and 16-bit). f64 values become floats on the host first,
+// as AdamW::init_parameters makes its master copy: rounded once to fp32, then to a 16-bit dtype.
 template <class H>
 void StageExecutor::write_values(DPtr dst, const std::vector<H>& values) {
   const int64_t n = int64_t(values.size());
-  if (dst.dtype == dtype_of<H>()) {
-    k_.copy_from_host(dst, values.data(), n);
-    return;
+  if (dst.dtype == dtype_of<H>()) return k_.copy_from_host(dst, values.data(), n);
+  if constexpr (std::is_same_v<H, float>) {
+    k_.upload_f32(dst, values.data(), n);
+  } else {
+    const std::vector<float> floats(values.begin(), values.end());
+    k_.upload_f32(dst, floats.data(), n);
   }
-  DPtr tmp = k_.alloc(n, dtype_of<H>());
-  k_.copy_from_host(tmp, values.data(), n);
-  k_.convert(dst, tmp, n, 0);
-  k_.free(tmp);
 }
 
-// Host values in H to and from a buffer of any dtype, through a temporary in H's dtype.
 template <class H>
 std::vector<H> StageExecutor::read(const ParamInfo& p, DPtr buffer) const {
   const int64_t n = p.local_numel();
@@ -300,10 +303,13 @@ std::vector<H> StageExecutor::read(const ParamInfo& p, DPtr buffer) const {
     k_.copy_to_host(out.data(), buffer + p.offset, n);
     return out;
   }
-  DPtr tmp = k_.alloc(n, dtype_of<H>());
-  k_.convert(tmp, buffer + p.offset, n, 0);
-  k_.copy_to_host(out.data(), tmp, n);
-  k_.free(tmp);
+  if constexpr (std::is_same_v<H, float>) {
+    k_.download_f32(out.data(), buffer + p.offset, n);
+  } else {
+    std::vector<float> floats(n);
+    k_.download_f32(floats.data(), buffer + p.offset, n);
+    std::copy(floats.begin(), floats.end(), out.begin());
+  }
   return out;
 }
 

@@ -112,6 +112,32 @@ TEST(AdamW, OffloadIsTheDeviceUpdateBitwise) {
   }
 }
 
+// A model in any dtype starts from the fp32 model's values, rounded once: the f64 values init
+// computes reach the buffer through floats on the host, never as an f64 buffer for the backend
+// to convert (neither backend converts f64 to 16-bit, and the CUDA backend has no f64 at all:
+// before this, every fp32 GPU run without a master copy threw at its first step's init).
+TEST(Init, AnyDtypeIsTheFp32ValuesRounded) {
+  auto k = make_cpu_kernels();
+  StageExecutor ref(tiny_model(), *k, DType::f32, 1, 8);
+  ref.init_parameters(5);
+  const int64_t total = ref.table().total;
+  for (DType dtype : {DType::bf16, DType::f16}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    StageExecutor m(tiny_model(), *k, dtype, 1, 8);
+    m.init_parameters(5);
+    DPtr rounded = k->alloc(total, dtype);
+    k->convert(rounded, ref.params(), total, 0);
+    EXPECT_EQ(std::memcmp(m.params().p, rounded.p, size_t(total) * dtype_size(dtype)), 0);
+    k->free(rounded);
+    // And back to the host in either precision: the 16-bit values exactly.
+    for (const ParamInfo& p : m.table().params) {
+      const std::vector<float> f = m.read<float>(p, m.params());
+      const std::vector<double> d = m.read<double>(p, m.params());
+      ASSERT_EQ(std::vector<double>(f.begin(), f.end()), d) << p.name;
+    }
+  }
+}
+
 TEST(Init, PureFunctionOfSeedAndName) {
   auto k = make_cpu_kernels();
   StageExecutor a(tiny_model(), *k, DType::f32, 1, 8), b(tiny_model(), *k, DType::f32, 2, 4);
