@@ -294,7 +294,8 @@ if ((gpu)); then
       if out=$(ours timeout "$(limit 120)" "$BENCH" --workload "$workload" --device cuda \
         --dtype "$dtype" --batch "$batch" --warmup 3 --steps "${STEPS:-10}" 2>>"$LOGS/bench.log"); then
         echo "$out" >>"$LOGS/bench.log"
-        field() { sed -E "s/.*\"$1\":\"?([^,\"]*).*/\1/" <<<"$out"; }
+        # A field's value: a quoted string whole (the device's name has commas), else a number.
+        field() { sed -E -e "s/.*\"$1\":\"([^\"]*)\".*/\1/;t" -e "s/.*\"$1\":([^,}]*).*/\1/" <<<"$out"; }
         note "$(printf '%s %s batch %s: %.0f tokens/s, %.1f ms/step, MFU %.3f, peak GPU memory %.0f MB on %s' \
           "$workload" "$dtype" "$batch" "$(field tokens_per_s)" "$(field ms_per_step)" \
           "$(field mfu)" "$(field peak_gpu_mb)" "$(field device)")"

@@ -688,9 +688,14 @@ TEST_F(CudaCli, TrainsLikeTheCpuDeterministicallyAndWithRanksSharingTheGpu) {
 // run.gpu_memory_fraction reserves that share of the GPU, split between the ranks sharing it;
 // run.gpu_collectives: "auto" stages through MPI for ranks sharing a GPU, "nccl" refuses them.
 TEST_F(CudaCli, MemoryFractionAndCollectivesReachThePlacement) {
+  // Each run in a directory of its own: a fresh run refuses one that already holds a run.
   auto reserved_gib = [&](int ranks, const std::string& settings, std::string* banner) {
+    static int runs = 0;
+    std::string name = "m";
+    name += std::to_string(runs++);
+    const std::string dir = path(name);
     const auto r = mpirun(ranks, "--set train.steps=1 --set run.device=" + quoted("cuda") + " " +
-                                     settings + " --set run.out_dir=" + quoted(path("m")));
+                                     settings + " --set run.out_dir=" + quoted(dir));
     EXPECT_EQ(r.code, 0) << r.output;
     *banner = r.output;
     const size_t at = r.output.find(" GiB reserved per rank");
