@@ -742,6 +742,39 @@ TEST_F(CudaCli, PhasesAreTimedOnlyWhenAsked) {
   }
 }
 
+// NVML's readings of each rank's GPU (trainer/gpu_health.h) in metrics.jsonl: at the start and at
+// every log interval, one per rank (two ranks sharing the GPU), a temperature a GPU can have and
+// a power draw where the GPU reports one. NVML is optional (it comes with the driver, and a
+// container may lack it): where the run says it skipped the readings, so does this test.
+TEST_F(CudaCli, GpuHealthReadingsReachTheMetrics) {
+  const std::string out = path("health");
+  const auto r = mpirun(2,
+                        "--set train.steps=2 --set train.log_every=1 "
+                        "--set run.gpu_memory_fraction=0.2 --set run.device=" +
+                            quoted("cuda") + " --set run.out_dir=" + quoted(out));
+  ASSERT_EQ(r.code, 0) << r.output;
+  if (const size_t at = r.output.find("GPU health: NVML readings skipped"); at != std::string::npos)
+    GTEST_SKIP() << r.output.substr(at, r.output.find('\n', at) - at);
+  std::ifstream in(out + "/metrics.jsonl");
+  int readings = 0;
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (!j.contains("gpu")) continue;
+    readings++;
+    ASSERT_EQ(j["gpu"].size(), 2u) << line;
+    for (const auto& g : j["gpu"]) {
+      ASSERT_TRUE(g["temperature_c"].is_number()) << line;
+      EXPECT_GT(g["temperature_c"].get<double>(), 0) << line;
+      EXPECT_LT(g["temperature_c"].get<double>(), 120) << line;
+      if (g["power_w"].is_number()) {
+        EXPECT_GT(g["power_w"].get<double>(), 0) << line;
+      }
+      EXPECT_TRUE(g["slowdown"].is_string()) << line;
+    }
+  }
+  EXPECT_GE(readings, 3) << "the start and steps 0 and 1";
+}
+
 // [profile] on the GPU: the device's operators in the trace, on a track of their own ("GPU"),
 // timed by events (so that each lasts what it ran, not what issuing it took), inside the traced
 // steps, one after another as the stream ran them, and in the table of top operators.
