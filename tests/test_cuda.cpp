@@ -225,12 +225,13 @@ TEST_P(CudaKernels, MatmulForwardBackwardWithAndWithoutBias) {
 // The GELU fused into cuBLASLt's epilogues (OC = 56, ld a multiple of 8; 16-bit only) and the
 // unfused path (OC = 52, and fp32). Fused, the activation is the GELU of the unrounded
 // pre-activation and the input gradient is rounded once from fp32 products: two roundings apart
-// from the CPU's separate kernels, so 2x; 4x for fp16 fused, where cuBLASLt's own tanh (if an
-// approximation good to ~5e-4, as the hardware's) moves GELU's slope by ~1.4e-3 near -2, times
-// |dy W| up to ~5 (an error of O(1) would still fail). The backward starts from the CPU's pre and
-// act, so that the weight gradient, a sum over 96 rows, compares a product of equal inputs. Which
-// path ran is checked from the operators the backend reports: a fused epilogue cuBLASLt declined
-// would otherwise pass as the fallback.
+// from the CPU's separate kernels, so 2x; 4x for the fp16 fused input gradient, where cuBLASLt's
+// own tanh, if an approximation good to ~5e-4 (as the hardware's: not measured, no GPU yet),
+// moves GELU's slope by ~1.4e-3 near -2, times |dy W| up to ~5 (a wrong epilogue is still off by
+// orders more). The backward starts from the CPU's pre and act, so that the weight gradient, a
+// sum over 96 rows, compares a product of equal inputs. Which path ran is checked from the
+// operators the backend reports: a fused epilogue cuBLASLt declined would otherwise pass as the
+// fallback.
 TEST_P(CudaKernels, MatmulWithGeluFusedAndFallback) {
   const DType t = GetParam();
   Backends b;
@@ -257,8 +258,7 @@ TEST_P(CudaKernels, MatmulWithGeluFusedAndFallback) {
     EXPECT_EQ(times_heard("matmul_gelu_forward"), fused ? 1 : 0)
         << "the fused GELU forward (GELU_AUX_BIAS epilogue) " << (fused ? "did not run" : "ran");
     EXPECT_TRUE(b.close(pre, tolerance(t)));
-    const double gelu_chain = fused && t == DType::f16 ? 4 : 2;
-    EXPECT_TRUE(b.close(act, tolerance(t, gelu_chain)));
+    EXPECT_TRUE(b.close(act, tolerance(t, 2)));
     b.copy_cpu_to_gpu(pre);
     b.copy_cpu_to_gpu(act);
     b.both([&](Kernels& k, auto at) {
@@ -269,7 +269,7 @@ TEST_P(CudaKernels, MatmulWithGeluFusedAndFallback) {
     EXPECT_EQ(times_heard("matmul_backward_input_gelu"), fused ? 1 : 0)
         << "the fused GELU backward (DGELU epilogue) " << (fused ? "did not run" : "ran");
     heard.clear();
-    EXPECT_TRUE(b.close(dact, tolerance(t, gelu_chain)));
+    EXPECT_TRUE(b.close(dact, tolerance(t, fused && t == DType::f16 ? 4 : 2)));
     EXPECT_TRUE(b.close(dw2, tolerance(t)));
     EXPECT_TRUE(b.close(db2, tolerance(DType::f32)));
   }
@@ -692,8 +692,8 @@ TEST_F(CudaCli, TrainsLikeTheCpuDeterministicallyAndWithRanksSharingTheGpu) {
 // run.gpu_collectives: "auto" stages through MPI for ranks sharing a GPU, "nccl" refuses them.
 TEST_F(CudaCli, MemoryFractionAndCollectivesReachThePlacement) {
   // Each run in a directory of its own: a fresh run refuses one that already holds a run.
+  int runs = 0;
   auto reserved_gib = [&](int ranks, const std::string& settings, std::string* banner) {
-    static int runs = 0;
     std::string name = "m";
     name += std::to_string(runs++);
     const std::string dir = path(name);
@@ -743,9 +743,11 @@ TEST_F(CudaCli, PhasesAreTimedOnlyWhenAsked) {
 }
 
 // NVML's readings of each rank's GPU (trainer/gpu_health.h) in metrics.jsonl: at the start and at
-// every log interval, one per rank (two ranks sharing the GPU), a temperature a GPU can have and
-// a power draw where the GPU reports one. NVML is optional (it comes with the driver, and a
-// container may lack it): where the run says it skipped the readings, so does this test.
+// every log interval, one per rank (two ranks sharing the GPU), and the temperatures and power
+// draws NVML reads in a range a GPU can have (one it cannot read stays null). NVML is optional:
+// it comes with the driver, a container may lack it, and it may not know the GPU (a MIG
+// instance); where the run says it skipped the readings, or NVML read no temperature, this
+// test skips.
 TEST_F(CudaCli, GpuHealthReadingsReachTheMetrics) {
   const std::string out = path("health");
   const auto r = mpirun(2,
@@ -756,23 +758,27 @@ TEST_F(CudaCli, GpuHealthReadingsReachTheMetrics) {
   if (const size_t at = r.output.find("GPU health: NVML readings skipped"); at != std::string::npos)
     GTEST_SKIP() << r.output.substr(at, r.output.find('\n', at) - at);
   std::ifstream in(out + "/metrics.jsonl");
-  int readings = 0;
+  int readings = 0, temperatures = 0;
   for (std::string line; std::getline(in, line);) {
     const auto j = nlohmann::json::parse(line);
     if (!j.contains("gpu")) continue;
     readings++;
     ASSERT_EQ(j["gpu"].size(), 2u) << line;
     for (const auto& g : j["gpu"]) {
-      ASSERT_TRUE(g["temperature_c"].is_number()) << line;
-      EXPECT_GT(g["temperature_c"].get<double>(), 0) << line;
-      EXPECT_LT(g["temperature_c"].get<double>(), 120) << line;
+      EXPECT_TRUE(g.contains("ecc_uncorrected")) << line;
+      EXPECT_TRUE(g["slowdown"].is_string()) << line;
+      if (g["temperature_c"].is_number()) {
+        temperatures++;
+        EXPECT_GT(g["temperature_c"].get<double>(), 0) << line;
+        EXPECT_LT(g["temperature_c"].get<double>(), 120) << line;
+      }
       if (g["power_w"].is_number()) {
         EXPECT_GT(g["power_w"].get<double>(), 0) << line;
       }
-      EXPECT_TRUE(g["slowdown"].is_string()) << line;
     }
   }
   EXPECT_GE(readings, 3) << "the start and steps 0 and 1";
+  if (temperatures == 0) GTEST_SKIP() << "NVML opened but read no temperature";
 }
 
 // [profile] on the GPU: the device's operators in the trace, on a track of their own ("GPU"),
