@@ -11,6 +11,7 @@
 #include <iterator>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <regex>
 #include <set>
 #include <string>
 #include <vector>
@@ -159,7 +160,11 @@ TEST_F(MpiCli, ProfileTracesEveryPhaseOfTheChosenSteps) {
                             quoted(path("run")));
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_EQ(count(r.output, "profile: 2 steps traced"), 1) << r.output;
-  EXPECT_EQ(count(r.output, "matmul_forward"), 1) << r.output;
+  // The table's operators are the 8 that took longest, and which of this tiny model's make it
+  // depends on the machine's moment (matmul_forward once fell out): any matrix multiply, with
+  // its GFLOP/s.
+  const std::regex gemm_row(R"(\n  matmul_(forward|backward) +\d+ +[\d.]+ +[\d.]+% +[\d.]+\n)");
+  EXPECT_TRUE(std::regex_search(r.output, gemm_row)) << r.output;
   for (int rank = 0; rank < 4; rank++) {
     SCOPED_TRACE("rank " + std::to_string(rank));
     std::ifstream in(path("run/trace/rank_" + std::to_string(rank) + ".json"));
