@@ -301,13 +301,10 @@ std::vector<H> StageExecutor::read(const ParamInfo& p, DPtr buffer) const {
   std::vector<H> out(n);
   if (buffer.dtype == dtype_of<H>()) {
     k_.copy_to_host(out.data(), buffer + p.offset, n);
-    return out;
-  }
-  if constexpr (std::is_same_v<H, float>) {
+  } else if constexpr (std::is_same_v<H, float>) {
     k_.download_f32(out.data(), buffer + p.offset, n);
   } else {
-    std::vector<float> floats(n);
-    k_.download_f32(floats.data(), buffer + p.offset, n);
+    const std::vector<float> floats = read<float>(p, buffer);
     std::copy(floats.begin(), floats.end(), out.begin());
   }
   return out;
