@@ -226,7 +226,8 @@ int run(const Options& opt) {
     const auto t_step = Clock::now();
     model.zero_grad();
     auto t0 = Clock::now();
-    loss = model.forward(tokens.data(), targets.data(), B, T);  // returns the loss: synchronises
+    // Returns the loss: synchronises.
+    loss = model.training_forward(0, tokens.data(), targets.data(), B, T, 1.0f);
     if (step == 0) first_loss = loss;
     const double fwd = seconds_since(t0);
     t0 = Clock::now();

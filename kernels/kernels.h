@@ -282,6 +282,16 @@ class Kernels {
   // exp(logit - rowmax) / sumexp from the (combined) statistics; padding columns become 0.
   virtual void crossentropy_backward(DPtr logits, DPtr rowmax, DPtr sumexp, const int32_t* targets,
                                      float dloss, int64_t N, VocabSlice vocab) = 0;
+  // 1 and the backward at once, where no group combines the statistics in between (one rank
+  // holds the whole vocabulary, and a backward follows): the same statistics and gradients, the
+  // logits gone afterwards. A backend may do both in one pass over each row, while it is in
+  // cache; this one runs the two.
+  virtual void crossentropy_stats_and_backward(DPtr rowmax, DPtr sumexp, DPtr target_logit,
+                                               DPtr logits, const int32_t* targets, float dloss,
+                                               int64_t N, VocabSlice vocab) {
+    crossentropy_stats(rowmax, sumexp, target_logit, logits, targets, N, vocab);
+    crossentropy_backward(logits, rowmax, sumexp, targets, dloss, N, vocab);
+  }
 
   // --- precision -----------------------------------------------------------------------------
   // dst(n) = src(n) converted to dst's dtype (fp32 -> bf16/fp16 rounds to nearest even). A

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <stdexcept>
 #include <type_traits>
+#include <utility>
 
 #include "model/init.h"
 
@@ -230,7 +231,8 @@ StageExecutor::StageExecutor(const ModelConfig& cfg, Kernels& kernels, DType dty
   for (const ParamInfo& p : table().params)
     if (p.layer < 0 && p.offset > blocks_end) head_frontier_ = std::min(head_frontier_, p.offset);
   first_block_unit_ = layers_ > 0 && units_.front().begin < layer_frontier_.front() ? 1 : 0;
-  have_loss_stats_.assign(slots_, 0);
+  loss_state_.assign(slots_, LossState::none);
+  gradient_scale_.assign(slots_, 0.0f);
   dropout_keys_.assign(slots_, 0);
   tokens_.assign(slots_, std::vector<int32_t>(size_t(max_B) * max_T));
   targets_.assign(slots_, std::vector<int32_t>(size_t(max_B) * max_T));
@@ -375,13 +377,23 @@ LayerCall StageExecutor::call(int slot, int B, int T, const DPtr* acts) const {
 
 // Vocab-parallel softmax + cross-entropy: only the per-row max, exp-sum and target logit cross
 // the tensor-parallel group, never the logits.
-double StageExecutor::cross_entropy(int slot, int64_t BT) {
+double StageExecutor::cross_entropy(int slot, int64_t BT,
+                                    std::optional<float> backward_loss_scale) {
   const SlotViews& s = views_[slot];
   const VocabSlice vocab = def_->vocab();
   // The target logits right after the BT sums, so that one all-reduce carries both.
   const DPtr target_logit = s.sumexp + BT;
-  k_.crossentropy_stats(s.rowmax, s.sumexp, target_logit, s.logits, targets_[slot].data(), BT,
-                        vocab);
+  const int32_t* targets = targets_[slot].data();
+  if (backward_loss_scale && tp_.size() == 1) {
+    // The mean over B*T tokens, as backward() weighs it.
+    k_.crossentropy_stats_and_backward(s.rowmax, s.sumexp, target_logit, s.logits, targets,
+                                       *backward_loss_scale / float(BT), BT, vocab);
+    loss_state_[slot] = LossState::gradients;
+    gradient_scale_[slot] = *backward_loss_scale;
+    return k_.crossentropy_loss(s.losses, s.rowmax, s.sumexp, target_logit, BT);
+  }
+  k_.crossentropy_stats(s.rowmax, s.sumexp, target_logit, s.logits, targets, BT, vocab);
+  loss_state_[slot] = LossState::stats;
   if (tp_.size() > 1) {
     // Each rank's sums are over its own slice's max: rebased on the group's before adding.
     const DPtr group_max = s.rowmax + BT;
@@ -425,8 +437,8 @@ void StageExecutor::run_layers_forward(int slot, int B, int T, bool inference, i
   pos0_ = 0;
 }
 
-double StageExecutor::forward(int slot, const int32_t* tokens, const int32_t* targets, int B,
-                              int T) {
+double StageExecutor::run_forward(int slot, const int32_t* tokens, const int32_t* targets, int B,
+                                  int T, std::optional<float> backward_loss_scale) {
   if (slot < 0 || slot >= slots_) throw std::out_of_range("activation slot out of range");
   if (B > max_B_ || T > max_T_) throw std::invalid_argument("batch larger than planned");
   check_splits(T, cp_);
@@ -439,7 +451,7 @@ double StageExecutor::forward(int slot, const int32_t* tokens, const int32_t* ta
   B_ = B;
   T_ = T;
   const int64_t BT = int64_t(B) * T;
-  have_loss_stats_[slot] = false;
+  loss_state_[slot] = LossState::none;
   dropout_keys_[slot] = 0;
   if (training_ && targets && config().dropout > 0) {
     dropout_keys_[slot] = mix64(step_key_ ^ mix64(uint64_t(next_micro_))) | 1;  // never 0
@@ -447,9 +459,8 @@ double StageExecutor::forward(int slot, const int32_t* tokens, const int32_t* ta
   }
   run_layers_forward(slot, B, T, false, 0);
   if (!shard().last_stage() || !targets) return 0.0;
-  have_loss_stats_[slot] = true;
   take_chunks(targets, targets_[slot].data(), B, T * cp_.size());
-  return cross_entropy(slot, BT);
+  return cross_entropy(slot, BT, backward_loss_scale);
 }
 
 void StageExecutor::infer(const int32_t* tokens, int T, int pos0) {
@@ -457,7 +468,7 @@ void StageExecutor::infer(const int32_t* tokens, int T, int pos0) {
     throw std::invalid_argument("inference past the planned context");
   if (T > inference_rows()) throw std::invalid_argument("more tokens than infer() takes at once");
   if (shard().first_stage()) std::copy(tokens, tokens + T, tokens_[0].begin());
-  have_loss_stats_[0] = false;
+  loss_state_[0] = LossState::none;
   dropout_keys_[0] = 0;
   run_layers_forward(0, 1, T, true, pos0);
 }
@@ -519,12 +530,15 @@ void StageExecutor::backward(int slot, float loss_scale) {
 
   const DPtr x_last = output(slot);
   if (sh.last_stage()) {
-    if (!have_loss_stats_[slot])
+    const LossState state = std::exchange(loss_state_[slot], LossState::none);
+    if (state == LossState::none)
       throw std::logic_error("backward() needs a forward() with targets");
-    have_loss_stats_[slot] = false;  // the logits become gradients
+    if (state == LossState::gradients && gradient_scale_[slot] != loss_scale)
+      throw std::logic_error("backward()'s loss scale is not its training_forward()'s");
     // The mean over B*T tokens: each token's loss has weight loss_scale / (B*T).
-    k_.crossentropy_backward(v.logits, v.rowmax, v.sumexp, targets_[slot].data(),
-                             loss_scale / float(BT), BT, def_->vocab());
+    if (state == LossState::stats)  // the logits become gradients
+      k_.crossentropy_backward(v.logits, v.rowmax, v.sumexp, targets_[slot].data(),
+                               loss_scale / float(BT), BT, def_->vocab());
     const int tail = int(units_.size()) - 1;  // the final norm and head
     const LayerCall c = open_params(with_progress(call(slot, B, T, v.head.data())), tail, -1);
     def_->head_backward(open_unit(c, tail), x_last, v.logits, d_res_);

@@ -159,7 +159,19 @@ class StageExecutor {
   // One stage on micro-batch `slot`: the first stage embeds `tokens`, the others start from
   // input(slot); the last stage computes the loss when targets are given (else the logits),
   // the others leave their output in output(slot). Returns the mean loss (last stage).
-  double forward(int slot, const int32_t* tokens, const int32_t* targets, int B, int T);
+  double forward(int slot, const int32_t* tokens, const int32_t* targets, int B, int T) {
+    return run_forward(slot, tokens, targets, B, T, std::nullopt);
+  }
+  // forward() with targets for the backward(slot, loss_scale) that follows it. Where one rank
+  // holds the whole vocabulary (no tensor-parallel group combines the loss's statistics first),
+  // the last stage turns each row of logits into its gradient at once, while the row is in
+  // cache: one pass over the B x T x vocab logits where forward() and backward() make two, and
+  // logits(slot) holds gradients afterwards. The loss and gradients are forward()'s and
+  // backward()'s, bit for bit.
+  double training_forward(int slot, const int32_t* tokens, const int32_t* targets, int B, int T,
+                          float loss_scale) {
+    return run_forward(slot, tokens, targets, B, T, loss_scale);
+  }
   // Inference with a key/value cache, one sequence (slot 0): the T tokens at positions
   // [pos0, pos0 + T) (the first stage embeds them, the others start from input(0)), attending
   // to every earlier position of the previous infer() calls since one with pos0 = 0. The last
@@ -242,7 +254,9 @@ class StageExecutor {
   bool recomputed(int local_layer) const { return local_layer < recompute_layers_; }
   // Remakes what block `local` did not keep of the forward of the micro-batch `c` is for.
   void recompute(const LayerCall& c, int local, DPtr x);
-  double cross_entropy(int slot, int64_t BT);
+  double run_forward(int slot, const int32_t* tokens, const int32_t* targets, int B, int T,
+                     std::optional<float> backward_loss_scale);
+  double cross_entropy(int slot, int64_t BT, std::optional<float> backward_loss_scale);
   // This rank's tokens of B whole sequences of T (all of them, or its chunks).
   void take_chunks(const int32_t* whole, int32_t* mine, int B, int T) const;
   void run_layers_forward(int slot, int B, int T, bool inference, int pos0);
@@ -264,8 +278,13 @@ class StageExecutor {
   int B_ = 0, T_ = 0;  // shape of the last forward (T_: this rank's tokens of each sequence)
   bool inference_ = false, last_inference_ = false;
   int pos0_ = 0;
-  std::vector<char> have_loss_stats_;  // per slot: forward kept the loss statistics backward needs
-  bool training_ = false;              // dropout on (train_mode)
+  // Per slot, what the last forward left in the logits for backward: nothing (no targets, or
+  // backward ran), the loss's statistics beside them, or their gradients, made with
+  // gradient_scale_'s loss scale.
+  enum class LossState : char { none, stats, gradients };
+  std::vector<LossState> loss_state_;
+  std::vector<float> gradient_scale_;
+  bool training_ = false;  // dropout on (train_mode)
   uint64_t step_key_ = 0;
   int64_t next_micro_ = 0;
   int micro_stride_ = 0;

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <map>
 #include <numbers>
+#include <set>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -261,6 +262,56 @@ INSTANTIATE_TEST_SUITE_P(Models, Recomputation,
                                             ::testing::Values(Recompute::selective,
                                                               Recompute::full)),
                          arch_and_recompute);
+
+// A training forward makes the logits' gradients in its cross-entropy pass (one rank holds the
+// vocabulary): the loss and every parameter gradient are those of forward() then backward(), bit
+// for bit, for both models in fp32 and bf16 and two micro-batches in flight; the backward then
+// runs no cross-entropy of its own (what the profile shows), and one with another loss scale
+// than its forward's is refused.
+TEST(TrainingForward, MakesTheLogitsGradientsBitwiseInOnePass) {
+  for (Arch arch : {Arch::gpt2, Arch::llama})
+    for (DType dtype : {DType::f32, DType::bf16}) {
+      const ModelConfig cfg = tiny(arch);
+      const int B = 2, T = cfg.seq_len;
+      auto k = make_cpu_kernels();
+      std::multiset<std::string> ops;
+      k->set_op_observer([&](const char* op, double, auto, auto) { ops.insert(op); });
+      const std::vector<int32_t> tokens = pseudo_tokens(2 * B * T, cfg.vocab_size, 0),
+                                 targets = pseudo_tokens(2 * B * T, cfg.vocab_size, 1000);
+      const float scale = 1024.0f;
+      auto run = [&](bool training_forward, std::vector<double>& losses) {
+        StageOptions o;
+        o.slots = 2;
+        StageExecutor model(cfg, *k, dtype, B, T, o);
+        model.init_parameters(7);
+        model.zero_grad();
+        ops.clear();
+        for (int s = 0; s < 2; s++) {
+          const int32_t *x = &tokens[s * B * T], *y = &targets[s * B * T];
+          losses.push_back(training_forward ? model.training_forward(s, x, y, B, T, scale)
+                                            : model.forward(s, x, y, B, T));
+        }
+        model.backward(1, scale);
+        model.backward(0, scale);
+        std::vector<float> grads(model.table().total);
+        k->download_f32(grads.data(), model.grads(), int64_t(grads.size()));
+        if (training_forward) {
+          model.training_forward(0, tokens.data(), targets.data(), B, T, scale);
+          EXPECT_THROW(model.backward(0, scale / 2), std::logic_error);
+        }
+        return grads;
+      };
+      const std::string where = std::string(arch_name(arch)) + " " + std::string(dtype_name(dtype));
+      std::vector<double> want_losses, losses;
+      const std::vector<float> want = run(false, want_losses);
+      EXPECT_EQ(ops.count("crossentropy_stats"), 2u) << where;
+      EXPECT_EQ(ops.count("crossentropy_backward"), 2u) << where;
+      EXPECT_EQ(run(true, losses), want) << where;
+      EXPECT_EQ(losses, want_losses) << where;
+      EXPECT_EQ(ops.count("crossentropy_stats_and_backward"), 3u) << where;
+      EXPECT_EQ(ops.count("crossentropy_stats") + ops.count("crossentropy_backward"), 0u) << where;
+    }
+}
 
 // Gradient units (ZeRO-2's, model/grad_units.h) tile each shard's table in offset order, start
 // on multiples of the table's unit multiple, hold one block's (or the embeddings', or the final

@@ -62,7 +62,8 @@ double Pipeline::step(int micro_batches, const std::function<const Batch&()>& ne
       output_sends_[slot].wait();  // its buffer is about to be rewritten
       if (a.recv >= 0) pp_.recv(model_.input(slot), activation, a.recv, forward_tag(a.micro));
       const auto t0 = Clock::now();
-      loss += model_.forward(slot, batch.inputs.data(), batch.targets.data(), B_, T_);
+      loss += model_.training_forward(slot, batch.inputs.data(), batch.targets.data(), B_, T_,
+                                      loss_scale);
       phase_done();
       times.forward_s += seconds_since(t0);
       if (a.send >= 0)

@@ -480,6 +480,21 @@ class CpuKernels final : public Kernels {
                                  v);
     });
   }
+  void crossentropy_stats_and_backward(DPtr rowmax, DPtr sumexp, DPtr target_logit, DPtr logits,
+                                       const int32_t* targets, float dloss, int64_t N,
+                                       VocabSlice v) override {
+    const OpSpan span(meter_, "crossentropy_stats_and_backward");
+    if (Staging::any_half({rowmax, sumexp, target_logit, logits})) {
+      Staging s(pool_);
+      return crossentropy_stats_and_backward(s.out(rowmax, N), s.out(sumexp, N),
+                                             s.out(target_logit, N), s.inout(logits, N * v.width),
+                                             targets, dloss, N, v);
+    }
+    dispatch(logits.dtype, [&]<class S>(S) {
+      cpu::crossentropy_stats_and_backward(rowmax.as<S>(), sumexp.as<S>(), target_logit.as<S>(),
+                                           logits.as<S>(), targets, dloss, N, v);
+    });
+  }
   void convert(DPtr dst, DPtr src, int64_t n, uint64_t stochastic_seed) override {
     const OpSpan span(meter_, "convert");
     if (dst.dtype == src.dtype) {

@@ -98,6 +98,9 @@ double crossentropy_loss(T* losses, const T* rowmax, const T* sumexp, const T* t
 template <class T>
 void crossentropy_backward(T* logits, const T* rowmax, const T* sumexp, const int32_t* targets,
                            float dloss, int64_t N, VocabSlice v);
+template <class T>
+void crossentropy_stats_and_backward(T* rowmax, T* sumexp, T* target_logit, T* logits,
+                                     const int32_t* targets, float dloss, int64_t N, VocabSlice v);
 
 template <class T>
 double sum_squares(const T* x, int64_t n);

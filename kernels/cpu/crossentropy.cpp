@@ -3,10 +3,12 @@
 // (16-bit logits are staged through fp32 as every CPU kernel's are); the backward
 // recomputes the exponentials from those and writes the gradients over the logits. Each row
 // (32000-50257 floats) is one task: its second pass (the exponentials after the max) reads it
-// from L2, not memory.
+// from L2, not memory. Where no group combines the statistics in between, both run at once:
+// each row's exponentials are kept in place and scaled into its gradients while it is in L2.
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/fast_math.h"
@@ -60,12 +62,47 @@ void crossentropy_backward(T* logits, const T* rowmax, const T* sumexp, const in
   }
 }
 
-#define INSTANTIATE(T)                                                                            \
-  template void crossentropy_stats<T>(T*, T*, T*, const T*, const int32_t*, int64_t, VocabSlice); \
-  template void crossentropy_rebase<T>(T*, T*, const T*, int64_t);                                \
-  template double crossentropy_loss<T>(T*, const T*, const T*, const T*, int64_t);                \
-  template void crossentropy_backward<T>(T*, const T*, const T*, const int32_t*, float, int64_t,  \
-                                         VocabSlice);
+// The float exponentials are exp_shifted's, the same bits as the backward's fast_exp
+// (fast_math.h), and their sum is sum_exp_shifted's, in the same order: the statistics, the loss
+// and the gradients are those of crossentropy_stats and crossentropy_backward, bit for bit. W-S's
+// 1024 x 50257 logits on 2 threads: 9.5 ms against 8.7 + 7.3 (the separate passes each read
+// the rows from memory, and the backward computes the exponentials again); with the exponentials
+// recomputed from the stats in L2 instead of kept, 17.5.
+template <class T>
+void crossentropy_stats_and_backward(T* rowmax, T* sumexp, T* target_logit, T* logits,
+                                     const int32_t* targets, float dloss, int64_t N, VocabSlice v) {
+  const T d = T(dloss);
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; n++) {
+    T* row = logits + n * v.width;
+    const T mx = std::max(row_max(row, v.valid), std::numeric_limits<T>::lowest());
+    const bool holds = v.holds(targets[n]);
+    rowmax[n] = mx;
+    target_logit[n] = holds ? row[targets[n] - v.start] : T(0);
+    if constexpr (std::is_same_v<T, float>) {
+      sumexp[n] = exp_shifted(row, v.valid, mx);  // the exponentials in place of the logits
+      const T inv = T(1) / sumexp[n];
+#pragma omp simd
+      for (int i = 0; i < v.valid; i++) row[i] = row[i] * inv * d;
+    } else {  // fp64 (finite differences): the two passes' loops, libm's exp summed in order
+      sumexp[n] = sum_exp_shifted(row, v.valid, mx);
+      const T inv = T(1) / sumexp[n];
+#pragma omp simd
+      for (int i = 0; i < v.valid; i++) row[i] = fast_exp(row[i] - mx) * inv * d;
+    }
+    std::fill(row + v.valid, row + v.width, T(0));
+    if (holds) row[targets[n] - v.start] -= d;
+  }
+}
+
+#define INSTANTIATE(T)                                                                             \
+  template void crossentropy_stats<T>(T*, T*, T*, const T*, const int32_t*, int64_t, VocabSlice);  \
+  template void crossentropy_rebase<T>(T*, T*, const T*, int64_t);                                 \
+  template double crossentropy_loss<T>(T*, const T*, const T*, const T*, int64_t);                 \
+  template void crossentropy_backward<T>(T*, const T*, const T*, const int32_t*, float, int64_t,   \
+                                         VocabSlice);                                              \
+  template void crossentropy_stats_and_backward<T>(T*, T*, T*, T*, const int32_t*, float, int64_t, \
+                                                   VocabSlice);
 INSTANTIATE(float)
 INSTANTIATE(double)
 
