@@ -141,7 +141,8 @@ TEST_F(Cli, ConfigErrorsExitTwo) {
 // device = "cuda" where CUDA cannot run (a build without nvcc, or no GPU): a config error
 // naming the key, not a crash; and the GPU settings are validated like every other key.
 TEST_F(Cli, CudaWithoutAGpuIsAConfigError) {
-  if (cuda_device_count() > 0) GTEST_SKIP() << "a GPU is visible: tests/test_cuda.cpp trains on it";
+  if (cuda_device_count() > 0)
+    GTEST_SKIP() << "a GPU is visible: tests/test_cuda_cli.cpp trains on it";
   prepare_data();
   const std::string config = write_config("run.toml", "out", 2);
   Result r = run("train " + config + " --set run.device=\"cuda\"");

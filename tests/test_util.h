@@ -20,6 +20,11 @@
 
 #include "kernels/kernels.h"
 
+// Skips a test, saying so, where no GPU is visible (the CUDA tests, CTest label `gpu`).
+#define REQUIRE_GPU()                                                                        \
+  if (trainer::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device visible: GPU test " \
+                                                         "skipped"
+
 namespace trainer::test {
 
 // Runs a shell command; returns its exit code (-1 if killed) and stdout + stderr together.
