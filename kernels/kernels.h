@@ -265,7 +265,9 @@ class Kernels {
   // reads them from memory once and keeps three numbers a row, the backward turns them into
   // their gradients in one pass (no probabilities are stored: four passes over the N x vocab
   // matrix in memory became two; the CPU's forward reads each row twice, the second from L2).
-  // Ranks that share the vocabulary combine only the per-row statistics, never the logits.
+  // Ranks that share the vocabulary combine only the per-row statistics, never the logits. A
+  // training step on one rank holding the whole vocabulary runs both at once (below), and its
+  // logits are gradients after the forward.
   // 1. rowmax(N) = the max over the slice's real columns (lowest float when it has none);
   //    sumexp(N) = the sum of exp(logit - rowmax) over them; target_logit(N) = the target's
   //    logit if this slice holds it, else 0.
@@ -284,8 +286,9 @@ class Kernels {
                                      float dloss, int64_t N, VocabSlice vocab) = 0;
   // 1 and the backward at once, where no group combines the statistics in between (one rank
   // holds the whole vocabulary, and a backward follows): the same statistics and gradients, the
-  // logits gone afterwards. A backend may do both in one pass over each row, while it is in
-  // cache; this one runs the two.
+  // logits gone afterwards, for statistics in fp32 or fp64 (16-bit ones would be rounded between
+  // the two passes, not in one). A backend may do both in one pass over each row, while it is in
+  // cache (the CPU's); this one runs the two (the CUDA backend's).
   virtual void crossentropy_stats_and_backward(DPtr rowmax, DPtr sumexp, DPtr target_logit,
                                                DPtr logits, const int32_t* targets, float dloss,
                                                int64_t N, VocabSlice vocab) {

@@ -164,10 +164,11 @@ class StageExecutor {
   }
   // forward() with targets for the backward(slot, loss_scale) that follows it. Where one rank
   // holds the whole vocabulary (no tensor-parallel group combines the loss's statistics first),
-  // the last stage turns each row of logits into its gradient at once, while the row is in
-  // cache: one pass over the B x T x vocab logits where forward() and backward() make two, and
-  // logits(slot) holds gradients afterwards. The loss and gradients are forward()'s and
-  // backward()'s, bit for bit.
+  // the last stage turns each row of logits into its gradient at once (on the CPU while the row
+  // is in cache: one pass over the B x T x vocab logits where forward() and backward() make two;
+  // the CUDA backend runs its two kernels), and logits(slot) holds gradients afterwards. The
+  // loss and gradients are forward()'s and backward()'s, bit for bit; the time of the logits'
+  // gradients is the forward's.
   double training_forward(int slot, const int32_t* tokens, const int32_t* targets, int B, int T,
                           float loss_scale) {
     return run_forward(slot, tokens, targets, B, T, loss_scale);

@@ -272,6 +272,26 @@ TEST_F(MpiCli, ProfileTracesEveryPhaseOfTheChosenSteps) {
   EXPECT_FALSE(std::filesystem::exists(path("plain/trace")));
 }
 
+// A training step on one rank (the whole vocabulary) makes the cross-entropy's gradients in its
+// forward, one pass over the logits (StageExecutor::training_forward): its profile has that
+// operator once a micro-batch and neither of the two passes (which tp = 2 above keeps).
+TEST_F(MpiCli, OneRankTrainsWithTheCrossEntropyInOnePass) {
+  const auto r = mpirun(1,
+                        "--set train.steps=2 --set train.grad_accum=2 --set profile.steps=[1,1] "
+                        "--set run.out_dir=" +
+                            quoted(path("run")));
+  ASSERT_EQ(r.code, 0) << r.output;
+  std::ifstream in(path("run/trace/rank_0.json"));
+  ASSERT_TRUE(in.good());
+  const nlohmann::json trace = nlohmann::json::parse(in);
+  std::map<std::string, int> ops;
+  for (const auto& e : trace["traceEvents"])
+    if (e["ph"] == "X" && e["cat"] == "op") ops[e["name"].get<std::string>()]++;
+  EXPECT_EQ(ops.count("crossentropy_stats") + ops.count("crossentropy_backward"), 0u);
+  EXPECT_EQ(ops["crossentropy_stats_and_backward"], 2)  // one step of two micro-batches
+      << testing::PrintToString(ops);
+}
+
 // data.prefetch = N: N batches ready ahead of every step (the loader's consumer holds one more).
 TEST_F(MpiCli, PrefetchKeepsThatManyBatchesReady) {
   for (int prefetch : {1, 3}) {
