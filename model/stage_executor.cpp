@@ -231,8 +231,7 @@ StageExecutor::StageExecutor(const ModelConfig& cfg, Kernels& kernels, DType dty
   for (const ParamInfo& p : table().params)
     if (p.layer < 0 && p.offset > blocks_end) head_frontier_ = std::min(head_frontier_, p.offset);
   first_block_unit_ = layers_ > 0 && units_.front().begin < layer_frontier_.front() ? 1 : 0;
-  loss_state_.assign(slots_, LossState::none);
-  gradient_scale_.assign(slots_, 0.0f);
+  loss_state_.assign(slots_, {});
   dropout_keys_.assign(slots_, 0);
   tokens_.assign(slots_, std::vector<int32_t>(size_t(max_B) * max_T));
   targets_.assign(slots_, std::vector<int32_t>(size_t(max_B) * max_T));
@@ -388,12 +387,11 @@ double StageExecutor::cross_entropy(int slot, int64_t BT,
     // The mean over B*T tokens, as backward() weighs it.
     k_.crossentropy_stats_and_backward(s.rowmax, s.sumexp, target_logit, s.logits, targets,
                                        *backward_loss_scale / float(BT), BT, vocab);
-    loss_state_[slot] = LossState::gradients;
-    gradient_scale_[slot] = *backward_loss_scale;
-    return k_.crossentropy_loss(s.losses, s.rowmax, s.sumexp, target_logit, BT);
+    loss_state_[slot] = {LossState::gradients, *backward_loss_scale};
+  } else {
+    k_.crossentropy_stats(s.rowmax, s.sumexp, target_logit, s.logits, targets, BT, vocab);
+    loss_state_[slot] = {LossState::stats};
   }
-  k_.crossentropy_stats(s.rowmax, s.sumexp, target_logit, s.logits, targets, BT, vocab);
-  loss_state_[slot] = LossState::stats;
   if (tp_.size() > 1) {
     // Each rank's sums are over its own slice's max: rebased on the group's before adding.
     const DPtr group_max = s.rowmax + BT;
@@ -451,7 +449,7 @@ double StageExecutor::run_forward(int slot, const int32_t* tokens, const int32_t
   B_ = B;
   T_ = T;
   const int64_t BT = int64_t(B) * T;
-  loss_state_[slot] = LossState::none;
+  loss_state_[slot] = {};
   dropout_keys_[slot] = 0;
   if (training_ && targets && config().dropout > 0) {
     dropout_keys_[slot] = mix64(step_key_ ^ mix64(uint64_t(next_micro_))) | 1;  // never 0
@@ -468,7 +466,7 @@ void StageExecutor::infer(const int32_t* tokens, int T, int pos0) {
     throw std::invalid_argument("inference past the planned context");
   if (T > inference_rows()) throw std::invalid_argument("more tokens than infer() takes at once");
   if (shard().first_stage()) std::copy(tokens, tokens + T, tokens_[0].begin());
-  loss_state_[0] = LossState::none;
+  loss_state_[0] = {};
   dropout_keys_[0] = 0;
   run_layers_forward(0, 1, T, true, pos0);
 }
@@ -530,13 +528,13 @@ void StageExecutor::backward(int slot, float loss_scale) {
 
   const DPtr x_last = output(slot);
   if (sh.last_stage()) {
-    const LossState state = std::exchange(loss_state_[slot], LossState::none);
-    if (state == LossState::none)
+    const LossState state = std::exchange(loss_state_[slot], {});
+    if (state.left == LossState::nothing)
       throw std::logic_error("backward() needs a forward() with targets");
-    if (state == LossState::gradients && gradient_scale_[slot] != loss_scale)
+    if (state.left == LossState::gradients && state.scale != loss_scale)
       throw std::logic_error("backward()'s loss scale is not its training_forward()'s");
     // The mean over B*T tokens: each token's loss has weight loss_scale / (B*T).
-    if (state == LossState::stats)  // the logits become gradients
+    if (state.left == LossState::stats)  // the logits become gradients
       k_.crossentropy_backward(v.logits, v.rowmax, v.sumexp, targets_[slot].data(),
                                loss_scale / float(BT), BT, def_->vocab());
     const int tail = int(units_.size()) - 1;  // the final norm and head

@@ -280,11 +280,12 @@ class StageExecutor {
   bool inference_ = false, last_inference_ = false;
   int pos0_ = 0;
   // Per slot, what the last forward left in the logits for backward: nothing (no targets, or
-  // backward ran), the loss's statistics beside them, or their gradients, made with
-  // gradient_scale_'s loss scale.
-  enum class LossState : char { none, stats, gradients };
+  // backward ran), the loss's statistics beside them, or their gradients, made with `scale`.
+  struct LossState {
+    enum Left : char { nothing, stats, gradients } left = nothing;
+    float scale = 0;
+  };
   std::vector<LossState> loss_state_;
-  std::vector<float> gradient_scale_;
   bool training_ = false;  // dropout on (train_mode)
   uint64_t step_key_ = 0;
   int64_t next_micro_ = 0;

@@ -21,9 +21,11 @@
 #include "kernels/kernels.h"
 
 // Skips a test, saying so, where no GPU is visible (the CUDA tests, CTest label `gpu`).
-#define REQUIRE_GPU()                                                                        \
-  if (trainer::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device visible: GPU test " \
-                                                         "skipped"
+#define REQUIRE_GPU()                                             \
+  do {                                                            \
+    if (trainer::cuda_device_count() == 0)                        \
+      GTEST_SKIP() << "no CUDA device visible: GPU test skipped"; \
+  } while (0)
 
 namespace trainer::test {
 

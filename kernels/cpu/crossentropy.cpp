@@ -15,16 +15,42 @@
 
 namespace trainer::cpu {
 
+namespace {
+
+// One row's parts, which the two passes and the one pass share. Its max over the real columns
+// (the lowest float where the slice has none), and its target's logit (0 where the slice does not
+// hold it): read before the one pass writes over the row.
+template <class T>
+void row_max_and_target(const T* row, int32_t target, VocabSlice v, T& mx, T& target_logit) {
+  mx = std::max(row_max(row, v.valid), std::numeric_limits<T>::lowest());
+  target_logit = v.holds(target) ? row[target - v.start] : T(0);
+}
+// The gradients' last touches, once the real columns hold softmax * d: the padding 0, the
+// target's d taken off.
+template <class T>
+void finish_gradients(T* row, int32_t target, T d, VocabSlice v) {
+  std::fill(row + v.valid, row + v.width, T(0));
+  if (v.holds(target)) row[target - v.start] -= d;
+}
+// The logits of a row replaced by their gradients, the softmax recomputed from the statistics.
+template <class T>
+void gradients_from_logits(T* row, T mx, T sum, int32_t target, T d, VocabSlice v) {
+  const T inv = T(1) / sum;
+#pragma omp simd
+  for (int i = 0; i < v.valid; i++) row[i] = fast_exp(row[i] - mx) * inv * d;
+  finish_gradients(row, target, d, v);
+}
+
+}  // namespace
+
 template <class T>
 void crossentropy_stats(T* rowmax, T* sumexp, T* target_logit, const T* logits,
                         const int32_t* targets, int64_t N, VocabSlice v) {
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; n++) {
     const T* row = logits + n * v.width;
-    const T mx = std::max(row_max(row, v.valid), std::numeric_limits<T>::lowest());
-    rowmax[n] = mx;
-    sumexp[n] = sum_exp_shifted(row, v.valid, mx);
-    target_logit[n] = v.holds(targets[n]) ? row[targets[n] - v.start] : T(0);
+    row_max_and_target(row, targets[n], v, rowmax[n], target_logit[n]);
+    sumexp[n] = sum_exp_shifted(row, v.valid, rowmax[n]);
   }
 }
 
@@ -52,14 +78,8 @@ void crossentropy_backward(T* logits, const T* rowmax, const T* sumexp, const in
                            float dloss, int64_t N, VocabSlice v) {
   const T d = T(dloss);
 #pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; n++) {
-    T* row = logits + n * v.width;
-    const T mx = rowmax[n], inv = T(1) / sumexp[n];
-#pragma omp simd
-    for (int i = 0; i < v.valid; i++) row[i] = fast_exp(row[i] - mx) * inv * d;
-    std::fill(row + v.valid, row + v.width, T(0));
-    if (v.holds(targets[n])) row[targets[n] - v.start] -= d;
-  }
+  for (int64_t n = 0; n < N; n++)
+    gradients_from_logits(logits + n * v.width, rowmax[n], sumexp[n], targets[n], d, v);
 }
 
 // The float exponentials are exp_shifted's, the same bits as the backward's fast_exp
@@ -75,23 +95,17 @@ void crossentropy_stats_and_backward(T* rowmax, T* sumexp, T* target_logit, T* l
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; n++) {
     T* row = logits + n * v.width;
-    const T mx = std::max(row_max(row, v.valid), std::numeric_limits<T>::lowest());
-    const bool holds = v.holds(targets[n]);
-    rowmax[n] = mx;
-    target_logit[n] = holds ? row[targets[n] - v.start] : T(0);
+    row_max_and_target(row, targets[n], v, rowmax[n], target_logit[n]);
     if constexpr (std::is_same_v<T, float>) {
-      sumexp[n] = exp_shifted(row, v.valid, mx);  // the exponentials in place of the logits
+      sumexp[n] = exp_shifted(row, v.valid, rowmax[n]);  // the exponentials over the logits
       const T inv = T(1) / sumexp[n];
 #pragma omp simd
       for (int i = 0; i < v.valid; i++) row[i] = row[i] * inv * d;
-    } else {  // fp64 (finite differences): the two passes' loops, libm's exp summed in order
-      sumexp[n] = sum_exp_shifted(row, v.valid, mx);
-      const T inv = T(1) / sumexp[n];
-#pragma omp simd
-      for (int i = 0; i < v.valid; i++) row[i] = fast_exp(row[i] - mx) * inv * d;
+      finish_gradients(row, targets[n], d, v);
+    } else {  // fp64 (finite differences): the two passes' rows, libm's exp summed in order
+      sumexp[n] = sum_exp_shifted(row, v.valid, rowmax[n]);
+      gradients_from_logits(row, rowmax[n], sumexp[n], targets[n], d, v);
     }
-    std::fill(row + v.valid, row + v.width, T(0));
-    if (holds) row[targets[n] - v.start] -= d;
   }
 }
 
